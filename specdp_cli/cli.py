@@ -1,0 +1,147 @@
+"""The `specdp` command line: thin wrappers that parse, call and print.
+
+Exit status everywhere: 0 success, 1 the configuration or the job failed, 2 usage errors,
+130 interrupted.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.console import Console
+
+from .config import Config, ConfigError, UsageError, load_config
+from .preflight import Report, run_preflight, schema_failure
+from .report_view import print_report, report_json
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Data-parallel speculative decoding on Hugging Face models.")
+validate_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Check before you launch.")
+app.add_typer(validate_app, name="validate")
+
+stdout = Console(soft_wrap=True)
+stderr = Console(stderr=True, soft_wrap=True)
+
+SetOpt = typer.Option(None, "--set", metavar="KEY=VALUE",
+                      help="Override a config value, e.g. --set speculative.num_speculative_tokens=3 (repeatable).")
+DpOpt = typer.Option(None, "--dp", min=1, help="Shortcut for --set parallel.data_parallel_size=N.")
+DeviceOpt = typer.Option(None, "--device", help="Shortcut for --set device=cpu|cuda|auto.")
+
+
+def overrides(sets: Optional[List[str]], dp: Optional[int] = None, device: Optional[str] = None, **extra) -> list[str]:
+    items = list(sets or [])
+    if dp is not None:
+        items.append(f"parallel.data_parallel_size={dp}")
+    if device is not None:
+        items.append(f"device={device}")
+    items += [f"{k}={v}" for k, v in extra.items() if v is not None]
+    return items
+
+
+def fail_usage(msg: str) -> None:
+    stderr.print("[bold red]usage error:[/] ", end="")
+    stderr.print(msg, markup=False, highlight=False)
+    raise typer.Exit(2)
+
+
+def preflight_or_exit(config_path: Path, items: list[str], as_json: bool = False,
+                      quiet_ok: bool = False) -> tuple[Config, Report]:
+    """Load + preflight; on errors print them and exit 1 (usage problems exit 2)."""
+    try:
+        cfg = load_config(config_path, items)
+    except UsageError as e:
+        fail_usage(str(e))
+    except ConfigError as e:
+        report = schema_failure(e.problems)
+        if as_json:
+            print(report_json(report))
+        else:
+            stderr.print("[bold red]configuration error[/] in " + str(config_path), highlight=False)
+            for p in e.problems:
+                stderr.print(f"  - {p}", markup=False, highlight=False)
+        raise typer.Exit(1)
+    report = run_preflight(cfg)
+    if as_json:
+        print(report_json(report))
+    elif not (quiet_ok and report.ok and not report.warnings):
+        print_report(report, stdout if not quiet_ok else stderr)
+    if not report.ok:
+        if quiet_ok:
+            stderr.print("[bold red]refusing to start[/]: fix the errors above (`specdp validate config` shows them).")
+        raise typer.Exit(1)
+    return cfg, report
+
+
+@validate_app.command("config")
+def validate_config(
+    config: Path = typer.Argument(..., help="Config file (.yaml, .yml or .toml)."),
+    set_: Optional[List[str]] = SetOpt,
+    dp: Optional[int] = DpOpt,
+    device: Optional[str] = DeviceOpt,
+    as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object on stdout."),
+) -> None:
+    """Check a configuration and its model directories without loading weights."""
+    preflight_or_exit(config, overrides(set_, dp, device), as_json=as_json)
+
+
+@app.command("generate")
+def generate(
+    config: Path = typer.Argument(..., help="Config file (.yaml, .yml or .toml)."),
+    input: Optional[Path] = typer.Option(None, "--input", "-i", help="Prompts: .jsonl/.json (one JSON object a line) or text (one prompt a line)."),
+    output: Path = typer.Option(..., "--output", "-o", help="Results, one JSON line per input, in input order."),
+    set_: Optional[List[str]] = SetOpt,
+    dp: Optional[int] = DpOpt,
+    device: Optional[str] = DeviceOpt,
+    summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
+    retry_errors: bool = typer.Option(False, "--retry-errors", help="On resume, serve again inputs whose earlier result was an error."),
+) -> None:
+    """Run an offline batch job over the data-parallel ranks (resumable: rerun the same command)."""
+    import time
+
+    t0 = time.time()
+    cfg, report = preflight_or_exit(config, overrides(set_, dp, device), quiet_ok=True)
+    if cfg.parallel.machine_rank == 0:
+        if input is None:
+            fail_usage("--input is required (on machine 0)")
+        if not input.is_file():
+            fail_usage(f"input file not found: {input}")
+    out = output.expanduser().resolve()
+    if not out.parent.is_dir():
+        fail_usage(f"the output's folder does not exist: {out.parent}")
+    if summary_json is not None and not summary_json.expanduser().resolve().parent.is_dir():
+        fail_usage(f"the summary's folder does not exist: {summary_json.parent}")
+    from .jobs.run_generate import JobFailed, print_summary, run_generate
+
+    try:
+        summary = run_generate(cfg, report.plan, str(input) if input else None, str(out), retry_errors, stderr)
+    except JobFailed as e:
+        stderr.print("[bold red]job failed[/]: ", end="")
+        stderr.print(str(e), markup=False, highlight=False)
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        stderr.print(f"interrupted; finished results are kept beside {out} — rerun the same command to resume")
+        raise typer.Exit(130)
+    if summary is None:
+        stderr.print("done (this machine's ranks finished; machine 0 writes the output and summary)")
+        return
+    summary["wall_s"] = time.time() - t0
+    print_summary(summary, stdout)
+    stdout.print(f"output: {out}")
+    if summary_json is not None:
+        with open(summary_json, "w") as fh:
+            json.dump(summary, fh, indent=1)
+
+
+def main() -> None:
+    try:
+        app(prog_name="specdp")
+    except KeyboardInterrupt:
+        stderr.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

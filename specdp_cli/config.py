@@ -1,0 +1,226 @@
+"""The configuration: a pydantic schema, YAML/TOML loading and `--set a.b=value` overrides.
+
+Paths written in a config file are relative to that file; paths given with `--set` are relative to
+the current directory. Every problem is raised as a `ConfigError` whose lines name the field path
+and what is allowed, so the CLI can print them without a traceback.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PATH_FIELDS = (("model",), ("tokenizer",), ("chat_template",), ("speculative", "model"))
+
+
+class ConfigError(Exception):
+    """A configuration the schema refuses; `.problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("; ".join(problems))
+        self.problems = problems
+
+
+class UsageError(Exception):
+    """A malformed command line (bad --set, unreadable file): exit status 2."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class SpeculativeConfig(_Strict):
+    method: Literal["draft_model", "ngram", "none"] = "draft_model"
+    model: Optional[str] = None
+    num_speculative_tokens: int = Field(4, ge=1, le=64)
+    max_model_len: Optional[int] = Field(None, ge=2)
+    prompt_lookup_min: int = Field(2, ge=1)
+    prompt_lookup_max: int = Field(4, ge=1)
+    policy: Literal["auto", "skip", "dummy"] = "auto"
+
+    @model_validator(mode="after")
+    def _lookup_range(self):
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        return self
+
+
+class ParallelConfig(_Strict):
+    data_parallel_size: int = 1  # checked (>= 1, multiple of num_machines) by preflight, with a sentence
+    dp_sync: Literal["auto", "always", "never"] = "auto"
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    num_machines: int = Field(1, ge=1)
+    machine_rank: int = Field(0, ge=0)
+    main_process_ip: str = "127.0.0.1"
+    main_process_port: Optional[int] = Field(None, ge=1, le=65535)
+    collective_timeout_s: float = Field(120.0, gt=0)
+    check_collectives: bool = False
+
+    @model_validator(mode="after")
+    def _machines(self):
+        if self.machine_rank >= self.num_machines:
+            raise ValueError(f"machine_rank ({self.machine_rank}) must be below num_machines ({self.num_machines})")
+        if self.num_machines > 1 and self.main_process_port is None:
+            raise ValueError("main_process_port is required when num_machines > 1 "
+                             "(every machine must name the same port)")
+        return self
+
+
+class SchedulerConfig(_Strict):
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)
+
+
+class SamplingConfig(_Strict):
+    max_tokens: int = Field(128, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    max_queue: int = Field(256, ge=1)
+
+
+class Config(_Strict):
+    model: str
+    tokenizer: Optional[str] = None
+    chat_template: Optional[str] = None
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int = Field(4096, ge=2)
+    seed: int = 0
+    speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+def read_config_file(path: str | os.PathLike) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file not found: {p}")
+    text = p.read_text(encoding="utf-8")
+    try:
+        if p.suffix.lower() == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib
+            data = tomllib.loads(text)
+        else:
+            data = yaml.safe_load(text)
+    except Exception as e:  # noqa: BLE001 - any parser error is the user's file
+        raise ConfigError([f"{p}: cannot parse: {e}"]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{p}: the top level must be a mapping of keys to values"])
+    _resolve_paths(data, p.resolve().parent)
+    return data
+
+
+def parse_set(item: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (["a", "b"], value), the value parsed as a YAML scalar."""
+    key, sep, raw = item.partition("=")
+    keys = key.strip().split(".")
+    if not sep or not key.strip() or any(not k for k in keys):
+        raise UsageError(f"--set expects KEY=VALUE with a dotted key, e.g. --set parallel.data_parallel_size=2; got {item!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return keys, value
+
+
+def apply_overrides(data: dict, overrides: list[str], base_dir: Path | None = None) -> dict:
+    base_dir = base_dir or Path.cwd()
+    for item in overrides:
+        keys, value = parse_set(item)
+        node = data
+        for k in keys[:-1]:
+            if not isinstance(node.get(k), dict):
+                node[k] = {}
+            node = node[k]
+        node[keys[-1]] = value
+        if tuple(keys) in PATH_FIELDS:
+            _resolve_paths(data, base_dir, only=tuple(keys))
+    return data
+
+
+def _looks_like_template(value: str) -> bool:
+    return "{{" in value or "{%" in value
+
+
+def _resolve_paths(data: dict, base: Path, only: tuple[str, ...] | None = None) -> None:
+    for keys in PATH_FIELDS:
+        if only is not None and keys != only:
+            continue
+        node = data
+        for k in keys[:-1]:
+            node = node.get(k) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            continue
+        value = node.get(keys[-1])
+        if not isinstance(value, str) or not value:
+            continue
+        if keys == ("chat_template",) and _looks_like_template(value):
+            continue
+        node[keys[-1]] = str((base / os.path.expanduser(value)).resolve())
+
+
+def validate(data: dict) -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError([_describe(err) for err in e.errors()]) from None
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> Config:
+    data = read_config_file(path)
+    apply_overrides(data, overrides or [])
+    return validate(data)
+
+
+def _describe(err: dict) -> str:
+    loc = ".".join(str(x) for x in err.get("loc", ())) or "(top level)"
+    kind = err.get("type", "")
+    if kind == "extra_forbidden":
+        parent = _model_at(err["loc"][:-1])
+        allowed = ", ".join(parent.model_fields) if parent else ""
+        return f"{loc}: unknown key (allowed here: {allowed})"
+    if kind == "missing":
+        return f"{loc}: required, but not given"
+    msg = err.get("msg", "invalid")
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    given = err.get("input")
+    if kind not in ("model_type",) and not isinstance(given, (dict, list)):
+        return f"{loc}: {msg} (got {given!r})"
+    return f"{loc}: {msg}"
+
+
+def _model_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] = Config
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return None
+        model = field.annotation
+    return model

@@ -1,0 +1,96 @@
+"""`specdp generate`: an offline batch job over N data-parallel ranks.
+
+Rank side (`run_rank`): gather earlier results, split the remaining inputs over the ranks, serve
+them, append each finished result to this rank's part file, and bring every result to rank 0,
+which writes the output in input order.
+
+Splitting rule (deterministic, so a test knows which rank gets what): inputs are taken by cost
+(prompt tokens + max_tokens), largest first, ties in input order; each goes to the rank with the
+least cost so far, ties to the lower rank. Within a rank, inputs are served in input order.
+"""
+from __future__ import annotations
+
+from ..runtime.sampling import SamplingParams
+from .inputs import JobRequest, id_key
+from .results import (PartWriter, error_record, load_prior, part_path, remove_parts, success_record,
+                      summarize, write_output)
+
+
+def assign_shards(requests: list[JobRequest], world: int) -> list[list[JobRequest]]:
+    load = [0] * world
+    shards: list[list[JobRequest]] = [[] for _ in range(world)]
+    for req in sorted(requests, key=lambda r: (-r.cost, r.line)):
+        r = min(range(world), key=lambda w: (load[w], w))
+        shards[r].append(req)
+        load[r] += req.cost
+    for s in shards:
+        s.sort(key=lambda q: q.line)
+    return shards
+
+
+def sampling_params(req: JobRequest) -> SamplingParams:
+    p = req.params
+    return SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p["top_p"],
+                          top_k=p["top_k"], stop=list(p["stop"]))
+
+
+def serve_requests(engine, dp, requests: list[JobRequest], writer: PartWriter, on_result=None) -> list[dict]:
+    """Run this rank's requests to the end. In lockstep every rank keeps stepping (over padding
+    batches once its own work is done) until the end-of-step vote says no rank has work left."""
+    for r in requests:
+        engine.add_request(engine.make_request(r.id, r.prompt_ids, sampling_params(r), r.params.get("seed")))
+    records: list[dict] = []
+    while dp.lockstep or engine.has_work:
+        for out in engine.step():
+            if out.finished:
+                rec = success_record(out.seq, engine.output.text(out.seq))
+                writer.write(rec)
+                records.append(rec)
+                if on_result:
+                    on_result(rec)
+        if dp.lockstep and not dp.vote(engine.has_work, engine.step_no):
+            break
+    return records
+
+
+def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequest] | None,
+             local_leader: bool, on_result=None) -> dict | None:
+    """The generate job on one rank; returns the summary on rank 0 (None elsewhere)."""
+    prior = load_prior(output, retry_errors) if local_leader else {}
+    priors = dp.gather_objects(prior, "gathering earlier results")
+    shards = errors_now = done = None
+    if dp.rank == 0:
+        done = {}
+        for p in priors:
+            done.update(p)
+        errors_now = [r for r in requests if r.error and r.key not in done]
+        todo = [r for r in requests if not r.error and r.key not in done]
+        shards = assign_shards(todo, dp.world)
+    mine = dp.scatter_objects(shards, "sending inputs")
+
+    writer = PartWriter(part_path(output, dp.rank))
+    try:
+        if dp.rank == 0:
+            for r in errors_now:
+                rec = error_record(r)
+                writer.write(rec)
+                if on_result:
+                    on_result(rec)
+        records = serve_requests(engine, dp, mine, writer, on_result)
+    finally:
+        writer.close()
+    if not dp.lockstep:
+        dp.wait_for_all("waiting for the other ranks to finish")
+    gathered = dp.gather_objects((records, engine.counters.report(dp.rank, len(mine))), "gathering results")
+
+    summary = None
+    if dp.rank == 0:
+        new_records = [error_record(r) for r in errors_now] + [rec for recs, _ in gathered for rec in recs]
+        merged = dict(done)
+        merged.update({id_key(rec["id"]): rec for rec in new_records})
+        write_output(output, requests, merged)
+        summary = summarize([rep for _, rep in gathered], new_records, None)
+    dp.wait_for_all("output written")
+    if local_leader:
+        remove_parts(output)
+    return summary

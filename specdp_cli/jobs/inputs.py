@@ -1,0 +1,141 @@
+"""Reading a job's input file into requests (in the CLI process, before anything is launched).
+
+`.jsonl` / `.json`: one JSON object a line, `{"prompt": ...}` or `{"messages": [...]}`, with optional
+`id`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`; other keys are ignored. Anything
+else: plain text, one prompt a line. Blank lines are skipped. A line without `id` gets its 1-based
+line number. A line that cannot be served becomes an error record; duplicate ids refuse the job.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import Config
+from ..prompts import PromptEncoder, PromptError
+
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+class InputError(ValueError):
+    """The input file cannot be used at all (unreadable, duplicate ids)."""
+
+
+@dataclass
+class JobRequest:
+    id: Any
+    line: int
+    prompt_ids: list[int] = field(default_factory=list)
+    params: dict = field(default_factory=dict)   # max_tokens, temperature, top_p, top_k, seed, stop
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        return id_key(self.id)
+
+    @property
+    def cost(self) -> int:
+        return len(self.prompt_ids) + int(self.params.get("max_tokens", 0))
+
+
+def id_key(value: Any) -> str:
+    """A hashable, type-preserving key for an id (1 and "1" stay different)."""
+    return json.dumps(value)
+
+
+def check_params(raw: dict, defaults: dict) -> dict:
+    """Per-request sampling values over the config's defaults; raises ValueError with a sentence."""
+    p = dict(defaults)
+    p.setdefault("seed", None)
+    p.setdefault("stop", [])
+    for key in SAMPLING_KEYS:
+        if key not in raw or raw[key] is None:
+            continue
+        v = raw[key]
+        if key in ("max_tokens", "top_k", "seed"):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{key} must be an integer (got {v!r})")
+            if key == "max_tokens" and v < 1:
+                raise ValueError(f"max_tokens must be >= 1 (got {v})")
+            if key == "top_k" and v < 0:
+                raise ValueError(f"top_k must be >= 0 (got {v})")
+        elif key in ("temperature", "top_p"):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise ValueError(f"{key} must be a number (got {v!r})")
+            v = float(v)
+            if key == "temperature" and v < 0:
+                raise ValueError(f"temperature must be >= 0 (got {v})")
+            if key == "top_p" and not 0 < v <= 1:
+                raise ValueError(f"top_p must be in (0, 1] (got {v})")
+        elif key == "stop":
+            v = [v] if isinstance(v, str) else v
+            if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+                raise ValueError("stop must be a non-empty string or a list of them")
+        p[key] = v
+    return p
+
+
+def sampling_defaults(cfg: Config) -> dict:
+    s = cfg.sampling
+    return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+            "seed": None, "stop": []}
+
+
+def read_inputs(path: str, cfg: Config, encoder: PromptEncoder) -> list[JobRequest]:
+    jsonl = path.lower().endswith((".jsonl", ".json"))
+    defaults = sampling_defaults(cfg)
+    M = cfg.max_model_len
+    out: list[JobRequest] = []
+    seen: dict[str, int] = {}
+    try:
+        fh = open(path, encoding="utf-8")
+    except OSError as e:
+        raise InputError(f"cannot read input file {path}: {e.strerror}") from None
+    with fh:
+        for n, line in enumerate(fh, start=1):
+            text = line.rstrip("\n").rstrip("\r")
+            if not text.strip():
+                continue
+            req = _parse_line(text, n, jsonl, defaults, encoder)
+            if req.key in seen:
+                raise InputError(f"{path}: duplicate id {req.id!r} on lines {seen[req.key]} and {n}; "
+                                 f"ids must be unique (a line without id gets its line number)")
+            seen[req.key] = n
+            if req.error is None and len(req.prompt_ids) >= M:
+                req.error = (f"prompt has {len(req.prompt_ids)} tokens, but max_model_len is {M}: "
+                             f"shorten the prompt or raise max_model_len")
+            out.append(req)
+    return out
+
+
+def _parse_line(text: str, n: int, jsonl: bool, defaults: dict, encoder: PromptEncoder) -> JobRequest:
+    if not jsonl:
+        req = JobRequest(id=n, line=n, params=dict(defaults))
+        try:
+            req.prompt_ids = encoder.encode_text(text)
+        except PromptError as e:
+            req.error = str(e)
+        return req
+    try:
+        obj = json.loads(text)
+    except ValueError as e:
+        return JobRequest(id=n, line=n, error=f"line {n} is not valid JSON: {e}")
+    if not isinstance(obj, dict):
+        return JobRequest(id=n, line=n, error=f"line {n} must be a JSON object with \"prompt\" or \"messages\"")
+    rid = obj.get("id", n)
+    if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+        return JobRequest(id=n, line=n, error=f"line {n}: id must be a string or an integer (got {rid!r})")
+    req = JobRequest(id=rid, line=n)
+    try:
+        req.params = check_params(obj, defaults)
+        if "prompt" in obj:
+            req.prompt_ids = encoder.encode_text(obj["prompt"])
+        elif "messages" in obj:
+            req.prompt_ids = encoder.encode_chat(obj["messages"])
+        else:
+            raise ValueError("needs \"prompt\" (a string) or \"messages\" (a list of chat messages)")
+        if not req.prompt_ids:
+            raise ValueError("the prompt is empty")
+    except (ValueError, PromptError) as e:
+        req.error = f"line {n}: {e}"
+    return req

@@ -1,0 +1,134 @@
+"""Job results on disk: per-rank part files (resumable), the merged output, and the summary.
+
+Each rank appends every finished result to `OUTPUT.rank{r}.part` as one whole JSON line. A rerun
+of the same command reads `OUTPUT` and the part files beside it and serves only what is missing
+(error records count as done unless retried); a torn last line is ignored. The merged `OUTPUT` is
+written in input order by rank 0 and replaces the part files.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+from ..runtime.scheduler import Sequence, SpecStats
+from .inputs import JobRequest, id_key
+
+
+def part_path(output: str, rank: int) -> str:
+    return f"{output}.rank{rank}.part"
+
+
+def part_files(output: str) -> list[str]:
+    return sorted(glob.glob(glob.escape(output) + ".rank*.part"))
+
+
+class PartWriter:
+    def __init__(self, path: str):
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, record: dict) -> None:
+        # one write() of one whole line: a crash leaves at most a torn last line, never a mixed one
+        os.write(self._fd, (json.dumps(record) + "\n").encode())
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read_records(path: str) -> list[dict]:
+    out = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue            # a torn line (the job died while writing it)
+                if isinstance(rec, dict) and "id" in rec:
+                    out.append(rec)
+    except OSError:
+        pass
+    return out
+
+
+def load_prior(output: str, retry_errors: bool) -> dict[str, dict]:
+    """Results of earlier runs on this machine: OUTPUT and its part files, by id key."""
+    prior: dict[str, dict] = {}
+    for path in [output] + part_files(output):
+        for rec in read_records(path):
+            if retry_errors and "error" in rec:
+                continue
+            prior.setdefault(id_key(rec["id"]), rec)
+    return prior
+
+
+def success_record(seq: Sequence, text: str) -> dict:
+    s = seq.stats
+    return {
+        "id": seq.req.id,
+        "text": text,
+        "token_ids": seq.generated,
+        "finish_reason": "stop" if seq.finish_reason == "stop" else "length",
+        "prompt_tokens": seq.num_prompt,
+        "completion_tokens": len(seq.generated),
+        "spec": {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                 "num_accepted_tokens": s.num_accepted_tokens},
+    }
+
+
+def error_record(req: JobRequest) -> dict:
+    return {"id": req.id, "error": req.error}
+
+
+def write_output(output: str, requests: list[JobRequest], records: dict[str, dict]) -> int:
+    """Write OUTPUT in input order, atomically; returns how many lines were written."""
+    tmp = output + ".tmp"
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as fh:
+        for req in requests:
+            rec = records.get(req.key)
+            if rec is not None:
+                fh.write(json.dumps(rec) + "\n")
+                n += 1
+    os.replace(tmp, output)
+    return n
+
+
+def remove_parts(output: str) -> None:
+    for p in part_files(output):
+        try:
+            os.remove(p)
+        except OSError:
+            pass
+
+
+def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float | None) -> dict[str, Any]:
+    """The summary of one run from every rank's report (see `rank_report`)."""
+    stats = SpecStats()
+    for rep in rank_reports:
+        stats.merge(SpecStats(**rep["spec"]))
+    starts = [r["first_step_t"] for r in rank_reports if r["first_step_t"] is not None]
+    ends = [r["last_step_t"] for r in rank_reports if r["last_step_t"] is not None]
+    engine_s = (max(ends) - min(starts)) if starts and ends else 0.0
+    generated = sum(r["generated_tokens"] for r in rank_reports)
+    errors = sum(1 for r in new_records if "error" in r)
+    nd = stats.num_drafts
+    return {
+        "requests": len(new_records),
+        "errors": errors,
+        "prompt_tokens": sum(r.get("prompt_tokens", 0) for r in new_records if "error" not in r),
+        "generated_tokens": generated,
+        "wall_s": wall_s,
+        "engine_s": engine_s,
+        "tok_s": generated / engine_s if engine_s > 0 else None,
+        "num_drafts": nd,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens,
+        "acceptance_rate": stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else None,
+        "mean_acceptance_length": 1 + stats.num_accepted_tokens / nd if nd else None,
+        "accepted_per_position": [a / nd for a in stats.accepted_per_pos] if nd else [],
+        "ranks": [{k: r[k] for k in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps",
+                                     "generated_tokens")} for r in rank_reports],
+    }

@@ -1,0 +1,172 @@
+"""`specdp generate` as the CLI process runs it: read the inputs, run the ranks (in this process for
+one rank, through accelerate for several), show progress, print and write the summary."""
+from __future__ import annotations
+
+import json
+import os
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ..config import Config
+from ..launch import Ranks, RunDir, threads_per_rank
+from ..modeldir import load_tokenizer
+from ..preflight import Plan
+from ..prompts import PromptEncoder
+from ..runtime.faults import FaultSpecError, Faults
+from .inputs import InputError, JobRequest, id_key, read_inputs
+from .results import load_prior, part_files
+
+
+class JobFailed(Exception):
+    pass
+
+
+class PartFollower:
+    """Counts finished results by reading the part files' new whole lines as they grow."""
+
+    def __init__(self, output: str, known: set[str]):
+        self.output = output
+        self.done = set(known)
+        self.offsets: dict[str, int] = {}
+
+    def poll(self) -> int:
+        for path in part_files(self.output):
+            try:
+                with open(path, "rb") as fh:
+                    fh.seek(self.offsets.get(path, 0))
+                    data = fh.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n") + 1
+            self.offsets[path] = self.offsets.get(path, 0) + end
+            for line in data[:end].splitlines():
+                try:
+                    self.done.add(id_key(json.loads(line)["id"]))
+                except (ValueError, KeyError, TypeError):
+                    pass
+        return len(self.done)
+
+
+def make_progress(console: Console) -> Progress:
+    return Progress(TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False)
+
+
+def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, retry_errors: bool,
+                 err: Console) -> dict | None:
+    """Run the job; returns the summary (on machine 0), raises JobFailed with a sentence."""
+    world = cfg.parallel.data_parallel_size
+    try:
+        faults = Faults.from_env(world)
+    except FaultSpecError as e:
+        raise JobFailed(str(e)) from None
+    leader = cfg.parallel.machine_rank == 0
+    requests: list[JobRequest] = []
+    if leader:
+        if not input_path:
+            raise JobFailed("--input is required on machine 0")
+        encoder = PromptEncoder(load_tokenizer(cfg.tokenizer_path), cfg.chat_template)
+        try:
+            requests = read_inputs(input_path, cfg, encoder)
+        except InputError as e:
+            raise JobFailed(str(e)) from None
+    prior = load_prior(output, retry_errors)
+    keys = {r.key for r in requests}
+    already = {k for k in prior if k in keys}
+    if already:
+        err.print(f"resuming: {len(already)} of {len(requests)} inputs are already done in {output} or its part files")
+
+    with make_progress(err) as progress:
+        task = progress.add_task("generate", total=len(requests) if leader else None, completed=len(already))
+        if world == 1:
+            return _in_process(cfg, plan, faults, output, retry_errors, requests,
+                               lambda rec: progress.advance(task))
+        follower = PartFollower(output, already)
+
+        def tick() -> None:
+            follower.poll()
+            progress.update(task, completed=len(follower.done & keys) if leader else len(follower.done))
+
+        summary = _launched(cfg, plan, output, retry_errors, requests, tick)
+        if leader:
+            progress.update(task, completed=len(requests))   # the part files are merged away by now
+        return summary
+
+
+def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result) -> dict:
+    import torch
+
+    from ..runtime.dist import DPGroup
+    from ..runtime.engine import Engine
+    from .generate import run_rank
+
+    class FaultExit(Exception):
+        pass
+
+    def fault_exit(code: int, message: str) -> None:
+        raise FaultExit(f"rank 0 exited with status {code} during step {engine.step_no} ({message})")
+
+    torch.set_num_threads(threads_per_rank(plan))
+    device = torch.device("cuda", 0) if plan.device == "cuda" else torch.device("cpu")
+    engine = Engine(cfg, plan, DPGroup.solo(), device, faults, on_fault_exit=fault_exit)
+    try:
+        return run_rank(engine, engine.dp, output, retry_errors, requests, True, on_result)
+    except FaultExit as e:
+        raise JobFailed(f"{e}; finished results are kept in {output}.rank0.part — rerun to resume") from None
+
+
+def _launched(cfg, plan, output, retry_errors, requests, on_tick) -> dict | None:
+    run_dir = RunDir()
+    run_dir.write_job(cfg, plan, "generate", threads_per_rank(plan), output=output, retry_errors=retry_errors)
+    if cfg.parallel.machine_rank == 0:
+        run_dir.write_payload(requests)
+    ranks = Ranks(cfg, plan, run_dir)
+    ranks.start()
+    rc = ranks.wait(on_tick)
+    on_tick()
+    if rc in (130, 143):
+        raise KeyboardInterrupt
+    if rc != 0:
+        msg = ranks.failure_message()
+        tail = ranks.log_tail() if "did not start" in msg or "launcher failed" in msg else ""
+        raise JobFailed(msg + (f"\n--- last lines of {ranks.log_path} ---\n{tail}" if tail else "")
+                        + f"\nfinished results are kept in the part files beside {output}; rerun the same command "
+                          f"to resume (logs: {run_dir.path})")
+    summary = None
+    path = run_dir.file("summary.json")
+    if os.path.isfile(path):
+        with open(path) as fh:
+            summary = json.load(fh)
+    run_dir.cleanup()
+    return summary
+
+
+def print_summary(summary: dict, console: Console) -> None:
+    t = Table(title="specdp generate", show_header=False)
+    t.add_column("what", style="bold")
+    t.add_column("value")
+
+    def f(v, fmt="{:.3f}"):
+        return "-" if v is None else (fmt.format(v) if isinstance(v, float) else str(v))
+
+    rows = [("requests", summary["requests"]), ("errors", summary["errors"]),
+            ("prompt tokens", summary["prompt_tokens"]), ("generated tokens", summary["generated_tokens"]),
+            ("wall time (s)", f(summary["wall_s"], "{:.2f}")), ("engine time (s)", f(summary["engine_s"], "{:.2f}")),
+            ("tokens / s", f(summary["tok_s"], "{:.1f}")), ("drafts", summary["num_drafts"]),
+            ("draft tokens", summary["num_draft_tokens"]), ("accepted tokens", summary["num_accepted_tokens"]),
+            ("acceptance rate", f(summary["acceptance_rate"])),
+            ("mean acceptance length", f(summary["mean_acceptance_length"])),
+            ("accepted per position", ", ".join(f"{a:.2f}" for a in summary["accepted_per_position"]) or "-")]
+    for k, v in rows:
+        t.add_row(k, str(v))
+    console.print(t)
+    if len(summary["ranks"]) > 1 or summary["ranks"][0]["padding_steps"]:
+        rt = Table(title="ranks")
+        for col in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps", "generated_tokens"):
+            rt.add_column(col.replace("_", " "), justify="right")
+        for r in summary["ranks"]:
+            rt.add_row(*(str(r[c]) for c in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps",
+                                              "generated_tokens")))
+        console.print(rt)

@@ -1,0 +1,213 @@
+"""Starting the ranks of this machine with `accelerate launch`, watching them, and turning a
+failure into a sentence that names the rank and the phase.
+
+The CLI process is the parent. It writes the job into a run directory, starts accelerate (which
+starts one process per rank), follows the ranks' status files, and on Ctrl-C / SIGTERM stops them
+all. accelerate exits 1 whatever went wrong in a rank, so each rank leaves its own exit record
+(runtime/status.py) and this module reads those to explain what happened.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+
+import yaml
+
+from .config import Config
+from .preflight import Plan
+from .runtime.status import read_states
+
+GRACE_S = 10.0
+
+
+class RunDir:
+    """The files shared by the parent and the ranks of this machine."""
+
+    def __init__(self, path: str | None = None):
+        self.path = path or tempfile.mkdtemp(prefix="specdp-run-")
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+    def write_job(self, cfg: Config, plan: Plan, mode: str, threads: int, **extra) -> None:
+        job = {"config": cfg.model_dump(), "plan": asdict(plan), "mode": mode, "threads": threads,
+               "parent_pid": os.getpid(), **extra}
+        with open(self.file("job.json"), "w") as fh:
+            json.dump(job, fh)
+
+    def write_payload(self, obj) -> None:
+        with open(self.file("payload.pkl"), "wb") as fh:
+            pickle.dump(obj, fh)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def threads_per_rank(plan: Plan) -> int:
+    if plan.device == "cuda":
+        return 1 if plan.ranks_per_machine > 1 else 4
+    return max(1, (os.cpu_count() or 1) // plan.ranks_per_machine)
+
+
+def accelerate_command(cfg: Config, plan: Plan, run_dir: RunDir, port: int) -> list[str]:
+    par = cfg.parallel
+    world = par.data_parallel_size
+    # every option is given, in a config file of our own too, so a default accelerate config in
+    # the user's home cannot change how ranks start
+    acc = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "mixed_precision": "no",
+           "num_machines": par.num_machines, "num_processes": world, "machine_rank": par.machine_rank,
+           "main_process_ip": par.main_process_ip, "main_process_port": port, "rdzv_backend": "static",
+           "same_network": True, "use_cpu": False, "gpu_ids": "all", "dynamo_config": {}, "debug": False}
+    cfg_file = run_dir.file("accelerate.yaml")
+    with open(cfg_file, "w") as fh:
+        yaml.safe_dump(acc, fh)
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", cfg_file,
+            "--multi_gpu", "--num_processes", str(world), "--num_machines", str(par.num_machines),
+            "--machine_rank", str(par.machine_rank), "--main_process_ip", par.main_process_ip,
+            "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
+            "--rdzv_backend", "static", "--same_network", "--monitor_interval", "0.2",
+            "--num_cpu_threads_per_process", str(threads_per_rank(plan)),
+            "-m", "specdp_cli.runtime.rank_main", run_dir.path]
+
+
+def rank_env(cfg: Config, plan: Plan) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+                "TOKENIZERS_PARALLELISM": "false", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+    ip = cfg.parallel.main_process_ip
+    if plan.backend == "gloo" and (ip.startswith("127.") or ip == "localhost"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return env
+
+
+class RankFailure(Exception):
+    """The ranks ended badly; the message names the rank(s) and phase(s)."""
+
+
+class Ranks:
+    """The ranks of this machine, started through accelerate, watched by the parent."""
+
+    def __init__(self, cfg: Config, plan: Plan, run_dir: RunDir):
+        self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
+        par = cfg.parallel
+        first = par.machine_rank * plan.ranks_per_machine
+        self.local_ranks = range(first, first + plan.ranks_per_machine)
+        self.proc: subprocess.Popen | None = None
+        self.log_path = run_dir.file("ranks.log")
+        self.port = par.main_process_port or 0
+        self.interrupted: int | None = None
+
+    def start(self) -> None:
+        cmd = accelerate_command(self.cfg, self.plan, self.run_dir, self.port)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, env=rank_env(self.cfg, self.plan), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    def states(self):
+        return read_states(self.run_dir.path, self.local_ranks)
+
+    def any_failed(self) -> bool:
+        return any(s.exit and s.exit.get("kind") != "ok" for s in self.states())
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop accelerate and every rank (ranks run in sessions of their own, so by pid too)."""
+        if self.proc and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        for s in self.states():
+            if s.pid and (s.exit is None):
+                try:
+                    os.kill(s.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def wait(self, on_tick=None, tick_s: float = 0.25) -> int:
+        """Wait for the launcher; returns its status. Ctrl-C / SIGTERM stop everything.
+        Once one rank has failed, the rest get `collective_timeout_s` + 20 s to end by themselves."""
+        def handler(signum, _frame):
+            self.interrupted = signum
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        failed_at = None
+        try:
+            while True:
+                rc = self.poll()
+                if on_tick:
+                    on_tick()
+                if rc is not None:
+                    return rc
+                if self.interrupted is not None:
+                    self._terminate()
+                    return 130 if self.interrupted == signal.SIGINT else 143
+                if failed_at is None and self.any_failed():
+                    failed_at = time.monotonic()
+                if failed_at is not None and time.monotonic() - failed_at > self.cfg.parallel.collective_timeout_s + 20:
+                    self._terminate()
+                    return 1
+                time.sleep(tick_s)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _terminate(self) -> None:
+        self.stop(signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.stop(signal.SIGKILL)
+        if self.proc:
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def failure_message(self) -> str:
+        states = self.states()
+        recs = {s.rank: s.exit for s in states if s.exit}
+        for rec in recs.values():
+            if rec.get("kind") == "out-of-step":
+                return rec["message"]
+        lines = []
+        for s in states:
+            rec = s.exit
+            if rec is None:
+                if s.pid is None:
+                    lines.append(f"rank {s.rank} did not start (see the log below)")
+                else:
+                    lines.append(f"rank {s.rank} died during {s.where} without an exit record "
+                                 f"(killed by a signal, e.g. out of memory?)")
+            elif rec["kind"] == "fault":
+                lines.append(f"rank {s.rank} exited with status {rec['code']} during {s.where} ({rec['message']})")
+            elif rec["kind"] == "error":
+                lines.append(f"rank {s.rank} failed during {s.where}: {rec['message']}")
+        culprits = bool(lines)
+        for s in states:
+            rec = s.exit
+            if rec and rec["kind"] == "peer-lost":
+                lines.append(f"rank {s.rank} stopped: {rec['message']}")
+            elif rec and rec["kind"] == "terminated" and culprits:
+                lines.append(f"rank {s.rank} was stopped at {s.where}")
+        if not lines:
+            lines.append("the launcher failed before the ranks reported anything")
+        return "\n".join(lines)
+
+    def log_tail(self, n: int = 30) -> str:
+        try:
+            with open(self.log_path, errors="replace") as fh:
+                return "".join(fh.readlines()[-n:])
+        except OSError:
+            return ""

@@ -1,0 +1,126 @@
+"""What a local Hugging Face model directory says about itself, read without loading weights."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+from functools import cached_property
+
+MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+class ModelDirError(Exception):
+    pass
+
+
+@dataclass
+class ModelDir:
+    path: str
+    config: dict
+
+    @classmethod
+    def open(cls, path: str, role: str) -> "ModelDir":
+        if not path:
+            raise ModelDirError(f"no {role} directory is set")
+        if not os.path.isdir(path):
+            raise ModelDirError(f"{role} directory not found: {path} (give a local Hugging Face model directory)")
+        cfg_path = os.path.join(path, "config.json")
+        if not os.path.isfile(cfg_path):
+            raise ModelDirError(f"{role} directory {path} has no config.json (is it a Hugging Face model directory?)")
+        try:
+            with open(cfg_path, encoding="utf-8") as fh:
+                config = json.load(fh)
+        except (OSError, ValueError) as e:
+            raise ModelDirError(f"{role} config {cfg_path} cannot be read: {e}") from None
+        if not isinstance(config, dict):
+            raise ModelDirError(f"{role} config {cfg_path} is not a JSON object")
+        # multimodal wrappers keep the language model's settings in text_config
+        text = config.get("text_config")
+        if isinstance(text, dict):
+            config = {**config, **text}
+        return cls(path=path, config=config)
+
+    def get(self, key: str, default=None):
+        return self.config.get(key, default)
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(os.path.normpath(self.path))
+
+    @property
+    def max_position_embeddings(self) -> int | None:
+        v = self.get("max_position_embeddings") or self.get("n_positions") or self.get("max_sequence_length")
+        return int(v) if v else None
+
+    @property
+    def rope_scaling(self) -> dict | None:
+        """A rope-scaling setting that stretches the trained context (None for plain RoPE)."""
+        for key in ("rope_scaling", "rope_parameters"):
+            v = self.get(key)
+            if isinstance(v, dict):
+                kind = v.get("rope_type") or v.get("type")
+                if kind and kind != "default":
+                    return v
+        return None
+
+    @property
+    def is_moe(self) -> bool:
+        return any(isinstance(self.get(k), int) and self.get(k) > 1 for k in MOE_KEYS)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.get("vocab_size")
+
+    @property
+    def stored_dtype(self) -> str:
+        return str(self.get("dtype") or self.get("torch_dtype") or "float32")
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.get("num_hidden_layers") or self.get("n_layer") or 0)
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.get("num_key_value_heads") or self.get("num_attention_heads") or 0)
+
+    @property
+    def head_dim(self) -> int:
+        hd = self.get("head_dim")
+        if hd:
+            return int(hd)
+        heads = self.get("num_attention_heads") or 1
+        return int(self.get("hidden_size", 0)) // int(heads)
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * DTYPE_BYTES.get(dtype, 4)
+
+    @cached_property
+    def weight_files(self) -> list[str]:
+        files = glob.glob(os.path.join(self.path, "*.safetensors"))
+        return files or glob.glob(os.path.join(self.path, "*.bin"))
+
+    def weight_bytes(self, dtype: str) -> int:
+        """Bytes of the weights once loaded in `dtype` (files on disk, rescaled from their stored dtype)."""
+        on_disk = sum(os.path.getsize(f) for f in self.weight_files)
+        stored = DTYPE_BYTES.get(self.stored_dtype, 4)
+        return on_disk * DTYPE_BYTES.get(dtype, 4) // stored
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of a local directory (no network: the path must be a directory)."""
+    if not os.path.isdir(path):
+        raise ModelDirError(f"tokenizer directory not found: {path}")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 - any failure here is a property of the user's files
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelDirError(f"tokenizer in {path} cannot be loaded: {first}") from None
+
+
+def has_tokenizer_files(path: str) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any(os.path.isfile(os.path.join(path, n)) for n in names)

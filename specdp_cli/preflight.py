@@ -1,0 +1,359 @@
+"""Preflight: check a configuration and its model directories (no weights loaded), resolve the
+settings left on `auto`, and choose the skip / dummy policy.
+
+The result is a `Report`: one row per check (ok / warn / error) plus the resolved `Plan` that the
+launcher and the ranks read instead of re-deriving anything. Definitions (M, k, D, the no-draft
+window, lockstep) follow the contract in DESIGN.md.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from .config import Config
+from .modeldir import ModelDir, ModelDirError, has_tokenizer_files, load_tokenizer
+
+STATUS_ORDER = {"ok": 0, "warn": 1, "error": 2}
+
+
+@dataclass
+class Plan:
+    """Everything preflight resolved. Passed down to the launcher and every rank."""
+    device: str = "cpu"                      # cpu | cuda
+    dtype: str = "float32"
+    backend: str = "gloo"                    # gloo | nccl
+    dp_sync: Optional[str] = None            # always | never
+    policy: Optional[str] = None             # skip | dummy | None (method none)
+    drafter_max_model_len: Optional[int] = None   # D
+    no_draft_window: Optional[list[int]] = None   # [D - k + 1, M - 1]
+    ranks_per_machine: int = 1
+    model_name: str = ""
+
+    @property
+    def lockstep(self) -> bool:
+        return self.dp_sync == "always"
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+
+
+@dataclass
+class Report:
+    checks: list[Check] = field(default_factory=list)
+    plan: Plan = field(default_factory=Plan)
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def add(self, name: str, findings: list[tuple[str, str]]) -> None:
+        """Record a check from its findings [(status, sentence)]; the row shows the worst status."""
+        status = max((s for s, _ in findings), key=STATUS_ORDER.__getitem__, default="ok")
+        self.checks.append(Check(name, status, " ".join(msg for _, msg in findings)))
+        for s, msg in findings:
+            if s == "error":
+                self.errors.append(f"{name}: {msg}")
+            elif s == "warn":
+                self.warnings.append(f"{name}: {msg}")
+
+    def to_json(self) -> dict:
+        p = self.plan
+        return {
+            "ok": self.ok,
+            "policy": p.policy,
+            "dp_sync": p.dp_sync,
+            "drafter_max_model_len": p.drafter_max_model_len,
+            "no_draft_window": p.no_draft_window,
+            "checks": [asdict(c) for c in self.checks],
+            "errors": list(self.errors),
+            "warnings": list(self.warnings),
+        }
+
+
+def schema_failure(problems: list[str]) -> Report:
+    r = Report(plan=Plan(dtype="", backend="", device=""))
+    r.add("schema", [("error", p) for p in problems])
+    return r
+
+
+# ---------------------------------------------------------------------------------------------
+# the hooks that tests replace
+
+def cuda_device_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_free_bytes(device: str) -> Optional[int]:
+    """Free memory of one device; None on CPU (there the memory check reports the estimate only)."""
+    if device != "cuda":
+        return None
+    import torch
+    if not torch.cuda.is_available():
+        return None     # the parallel check already reports the missing GPU
+    free, _total = torch.cuda.mem_get_info(0)
+    return int(free)
+
+
+# ---------------------------------------------------------------------------------------------
+
+def run_preflight(cfg: Config) -> Report:
+    report = Report()
+    plan = report.plan
+    spec = cfg.speculative
+    k, M = spec.num_speculative_tokens, cfg.max_model_len
+    uses_drafter_model = spec.method == "draft_model"
+
+    # 1. files ---------------------------------------------------------------------------------
+    findings: list[tuple[str, str]] = []
+    target = drafter = None
+    tokenizer = drafter_tokenizer = None
+    try:
+        target = ModelDir.open(cfg.model, "target model")
+        if not target.weight_files:
+            findings.append(("error", f"target directory {target.path} has no weights (*.safetensors or *.bin)."))
+        else:
+            findings.append(("ok", f"target {target.path}."))
+    except ModelDirError as e:
+        findings.append(("error", f"{e}."))
+    if uses_drafter_model:
+        try:
+            drafter = ModelDir.open(spec.model or "", "drafter (speculative.model)")
+            if not drafter.weight_files:
+                findings.append(("error", f"drafter directory {drafter.path} has no weights."))
+            else:
+                findings.append(("ok", f"drafter {drafter.path}."))
+        except ModelDirError as e:
+            hint = " (method draft_model needs it; or use method: ngram)" if not spec.model else ""
+            findings.append(("error", f"{e}{hint}."))
+    elif spec.model:
+        findings.append(("warn", f"speculative.model is set but method is {spec.method}: it is not used."))
+    try:
+        tokenizer = load_tokenizer(cfg.tokenizer_path)
+        findings.append(("ok", f"tokenizer loads ({len(tokenizer)} tokens)."))
+    except ModelDirError as e:
+        findings.append(("error", f"{e}."))
+    if drafter is not None and has_tokenizer_files(drafter.path) and cfg.tokenizer is None:
+        try:
+            drafter_tokenizer = load_tokenizer(drafter.path)
+        except ModelDirError as e:
+            findings.append(("error", f"drafter {e}."))
+    if cfg.chat_template and "{" not in cfg.chat_template and not os.path.isfile(cfg.chat_template):
+        findings.append(("error", f"chat_template file not found: {cfg.chat_template}."))
+    report.add("files", findings)
+    plan.model_name = cfg.server.model_name or (target.name if target else os.path.basename(cfg.model))
+
+    # 4 first: device, backend and dp_sync feed the other checks --------------------------------
+    parallel_findings = _parallel(cfg, plan, target)
+
+    # 2. lengths -------------------------------------------------------------------------------
+    if target is not None:
+        report.add("lengths", _lengths(cfg, plan, target, drafter))
+
+    # 3. vocab -----------------------------------------------------------------------------------
+    if uses_drafter_model and target is not None and drafter is not None:
+        report.add("vocab", _vocab(target, drafter, tokenizer, drafter_tokenizer))
+
+    report.add("parallel", parallel_findings)
+
+    # 5. policy ----------------------------------------------------------------------------------
+    report.add("policy", _policy(cfg, plan))
+
+    # 6. memory ----------------------------------------------------------------------------------
+    if target is not None and (drafter is not None or not uses_drafter_model):
+        report.add("memory", _memory(cfg, plan, target, drafter))
+
+    # 7. scheduler -------------------------------------------------------------------------------
+    s = cfg.scheduler
+    per_seq = (k + 1) if spec.method != "none" else 1
+    if s.max_num_batched_tokens < s.max_num_seqs * per_seq:
+        report.add("scheduler", [("warn", f"max_num_batched_tokens ({s.max_num_batched_tokens}) < max_num_seqs x "
+                                          f"(k + 1) = {s.max_num_seqs} x {per_seq}: a full batch's verification "
+                                          f"step exceeds the token budget; new prompts wait until sequences finish.")])
+    else:
+        report.add("scheduler", [("ok", f"max_num_seqs {s.max_num_seqs}, max_num_batched_tokens "
+                                        f"{s.max_num_batched_tokens} (prompts longer than that are prefilled in chunks).")])
+    return report
+
+
+def _parallel(cfg: Config, plan: Plan, target: ModelDir | None) -> list[tuple[str, str]]:
+    par = cfg.parallel
+    out: list[tuple[str, str]] = []
+    dp, machines = par.data_parallel_size, par.num_machines
+    if dp < 1:
+        out.append(("error", f"data_parallel_size must be >= 1 (got {dp})."))
+    elif dp % machines:
+        out.append(("error", f"data_parallel_size ({dp}) must be a multiple of num_machines ({machines}): "
+                             f"every machine runs the same number of ranks."))
+    plan.ranks_per_machine = max(1, dp // machines) if dp >= 1 else 1
+    gpus = cuda_device_count() if cfg.device in ("auto", "cuda") else 0
+    plan.device = cfg.device if cfg.device != "auto" else ("cuda" if gpus else "cpu")
+    if plan.device == "cuda":
+        if gpus == 0:
+            out.append(("error", "device is cuda but no GPU is visible (check CUDA_VISIBLE_DEVICES, or set device: cpu)."))
+        elif plan.ranks_per_machine > gpus:
+            out.append(("error", f"{plan.ranks_per_machine} ranks per machine need {plan.ranks_per_machine} GPUs, "
+                                 f"but {gpus} are visible: lower data_parallel_size or raise num_machines."))
+    plan.backend = par.backend if par.backend != "auto" else ("nccl" if plan.device == "cuda" else "gloo")
+    if plan.backend == "nccl" and plan.device != "cuda":
+        out.append(("error", "backend nccl needs device cuda; use backend gloo (or auto) on CPU."))
+    if cfg.dtype != "auto":
+        plan.dtype = cfg.dtype
+    elif plan.device == "cuda" and target is not None:
+        plan.dtype = target.stored_dtype if target.stored_dtype in ("float32", "bfloat16", "float16") else "float32"
+    else:
+        plan.dtype = "float32"
+    moe = bool(target and target.is_moe)
+    if par.dp_sync == "auto":
+        plan.dp_sync = "always" if moe else "never"
+        why = ("a mixture-of-experts model: ranks step in lockstep" if moe
+               else "a dense model: ranks step independently")
+    else:
+        plan.dp_sync = par.dp_sync
+        why = "as configured"
+        if moe and par.dp_sync == "never":
+            out.append(("warn", "dp_sync is never on a mixture-of-experts model: expert-parallel engines need "
+                                "lockstep (dp_sync: always); fine only while experts are not sharded across ranks."))
+    out.insert(0, ("ok", f"{dp} rank(s) on {machines} machine(s), {plan.ranks_per_machine} per machine, "
+                         f"device {plan.device}, backend {plan.backend}, dtype {plan.dtype}; "
+                         f"dp_sync {plan.dp_sync} ({why})."))
+    return out
+
+
+def _lengths(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None) -> list[tuple[str, str]]:
+    spec = cfg.speculative
+    k, M = spec.num_speculative_tokens, cfg.max_model_len
+    out: list[tuple[str, str]] = []
+    mpe = target.max_position_embeddings
+    if mpe is not None and M > mpe:
+        if target.rope_scaling:
+            out.append(("warn", f"max_model_len {M} exceeds the target's max_position_embeddings {mpe}; "
+                                f"its rope scaling ({target.rope_scaling.get('rope_type') or target.rope_scaling.get('type')}) "
+                                f"is meant to extend it, but quality past {mpe} is the model's own business."))
+        else:
+            out.append(("error", f"max_model_len {M} exceeds the target's max_position_embeddings {mpe}: "
+                                 f"set max_model_len <= {mpe}."))
+    if spec.method != "none" and k + 1 >= M:
+        out.append(("error", f"num_speculative_tokens + 1 = {k + 1} must be below max_model_len {M}."))
+    if spec.max_model_len is not None and spec.max_model_len > M:
+        out.append(("error", f"speculative.max_model_len {spec.max_model_len} is above max_model_len {M}: "
+                             f"it may only lower the drafter's limit."))
+    if spec.method == "none":
+        out.insert(0, ("ok", f"M = {M} (no drafter)."))
+        return out
+    limits = {"max_model_len": M}
+    if spec.max_model_len is not None:
+        limits["speculative.max_model_len"] = spec.max_model_len
+    if drafter is not None and drafter.max_position_embeddings:
+        limits["drafter max_position_embeddings"] = drafter.max_position_embeddings
+    D = min(limits.values())
+    plan.drafter_max_model_len = D
+    which = min(limits, key=limits.get)
+    lo, hi = D - k + 1, M - 1
+    detail = f"M = {M}, k = {k}, D = {D} (from {which})."
+    if lo <= hi:
+        plan.no_draft_window = [lo, hi]
+        detail += (f" No-draft window [{lo}, {hi}]: a sequence whose length (prompt + generated) reaches {lo} no "
+                   f"longer fits the drafter (L + k > D) and gains one token per step from then on;")
+        detail += (" the policy below says what its rank does then." if cfg.parallel.data_parallel_size > 1
+                   else " nothing else changes.")
+    out.insert(0, ("ok", detail))
+    if D < M:
+        out.append(("warn", f"the drafter's limit D = {D} is below max_model_len {M}: sequences longer than "
+                            f"{D - k} tokens decode without speculation."))
+    if D < k + 2:
+        out.append(("warn", f"D = {D} leaves no room for k = {k} drafts: the drafter never runs."))
+    return out
+
+
+def _vocab(target: ModelDir, drafter: ModelDir, tok, dtok) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
+    if tok is not None and dtok is not None:
+        if tok.get_vocab() != dtok.get_vocab():
+            a, b = tok.get_vocab(), dtok.get_vocab()
+            diff = len(set(a.items()) ^ set(b.items()))
+            return [("error", f"the drafter's tokenizer differs from the target's ({len(a)} vs {len(b)} tokens, "
+                              f"{diff} entries differ): draft tokens would mean different text. Use a drafter "
+                              f"trained with the target's tokenizer, or method: ngram.")]
+        specials = lambda t: (t.eos_token_id, t.bos_token_id, t.pad_token_id, sorted(t.all_special_tokens))  # noqa: E731
+        if specials(tok) != specials(dtok):
+            return [("error", "the drafter's special tokens (eos/bos/pad) differ from the target's: "
+                              "use a drafter that shares the target's tokenizer.")]
+        out.append(("ok", f"drafter and target share one tokenizer ({len(tok)} tokens)."))
+    else:
+        out.append(("ok", "the drafter directory has no tokenizer of its own; it uses the target's."))
+    tv, dv = target.vocab_size, drafter.vocab_size
+    if tv and dv and tv != dv:
+        out.append(("warn", f"embedding tables differ in size (target {tv}, drafter {dv}) over one tokenizer "
+                            f"(padded vocabularies); only the shared ids are drafted."))
+    if tok is not None and tv and len(tok) > tv:
+        out.append(("error", f"the tokenizer has {len(tok)} tokens but the target's embedding has {tv} rows."))
+    return out
+
+
+def _policy(cfg: Config, plan: Plan) -> list[tuple[str, str]]:
+    spec = cfg.speculative
+    if spec.method == "none":
+        plan.policy = None
+        return [("ok", "method none: no drafter, no policy.")]
+    dp = cfg.parallel.data_parallel_size
+    drafter_forward = spec.method == "draft_model"
+    need_dummy = dp > 1 and plan.dp_sync == "always" and drafter_forward
+    if spec.policy == "auto":
+        plan.policy = "dummy" if need_dummy else "skip"
+    else:
+        plan.policy = spec.policy
+    if need_dummy and plan.policy == "skip":
+        return [("error", f"policy skip with dp_sync always and {dp} ranks would hang: a rank with nothing to draft "
+                          f"would run no drafter forward while the others run {spec.num_speculative_tokens}, so ranks "
+                          f"issue different collective sequences and wait for each other forever (vLLM PR #40589). "
+                          f"Use policy: dummy (or auto), or dp_sync: never.")]
+    if need_dummy:
+        why = (f"{dp} ranks in lockstep with a model drafter: a rank with nothing to draft runs the drafter's "
+               f"{spec.num_speculative_tokens} forwards over a padding batch, so every rank issues the same collectives.")
+    elif plan.policy == "dummy":
+        why = "as configured; not required here (no DP collective in drafter forwards), so dummy steps only cost time."
+    elif not drafter_forward:
+        why = "the ngram drafter runs no model forward, so skipping it cannot unbalance collectives."
+    elif dp == 1:
+        why = "one rank: skipping the drafter when nothing fits cannot make ranks disagree."
+    else:
+        why = "dp_sync never: ranks do not talk while stepping, so a rank may skip its drafter."
+    return [("ok", f"{plan.policy}: {why}")]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n}"
+
+
+def _memory(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None) -> list[tuple[str, str]]:
+    M, n = cfg.max_model_len, cfg.scheduler.max_num_seqs
+    weights = target.weight_bytes(plan.dtype) + (drafter.weight_bytes(plan.dtype) if drafter else 0)
+    per_seq = target.kv_bytes_per_token(plan.dtype) * M
+    if drafter is not None:
+        per_seq += drafter.kv_bytes_per_token(plan.dtype) * (plan.drafter_max_model_len or M)
+    need_one, need_all = weights + per_seq, weights + per_seq * n
+    numbers = (f"weights {_fmt_bytes(weights)} + KV cache {_fmt_bytes(per_seq)} per full-length sequence "
+               f"x {n} = {_fmt_bytes(need_all)}")
+    free = device_free_bytes(plan.device)
+    if free is None:
+        return [("ok", f"{numbers} per rank (estimate only: no GPU to compare with).")]
+    if need_one > free:
+        return [("error", f"{numbers}; not even one sequence of max_model_len {M} fits in {_fmt_bytes(free)} free: "
+                          f"lower max_model_len, or use a smaller dtype or larger GPUs.")]
+    if need_all > free:
+        fit = int((free - weights) // per_seq)
+        return [("warn", f"{numbers}, more than the {_fmt_bytes(free)} free; {fit} full-length sequences fit, so "
+                         f"the engine runs at most {fit} at once (lower max_num_seqs or max_model_len to silence this).")]
+    return [("ok", f"{numbers}; {_fmt_bytes(free)} free on one device.")]

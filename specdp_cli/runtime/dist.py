@@ -1,0 +1,267 @@
+"""The DP group: the one door through which every collective of specdp passes.
+
+Stepping collectives (`sync_tokens` before every forward, `vote` at the end of a step) only exist
+in lockstep (`dp_sync: always`). Each is a single MAX all-reduce over a vector in which rank r
+writes its token count at index r, plus `tag` and `-tag` at the end (tag = hash of step and
+phase). One collective returns every rank's count *and* max(tag), -min(tag): if they differ the
+ranks are out of step, and a second collective gathers each rank's phase for the message. So a
+divergence is caught at the first collective where ranks disagree, not by a timeout.
+
+`check_collectives` also compares a full descriptor (op, shape, dtype, step, phase) before every
+collective. Stepping collectives use `collective_timeout_s`; start-up and result collectives use
+a longer bound (loading a model is slow). A watchdog thread publishes a heartbeat in the rendezvous
+store and ends the rank when a peer has stopped beating (a dead machine), or when the parent CLI
+process is gone.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+import time
+import zlib
+from typing import Any
+
+import torch
+
+from .status import StatusBoard, where
+
+START_TIMEOUT_S = 1800.0
+
+
+class OutOfStepError(RuntimeError):
+    kind = "out-of-step"
+
+
+class PeerLostError(RuntimeError):
+    kind = "peer-lost"
+
+
+def _tag(step: int, what: str) -> int:
+    return (zlib.crc32(f"{step}|{what}".encode()) & 0x3FFFFFFF) + 1
+
+
+class DPGroup:
+    def __init__(self, rank: int = 0, world: int = 1, lockstep: bool = False, status: StatusBoard | None = None,
+                 timeout_s: float = 120.0, check: bool = False, device: torch.device | None = None):
+        self.rank, self.world = rank, world
+        self.lockstep = lockstep and world > 1
+        self.status = status or StatusBoard(None, rank)
+        self.timeout_s = timeout_s
+        self.check = check and world > 1
+        self.comm_device = device or torch.device("cpu")
+        self.step_group = None
+        self.collectives = 0
+        self._watchdog: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    @classmethod
+    def solo(cls, status: StatusBoard | None = None) -> "DPGroup":
+        return cls(status=status)
+
+    @classmethod
+    def from_env(cls, backend: str, lockstep: bool, timeout_s: float, check: bool,
+                 device: torch.device, status: StatusBoard) -> "DPGroup":
+        """Join the process group that `accelerate launch` describes in RANK / WORLD_SIZE / MASTER_*
+        (accelerate's own PartialState misreports the rank on CPU)."""
+        import torch.distributed as dist
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        kw = {"device_id": device} if backend == "nccl" else {}
+        dist.init_process_group(backend=backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=START_TIMEOUT_S), **kw)
+        g = cls(rank, world, lockstep, status, timeout_s, check, device if backend == "nccl" else torch.device("cpu"))
+        g.step_group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        return g
+
+    def start_watchdog(self, parent_pid: int | None) -> None:
+        """Heartbeat + liveness checks in a daemon thread (see module docstring)."""
+        if self.world == 1 and not parent_pid:
+            return
+        self._watchdog = threading.Thread(target=self._watch, args=(parent_pid,), daemon=True, name="specdp-watchdog")
+        self._watchdog.start()
+
+    def _watch(self, parent_pid: int | None) -> None:
+        store = None
+        if self.world > 1:
+            import torch.distributed as dist
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=datetime.timedelta(seconds=30))
+        seen: dict[int, tuple[int, float]] = {}
+        while not self._stop.wait(1.0):
+            if parent_pid and not _alive(parent_pid):
+                self._die("terminated", "the specdp command that started this rank is gone", 1)
+            if store is None:
+                continue
+            try:
+                store.add(f"specdp/hb/{self.rank}", 1)
+                now = time.monotonic()
+                for r in range(self.world):
+                    if r == self.rank or store.check([f"specdp/exited/{r}"]):
+                        continue
+                    beat = store.add(f"specdp/hb/{r}", 0)
+                    last = seen.get(r)
+                    if last is None or last[0] != beat:
+                        seen[r] = (beat, now)
+                    elif now - last[1] > self.timeout_s:
+                        self._die("peer-lost", f"rank {r} stopped responding (no heartbeat for "
+                                               f"{self.timeout_s:.0f} s) while this rank was at {self.status.where}", 1)
+            except Exception:  # noqa: BLE001 - the store lives with rank 0's machine: it is gone
+                if self._stop.is_set():
+                    return
+                self._die("peer-lost", f"lost the rendezvous store (rank 0's machine) at {self.status.where}", 1)
+
+    def _die(self, kind: str, message: str, code: int) -> None:
+        self.status.exit(kind, message, code)
+        os._exit(code)
+
+    def close(self, ok: bool = True) -> None:
+        self._stop.set()
+        if self.world > 1:
+            import torch.distributed as dist
+            try:
+                if ok:
+                    store = dist.distributed_c10d._get_default_store()
+                    store.set(f"specdp/exited/{self.rank}", "1")
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+
+    # -- stepping collectives -------------------------------------------------------------------
+
+    def publish(self, step: int, what: str) -> None:
+        self.status.set(step, what)
+
+    def sync_tokens(self, n_local: int, step: int, what: str) -> int:
+        """Before every forward: in lockstep, every rank's token count (and a check that all ranks
+        are in the same phase); returns the maximum, which every rank pads to."""
+        self.publish(step, what)
+        if not self.lockstep:
+            return n_local
+        return max(self._sync(n_local, step, what))
+
+    def vote(self, has_work: bool, step: int) -> bool:
+        """End of a lockstep step: does any rank have work left?"""
+        self.publish(step, "vote")
+        if not self.lockstep:
+            return has_work
+        return max(self._sync(int(has_work), step, "vote")) > 0
+
+    def _sync(self, value: int, step: int, what: str) -> list[int]:
+        import torch.distributed as dist
+
+        W = self.world
+        tag = _tag(step, what)
+        vec = torch.zeros(W + 2, dtype=torch.long)
+        vec[self.rank], vec[W], vec[W + 1] = value, tag, -tag
+        vec = vec.to(self.comm_device)
+        self._check(("all_reduce", "max", (W + 2,), "int64", step, what))
+        self._run(lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.step_group), step, what)
+        v = vec.tolist()
+        if v[W] != -v[W + 1]:
+            self._out_of_step(step, what)
+        return v[:W]
+
+    def _out_of_step(self, step: int, what: str) -> None:
+        import torch.distributed as dist
+
+        phases: list[Any] = [None] * self.world
+        self._run(lambda: dist.all_gather_object(phases, (step, what), group=self.step_group), step, what)
+        listing = "; ".join(f"rank {r} at {where(*p)}" for r, p in enumerate(phases))
+        raise OutOfStepError(f"ranks are out of step (their collective sequences differ): {listing}")
+
+    def _check(self, desc: tuple) -> None:
+        if not self.check:
+            return
+        import torch.distributed as dist
+
+        descs: list[Any] = [None] * self.world
+        step, what = desc[-2], desc[-1]
+        self._run(lambda: dist.all_gather_object(descs, desc, group=self.step_group), step, what)
+        if any(d != descs[0] for d in descs):
+            listing = "; ".join(f"rank {r}: {d[0]} op={d[1]} shape={d[2]} dtype={d[3]} at {where(d[4], d[5])}"
+                                for r, d in enumerate(descs))
+            raise OutOfStepError(f"collective mismatch (check_collectives): {listing}")
+
+    def _run(self, fn, step: int, what: str):
+        self.collectives += 1
+        try:
+            return fn()
+        except (OutOfStepError, PeerLostError):
+            raise
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL report a lost peer or a timeout this way
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PeerLostError(f"a collective failed at {where(step, what)}: {first[:300]}") from None
+
+    # -- start-up and result collectives (long timeout, default group) ----------------------------
+
+    def broadcast_object(self, obj: Any, what: str) -> Any:
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        self.publish(0, what)
+        box = [obj if self.rank == 0 else None]
+        self._check(("broadcast_object", "-", (1,), "object", 0, what))
+        self._run(lambda: dist.broadcast_object_list(box, src=0), 0, what)
+        return box[0]
+
+    def gather_objects(self, obj: Any, what: str) -> list[Any] | None:
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        self.publish(0, what)
+        out: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        self._check(("gather_object", "-", (1,), "object", 0, what))
+        self._run(lambda: dist.gather_object(obj, out, dst=0), 0, what)
+        return out
+
+    def scatter_objects(self, objs: list[Any] | None, what: str) -> Any:
+        """Rank 0 hands objs[r] to rank r."""
+        if self.world == 1:
+            return objs[0]
+        import torch.distributed as dist
+
+        self.publish(0, what)
+        box: list[Any] = [None]
+        self._check(("scatter_object", "-", (1,), "object", 0, what))
+        self._run(lambda: dist.scatter_object_list(box, objs if self.rank == 0 else None, src=0), 0, what)
+        return box[0]
+
+    def all_gather_objects(self, obj: Any, what: str) -> list[Any]:
+        if self.world == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        self.publish(0, what)
+        out: list[Any] = [None] * self.world
+        self._check(("all_gather_object", "-", (1,), "object", 0, what))
+        self._run(lambda: dist.all_gather_object(out, obj), 0, what)
+        return out
+
+    def wait_for_all(self, what: str) -> None:
+        """A barrier without a time limit, for `dp_sync: never`: a slow but alive rank is no fault.
+        It polls the store (no busy loop); the watchdog ends this rank if a peer dies meanwhile."""
+        if self.world == 1:
+            return
+        import torch.distributed as dist
+
+        self.publish(0, what)
+        store = dist.distributed_c10d._get_default_store()
+        key = f"specdp/arrived/{what}"
+        store.add(key, 1)
+        while store.add(key, 0) < self.world:
+            time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True

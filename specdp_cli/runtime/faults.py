@@ -1,0 +1,69 @@
+"""Fault injection (`SPECDP_FAULT`), to recreate known hangs and prove that specdp catches them.
+
+  skip-drafter:R           rank R skips the drafter phase on steps where it has nothing to draft,
+                           even under policy dummy (vLLM PR #40589)
+  single-dummy-forward:R   rank R runs 1 drafter forward instead of k over a padding batch (vLLM PR #26217)
+  exit:R:S                 rank R exits with status 3 at the start of its step S (steps count from 1)
+
+Comma-separated. A malformed entry or a rank >= N is refused at start.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+ENV = "SPECDP_FAULT"
+EXIT_STATUS = 3
+
+
+class FaultSpecError(ValueError):
+    pass
+
+
+@dataclass
+class Faults:
+    skip_drafter: set[int] = field(default_factory=set)
+    single_dummy_forward: set[int] = field(default_factory=set)
+    exit_at: dict[int, int] = field(default_factory=dict)    # rank -> step
+
+    @classmethod
+    def parse(cls, text: str | None, world: int) -> "Faults":
+        f = cls()
+        for raw in (text or "").split(","):
+            item = raw.strip()
+            if not item:
+                continue
+            parts = item.split(":")
+            try:
+                nums = [int(p) for p in parts[1:]]
+            except ValueError:
+                nums = None
+            kind = parts[0]
+            if kind in ("skip-drafter", "single-dummy-forward") and nums is not None and len(nums) == 1:
+                (rank,) = nums
+                (f.skip_drafter if kind == "skip-drafter" else f.single_dummy_forward).add(rank)
+            elif kind == "exit" and nums is not None and len(nums) == 2 and nums[1] >= 1:
+                rank = nums[0]
+                f.exit_at[rank] = nums[1]
+            else:
+                raise FaultSpecError(f"{ENV}: cannot read {item!r}; expected skip-drafter:R, "
+                                     f"single-dummy-forward:R or exit:R:S (S >= 1), comma-separated")
+            if not 0 <= rank < world:
+                raise FaultSpecError(f"{ENV}: {item!r} names rank {rank}, but ranks are 0..{world - 1}")
+        return f
+
+    @classmethod
+    def from_env(cls, world: int) -> "Faults":
+        return cls.parse(os.environ.get(ENV), world)
+
+    def drafter_forwards(self, rank: int, has_draft: bool, wanted: int) -> int:
+        """The drafter forwards rank `rank` actually runs when the engine wants `wanted`."""
+        if not has_draft and wanted:
+            if rank in self.skip_drafter:
+                return 0
+            if rank in self.single_dummy_forward:
+                return 1
+        return wanted
+
+    def exit_step(self, rank: int) -> int | None:
+        return self.exit_at.get(rank)

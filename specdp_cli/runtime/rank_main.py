@@ -1,0 +1,108 @@
+"""What `accelerate launch` runs in each rank: `python -m specdp_cli.runtime.rank_main RUN_DIR`.
+
+Reads the job the CLI wrote into RUN_DIR, joins the process group, builds the engine and runs the
+job (generate or serve). However it ends, it leaves an exit record for the CLI to explain.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import sys
+import traceback
+
+
+def _silence_libraries() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except Exception:  # noqa: BLE001 - cosmetic only
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    run_dir = argv[0]
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    from .status import StatusBoard
+
+    status = StatusBoard(run_dir, rank)
+
+    def on_signal(signum, _frame):
+        status.exit("terminated", f"stopped by signal {signum}", 128 + signum)
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = 0
+    try:
+        _silence_libraries()
+        import torch
+
+        from ..config import Config
+        from ..preflight import Plan
+        from .dist import DPGroup
+        from .engine import Engine
+        from .faults import Faults
+
+        with open(os.path.join(run_dir, "job.json")) as fh:
+            job = json.load(fh)
+        cfg = Config.model_validate(job["config"])
+        plan = Plan(**job["plan"])
+        torch.set_num_threads(int(job["threads"]))
+        if plan.device == "cuda":
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        status.set(0, "joining the process group")
+        dp = DPGroup.from_env(plan.backend, plan.lockstep, cfg.parallel.collective_timeout_s,
+                              cfg.parallel.check_collectives, device, status)
+        dp.start_watchdog(job.get("parent_pid"))
+        status.set(0, "loading models")
+
+        def fault_exit(exit_code: int, message: str) -> None:
+            status.exit("fault", message, exit_code)
+            os._exit(exit_code)
+
+        engine = Engine(cfg, plan, dp, device, Faults.from_env(world), on_fault_exit=fault_exit)
+        if job["mode"] == "generate":
+            from ..jobs.generate import run_rank
+
+            requests = None
+            if rank == 0:
+                with open(os.path.join(run_dir, "payload.pkl"), "rb") as fh:
+                    requests = pickle.load(fh)
+            summary = run_rank(engine, dp, job["output"], job["retry_errors"], requests, local_rank == 0)
+            if summary is not None:
+                with open(os.path.join(run_dir, "summary.json"), "w") as fh:
+                    json.dump(summary, fh)
+        elif job["mode"] == "serve":
+            from ..server.rank import serve_rank
+
+            serve_rank(engine, dp, job)
+        else:
+            raise ValueError(f"unknown mode {job['mode']!r}")
+        status.exit("ok", "", 0)
+        dp.close(ok=True)
+    except Exception as e:  # noqa: BLE001 - every failure becomes an exit record for the CLI
+        kind = getattr(e, "kind", "error")
+        msg = str(e) if kind != "error" else f"{type(e).__name__}: {e}"
+        status.exit(kind, msg[:2000], 1)
+        if kind == "error":
+            traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

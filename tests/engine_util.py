@@ -1,0 +1,71 @@
+"""Building an engine in-process and the Hugging Face reference it must equal."""
+from __future__ import annotations
+
+import torch
+
+from specdp_cli.config import validate
+from specdp_cli.preflight import run_preflight
+from specdp_cli.runtime.dist import DPGroup
+from specdp_cli.runtime.engine import Engine
+from specdp_cli.runtime.sampling import SamplingParams
+
+
+def make_config(target, draft=None, method="draft_model", k=3, M=64, D=None, max_num_seqs=4,
+                max_batched=256, **extra):
+    data = {"model": str(target), "max_model_len": M, "device": "cpu", "dtype": "float32",
+            "speculative": {"method": method, "num_speculative_tokens": k},
+            "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_batched}}
+    if draft is not None:
+        data["speculative"]["model"] = str(draft)
+    if D is not None:
+        data["speculative"]["max_model_len"] = D
+    for key, v in extra.items():
+        data[key] = {**data.get(key, {}), **v} if isinstance(v, dict) else v
+    cfg = validate(data)
+    report = run_preflight(cfg)
+    assert report.ok, report.errors
+    return cfg, report.plan
+
+
+def make_engine(cfg, plan) -> Engine:
+    torch.set_num_threads(1)
+    return Engine(cfg, plan, DPGroup.solo(), torch.device("cpu"))
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], max_tokens=30, **params) -> dict:
+    """Serve prompts to the end; returns {index: Sequence}."""
+    seed = params.pop("seed", None)
+    for i, p in enumerate(prompts):
+        engine.add_request(engine.make_request(i, p, SamplingParams(max_tokens=max_tokens, **params), seed))
+    done = {}
+    while engine.has_work:
+        for out in engine.step():
+            if out.finished:
+                done[out.seq.req.id] = out.seq
+    return done
+
+
+_ref_cache: dict = {}
+
+
+def hf_reference(model_dir, prompt: list[int], max_new: int, eos: int | None = 0) -> list[int]:
+    """transformers' greedy `generate` at batch 1, float32; the eos token (if any) stripped."""
+    from transformers import AutoModelForCausalLM
+
+    key = str(model_dir)
+    model = _ref_cache.get(key)
+    if model is None:
+        model = _ref_cache[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    if max_new <= 0:
+        return []
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new, do_sample=False, pad_token_id=1)[0, len(prompt):].tolist()
+    if eos is not None and eos in out:
+        out = out[:out.index(eos)]
+    return out
+
+
+def prompts_of_lengths(lengths, vocab=300, seed=0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]

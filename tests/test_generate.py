@@ -1,0 +1,165 @@
+"""`specdp generate` on one rank: input handling, per-line errors, output order and fields, the
+summary, exit codes, resuming, and the demo pair."""
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from engine_util import hf_reference
+from helpers import REPO, write_config
+from specdp_cli.cli import app
+
+runner = CliRunner()
+SUMMARY_KEYS = {"requests", "errors", "prompt_tokens", "generated_tokens", "wall_s", "engine_s", "tok_s", "num_drafts",
+                "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
+                "accepted_per_position", "ranks"}
+RESULT_KEYS = {"id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "spec"}
+
+
+@pytest.fixture
+def cfg(models, tmp_path):
+    return write_config(tmp_path / "c.yaml", {
+        "model": str(models["target"]), "max_model_len": 48, "device": "cpu",
+        "speculative": {"model": str(models["draft"]), "num_speculative_tokens": 3},
+        "scheduler": {"max_num_seqs": 3, "max_num_batched_tokens": 64}, "sampling": {"max_tokens": 12}})
+
+
+def lines(path):
+    return [json.loads(x) for x in open(path)]
+
+
+def write_jsonl(path, rows):
+    with open(path, "w") as fh:
+        for r in rows:
+            fh.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return path
+
+
+def generate(cfg, inp, out, *args, env=None):
+    return runner.invoke(app, ["generate", str(cfg), "--input", str(inp), "--output", str(out), *args], env=env)
+
+
+def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
+    long_prompt = "def add(a, b):\n    return a + b\n" * 20
+    inp = write_jsonl(tmp_path / "in.jsonl", [
+        {"prompt": "def add(a, b):"},                                      # id 1
+        {"prompt": "class Point:", "id": "point", "max_tokens": 5},
+        "{this is not json",                                               # id 3
+        "",                                                                # blank: skipped
+        {"prompt": long_prompt},                                           # id 5: prompt >= M
+        {"messages": [{"role": "user", "content": "hi"}]},                 # id 6: no chat template
+        {"prompt": "import os", "top_p": 2},                               # id 7: out of range
+        {"prompt": "for i in range(10):\n    print(i", "max_tokens": 100},  # id 8: stops at M
+        {"nothing": "here"},                                               # id 9
+        {"prompt": "while True:", "stop": ["\n"], "extra_key": 1, "id": 10},
+    ])
+    out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    res = generate(cfg, inp, out, "--summary-json", str(summary))
+    assert res.exit_code == 0, res.output
+    rows = lines(out)
+    assert [r["id"] for r in rows] == [1, "point", 3, 5, 6, 7, 8, 9, 10]
+    by = {r["id"]: r for r in rows}
+    for bad in (3, 5, 6, 7, 9):
+        assert set(by[bad]) == {"id", "error"}, by[bad]
+    assert "JSON" in by[3]["error"] and "max_model_len" in by[5]["error"] and "chat template" in by[6]["error"]
+    assert "top_p" in by[7]["error"] and "prompt" in by[9]["error"]
+    for good in (1, "point", 8, 10):
+        assert set(by[good]) == RESULT_KEYS
+        assert set(by[good]["spec"]) == {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}
+        assert by[good]["completion_tokens"] == len(by[good]["token_ids"])
+    assert by["point"]["completion_tokens"] <= 5
+    assert by[8]["prompt_tokens"] + by[8]["completion_tokens"] == 48 and by[8]["finish_reason"] == "length"
+    if by[10]["finish_reason"] == "stop":
+        assert "\n" not in by[10]["text"]
+    # greedy output equals the reference
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(models["target"]))
+    ids = tok("def add(a, b):")["input_ids"]
+    assert by[1]["token_ids"] == hf_reference(models["target"], ids, 12)
+    s = json.load(open(summary))
+    assert set(s) == SUMMARY_KEYS
+    assert s["requests"] == 9 and s["errors"] == 5
+    assert s["generated_tokens"] == sum(by[g]["completion_tokens"] for g in (1, "point", 8, 10))
+    assert s["acceptance_rate"] is None or 0 <= s["acceptance_rate"] <= 1
+    assert len(s["ranks"]) == 1 and set(s["ranks"][0]) == {"rank", "requests", "steps", "padding_steps",
+                                                           "skipped_drafter_steps", "generated_tokens"}
+    assert "acceptance" in res.stdout
+
+
+def test_plain_text_input_and_chat_template(cfg, tmp_path):
+    inp = tmp_path / "in.txt"
+    inp.write_text("def add(a, b):\n\nclass Point:\n")
+    out = tmp_path / "out.jsonl"
+    assert generate(cfg, inp, out).exit_code == 0
+    assert [r["id"] for r in lines(out)] == [1, 3]
+    tmpl = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    inp2 = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    res = generate(cfg, inp2, out, "--set", f"chat_template={json.dumps(tmpl)}")
+    assert res.exit_code == 0, res.output
+    assert "text" in lines(out)[0]
+
+
+def test_nothing_drafted_gives_nulls_not_nan(cfg, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "x", "max_tokens": 1}])
+    summary = tmp_path / "s.json"
+    assert generate(cfg, inp, tmp_path / "o.jsonl", "--summary-json", str(summary)).exit_code == 0
+    s = json.load(open(summary))
+    assert s["acceptance_rate"] is None and s["mean_acceptance_length"] is None and s["accepted_per_position"] == []
+
+
+def test_refusals_and_usage_errors(cfg, tmp_path):
+    dup = write_jsonl(tmp_path / "dup.jsonl", [{"prompt": "a", "id": 2}, {"prompt": "b"}])
+    res = generate(cfg, dup, tmp_path / "o.jsonl")
+    assert res.exit_code == 1 and "duplicate id 2 on lines 1 and 2" in res.output
+    assert generate(cfg, tmp_path / "missing.jsonl", tmp_path / "o.jsonl").exit_code == 2
+    assert generate(cfg, dup, tmp_path / "no" / "dir" / "o.jsonl").exit_code == 2
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a"}])
+    assert generate(cfg, ok, tmp_path / "o.jsonl", "--set", "speculative.num_speculative_tokens=0").exit_code == 1
+    res = generate(cfg, ok, tmp_path / "o.jsonl", env={"SPECDP_FAULT": "exit:1:3"})
+    assert res.exit_code == 1 and "ranks are 0..0" in res.output
+    res = generate(cfg, ok, tmp_path / "o.jsonl", env={"SPECDP_FAULT": "explode"})
+    assert res.exit_code == 1 and "cannot read" in res.output
+
+
+def test_fault_exit_then_resume(cfg, tmp_path):
+    rows = [{"prompt": f"def f{i}(x):", "max_tokens": 12} for i in range(8)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    res = generate(cfg, inp, out, env={"SPECDP_FAULT": "exit:0:4"})
+    assert res.exit_code == 1 and "rank 0 exited with status 3 during step 4" in res.output
+    part = tmp_path / "out.jsonl.rank0.part"
+    done_before = lines(part)
+    assert 0 < len(done_before) < 8 and not out.exists()
+    summary = tmp_path / "s.json"
+    res = generate(cfg, inp, out, "--summary-json", str(summary))
+    assert res.exit_code == 0, res.output
+    ids = [r["id"] for r in lines(out)]
+    assert ids == list(range(1, 9))                              # every input exactly once, in order
+    assert json.load(open(summary))["requests"] == 8 - len(done_before)
+    assert not part.exists()
+    # a third run has nothing left to do and rewrites the same output
+    before = out.read_text()
+    assert generate(cfg, inp, out).exit_code == 0
+    assert out.read_text() == before
+
+
+def test_torn_part_line_is_ignored(cfg, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    out = tmp_path / "out.jsonl"
+    (tmp_path / "out.jsonl.rank0.part").write_text(json.dumps({"id": 1, "error": "old"}) + "\n{\"id\": 2, \"te")
+    assert generate(cfg, inp, out).exit_code == 0
+    rows = lines(out)
+    assert rows[0] == {"id": 1, "error": "old"} and "text" in rows[1]
+    assert generate(cfg, inp, out, "--retry-errors").exit_code == 0
+    assert "text" in lines(out)[0]
+
+
+def test_demo_pair_runs_and_reports_acceptance(tmp_path):
+    out, summary = tmp_path / "demo.jsonl", tmp_path / "s.json"
+    res = runner.invoke(app, ["generate", str(REPO / "configs" / "demo.yaml"), "--input", str(REPO / "demo" / "prompts.jsonl"),
+                              "--output", str(out), "--summary-json", str(summary), "--set", "sampling.max_tokens=24"])
+    assert res.exit_code == 0, res.output
+    s = json.load(open(summary))
+    assert s["requests"] == len(lines(REPO / "demo" / "prompts.jsonl"))
+    assert s["acceptance_rate"] is not None and s["acceptance_rate"] > 0.2
+    assert "acceptance rate" in res.stdout
