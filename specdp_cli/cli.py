@@ -135,6 +135,59 @@ def generate(
             json.dump(summary, fh, indent=1)
 
 
+@app.command("serve")
+def serve(
+    config: Path = typer.Argument(..., help="Config file (.yaml, .yml or .toml)."),
+    host: Optional[str] = typer.Option(None, "--host", help="Shortcut for --set server.host=..."),
+    port: Optional[int] = typer.Option(None, "--port", min=0, max=65535, help="Shortcut for --set server.port=..."),
+    set_: Optional[List[str]] = SetOpt,
+    dp: Optional[int] = DpOpt,
+    device: Optional[str] = DeviceOpt,
+) -> None:
+    """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    items = overrides(set_, dp, device, **{"server.host": host, "server.port": port})
+    cfg, report = preflight_or_exit(config, items, quiet_ok=True)
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError:
+        fail_usage("specdp serve needs fastapi and uvicorn: pip install 'specdp-cli[serve]'")
+    from .server.run import run_server
+
+    raise typer.Exit(run_server(cfg, report.plan, stderr))
+
+
+@app.command("bench")
+def bench(
+    what: str = typer.Argument(..., help="What to benchmark: serve."),
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="Base URL of an OpenAI-compatible server."),
+    input: Optional[Path] = typer.Option(None, "--input", "-i", help="Prompts (.jsonl with \"prompt\", or text lines); default: a built-in set."),
+    concurrency: int = typer.Option(8, "--concurrency", min=1, help="Requests in flight at once."),
+    num_requests: int = typer.Option(64, "--num-requests", min=1, help="Requests to send in all."),
+    max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="max_tokens of every request."),
+    model: Optional[str] = typer.Option(None, "--model", help="Model name (default: the server's first)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDP_API_KEY", help="Bearer token."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
+) -> None:
+    """Load-test a server the way `vllm bench serve` does (TTFT, TPOT, ITL, throughput, acceptance)."""
+    if what != "serve":
+        fail_usage(f"unknown benchmark {what!r}; try: specdp bench serve --url ...")
+    if input is not None and not input.is_file():
+        fail_usage(f"input file not found: {input}")
+    from .bench_serve import BenchError, print_results, run_bench
+
+    try:
+        res = run_bench(url, str(input) if input else None, concurrency, num_requests, max_tokens, model, api_key)
+    except BenchError as e:
+        stderr.print("[bold red]bench failed[/]: ", end="")
+        stderr.print(str(e), markup=False)
+        raise typer.Exit(1)
+    print_results(res, stdout)
+    if json_path is not None:
+        with open(json_path, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
 def main() -> None:
     try:
         app(prog_name="specdp")

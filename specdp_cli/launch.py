@@ -106,9 +106,16 @@ class Ranks:
         self.interrupted: int | None = None
 
     def start(self) -> None:
-        cmd = accelerate_command(self.cfg, self.plan, self.run_dir, self.port)
+        env = rank_env(self.cfg, self.plan)
+        if self.cfg.parallel.data_parallel_size == 1:
+            # one rank needs no launcher (accelerate's --multi_gpu refuses a single process)
+            cmd = [sys.executable, "-m", "specdp_cli.runtime.rank_main", self.run_dir.path]
+            env.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                        "OMP_NUM_THREADS": str(threads_per_rank(self.plan))})
+        else:
+            cmd = accelerate_command(self.cfg, self.plan, self.run_dir, self.port)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, env=rank_env(self.cfg, self.plan), stdout=log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         log.close()
 

@@ -28,17 +28,11 @@ def assign_shards(requests: list[JobRequest], world: int) -> list[list[JobReques
     return shards
 
 
-def sampling_params(req: JobRequest) -> SamplingParams:
-    p = req.params
-    return SamplingParams(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p["top_p"],
-                          top_k=p["top_k"], stop=list(p["stop"]))
-
-
 def serve_requests(engine, dp, requests: list[JobRequest], writer: PartWriter, on_result=None) -> list[dict]:
     """Run this rank's requests to the end. In lockstep every rank keeps stepping (over padding
     batches once its own work is done) until the end-of-step vote says no rank has work left."""
     for r in requests:
-        engine.add_request(engine.make_request(r.id, r.prompt_ids, sampling_params(r), r.params.get("seed")))
+        engine.add_request(engine.make_request(r.id, r.prompt_ids, SamplingParams.from_dict(r.params), r.params.get("seed")))
     records: list[dict] = []
     while dp.lockstep or engine.has_work:
         for out in engine.step():

@@ -126,12 +126,12 @@ class Engine:
         return Request(req_id, prompt_ids, params)
 
     def abort(self, req_id) -> bool:
-        seq = self.scheduler.abort(req_id)
+        """Drop a waiting or running request (between steps); False when it is unknown."""
+        found, seq = self.scheduler.abort(req_id)
         if seq is not None:
             seq.finish_reason = "abort"
             self._free(seq)
-            return True
-        return False
+        return found
 
     @property
     def has_work(self) -> bool:

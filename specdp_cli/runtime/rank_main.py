@@ -63,8 +63,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             device = torch.device("cpu")
         status.set(0, "joining the process group")
-        dp = DPGroup.from_env(plan.backend, plan.lockstep, cfg.parallel.collective_timeout_s,
-                              cfg.parallel.check_collectives, device, status)
+        if world == 1:
+            dp = DPGroup.solo(status)
+        else:
+            dp = DPGroup.from_env(plan.backend, plan.lockstep, cfg.parallel.collective_timeout_s,
+                                  cfg.parallel.check_collectives, device, status)
         dp.start_watchdog(job.get("parent_pid"))
         status.set(0, "loading models")
 

@@ -32,6 +32,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @classmethod
+    def from_dict(cls, p: dict) -> "SamplingParams":
+        """From a request's validated values (max_tokens, temperature, top_p, top_k, stop)."""
+        return cls(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p["top_p"],
+                   top_k=p["top_k"], stop=list(p["stop"]))
+
 
 # ---------------------------------------------------------------------------------------------
 # counter-based uniforms

@@ -137,12 +137,13 @@ class Scheduler:
         last.slot = seq.slot
         return last, from_slot
 
-    def abort(self, req_id) -> Sequence | None:
+    def abort(self, req_id) -> tuple[bool, Sequence | None]:
+        """Drop a request: (found, the running sequence whose slot the caller must free)."""
         for i, r in enumerate(self.waiting):
             if r.id == req_id:
                 del self.waiting[i]
-                return None
+                return True, None
         for s in self.running:
             if s.req.id == req_id:
-                return s
-        return None
+                return True, s
+        return False, None

@@ -1,0 +1,234 @@
+"""`specdp bench serve`: a load generator for any OpenAI-compatible server, reporting what
+`vllm bench serve` reports, with its definitions:
+
+  TTFT  time from sending a request to its first streamed token
+  TPOT  (latency - TTFT) / (output tokens - 1), per request (the first token excluded)
+  ITL   the time between consecutive streamed chunks, over all requests
+  throughput: requests, output tokens and (prompt + output) tokens per second of the whole run
+
+Against a specdp server it also reads /metrics before and after, for the acceptance rate and the
+mean acceptance length of the run. Streams are read with the standard library (http.client), one
+thread per request in flight.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from urllib.parse import urlparse
+
+from rich.console import Console
+from rich.table import Table
+
+from .server.metrics import parse_prometheus
+
+BUILTIN_PROMPTS = [
+    "def fibonacci(n):\n", "import json\n\n\ndef load(path):\n", "class Stack:\n    def __init__(self):\n",
+    "for key, value in sorted(data.items()):\n", "def parse_args(argv=None):\n    parser = ",
+    "try:\n    import numpy as np\nexcept ImportError:\n", "async def fetch(session, url):\n",
+    "with open(filename) as fh:\n    for line in fh:\n",
+]
+
+
+class BenchError(Exception):
+    pass
+
+
+class _Client:
+    def __init__(self, url: str, api_key: str | None):
+        u = urlparse(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise BenchError(f"--url must look like http://HOST:PORT (got {url!r})")
+        self.https = u.scheme == "https"
+        self.host, self.port = u.hostname, u.port or (443 if self.https else 80)
+        self.base = u.path.rstrip("/")
+        if self.base.endswith("/v1"):
+            self.base = self.base[:-3]
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+
+    def conn(self, timeout: float = 600):
+        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        return cls(self.host, self.port, timeout=timeout)
+
+    def get(self, path: str) -> tuple[int, str]:
+        c = self.conn(30)
+        try:
+            c.request("GET", self.base + path, headers=self.headers)
+            r = c.getresponse()
+            return r.status, r.read().decode(errors="replace")
+        finally:
+            c.close()
+
+
+def _prompts(path: str | None) -> list[str]:
+    if path is None:
+        return BUILTIN_PROMPTS
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            if path.endswith((".jsonl", ".json")):
+                obj = json.loads(line)
+                if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+                    out.append(obj["prompt"])
+            else:
+                out.append(line.rstrip("\n"))
+    if not out:
+        raise BenchError(f"no prompts found in {path}")
+    return out
+
+
+def _one(client: _Client, model: str, prompt: str, max_tokens: int) -> dict:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "stream": True, "stream_options": {"include_usage": True}})
+    res = {"ok": False, "ttft": None, "latency": None, "itl": [], "output_tokens": 0, "prompt_tokens": 0, "error": None}
+    c = client.conn()
+    t0 = time.perf_counter()
+    try:
+        c.request("POST", client.base + "/v1/completions", body=body, headers=client.headers)
+        r = c.getresponse()
+        if r.status != 200:
+            res["error"] = f"HTTP {r.status}: {r.read()[:300].decode(errors='replace')}"
+            return res
+        last = None
+        for raw in r:
+            line = raw.decode(errors="replace").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                res["error"] = obj["error"].get("message")
+                return res
+            if obj.get("usage"):
+                res["output_tokens"] = obj["usage"]["completion_tokens"]
+                res["prompt_tokens"] = obj["usage"]["prompt_tokens"]
+            if any(ch.get("text") for ch in obj.get("choices", [])):
+                now = time.perf_counter()
+                if last is None:
+                    res["ttft"] = now - t0
+                else:
+                    res["itl"].append(now - last)
+                last = now
+        res["latency"] = time.perf_counter() - t0
+        res["ok"] = True
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        res["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        c.close()
+    return res
+
+
+def _stats_ms(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    v = sorted(values)
+    p99 = v[min(len(v) - 1, max(0, int(round(0.99 * len(v) + 0.5)) - 1))]
+    return {"mean": 1000 * statistics.fmean(v), "median": 1000 * statistics.median(v), "p99": 1000 * p99}
+
+
+def _spec_counters(client: _Client) -> dict | None:
+    try:
+        status, text = client.get("/metrics")
+    except OSError:
+        return None
+    if status != 200:
+        return None
+    m = parse_prometheus(text)
+    keys = {"drafts": "specdp:spec_decode_num_drafts_total", "draft_tokens": "specdp:spec_decode_num_draft_tokens_total",
+            "accepted": "specdp:spec_decode_num_accepted_tokens_total"}
+    out = {}
+    for name, metric in keys.items():
+        vals = [v for k, v in m.items() if k.split("{")[0] == metric]
+        if not vals:
+            return None
+        out[name] = sum(vals)
+    return out
+
+
+def run_bench(url: str, input_path: str | None, concurrency: int, num_requests: int, max_tokens: int,
+              model: str | None, api_key: str | None) -> dict:
+    client = _Client(url, api_key)
+    try:
+        status, text = client.get("/v1/models")
+    except OSError as e:
+        raise BenchError(f"cannot reach {url}: {e}") from None
+    if status != 200:
+        raise BenchError(f"GET /v1/models answered {status}: {text[:200]}")
+    if model is None:
+        data = json.loads(text).get("data") or []
+        if not data:
+            raise BenchError("the server lists no model")
+        model = data[0]["id"]
+    prompts = _prompts(input_path)
+    before = _spec_counters(client)
+    results: list[dict] = []
+    lock = threading.Lock()
+
+    def task(i: int) -> None:
+        r = _one(client, model, prompts[i % len(prompts)], max_tokens)
+        with lock:
+            results.append(r)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        list(pool.map(task, range(num_requests)))
+    duration = time.perf_counter() - t0
+    after = _spec_counters(client)
+    ok = [r for r in results if r["ok"]]
+    out_tokens = sum(r["output_tokens"] for r in ok)
+    in_tokens = sum(r["prompt_tokens"] for r in ok)
+    tpot = [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok
+            if r["ttft"] is not None and r["output_tokens"] > 1]
+    res = {
+        "url": url, "model": model, "concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens,
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "ttft_ms": _stats_ms([r["ttft"] for r in ok if r["ttft"] is not None]),
+        "tpot_ms": _stats_ms(tpot), "itl_ms": _stats_ms([x for r in ok for x in r["itl"]]),
+        "acceptance_rate": None, "mean_acceptance_length": None,
+        "errors": sorted({r["error"] for r in results if r["error"]})[:5],
+    }
+    if before and after:
+        d = {k: after[k] - before[k] for k in before}
+        if d["draft_tokens"] > 0:
+            res["acceptance_rate"] = d["accepted"] / d["draft_tokens"]
+        if d["drafts"] > 0:
+            res["mean_acceptance_length"] = 1 + d["accepted"] / d["drafts"]
+    return res
+
+
+def print_results(res: dict, console: Console) -> None:
+    t = Table(title=f"specdp bench serve — {res['model']} @ {res['url']}", show_header=False)
+    t.add_column("metric", style="bold")
+    t.add_column("value", justify="right")
+
+    def f(v, fmt="{:.2f}"):
+        return "-" if v is None else fmt.format(v)
+
+    rows = [("successful requests", str(res["completed"])), ("failed requests", str(res["failed"])),
+            ("concurrency", str(res["concurrency"])), ("benchmark duration (s)", f(res["duration_s"])),
+            ("total input tokens", str(res["total_input_tokens"])), ("total generated tokens", str(res["total_output_tokens"])),
+            ("request throughput (req/s)", f(res["request_throughput"])),
+            ("output token throughput (tok/s)", f(res["output_throughput"])),
+            ("total token throughput (tok/s)", f(res["total_token_throughput"]))]
+    for name, key in (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms")):
+        for stat in ("mean", "median", "p99"):
+            rows.append((f"{stat} {name} (ms)", f(res[key][stat])))
+    rows += [("acceptance rate", f(res["acceptance_rate"], "{:.3f}")),
+             ("mean acceptance length", f(res["mean_acceptance_length"], "{:.3f}"))]
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+    for e in res["errors"]:
+        console.print(f"error: {e}", markup=False)

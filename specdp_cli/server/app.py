@@ -1,0 +1,172 @@
+"""The OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health,
+/metrics. Responses and streams follow the OpenAI schema; every client mistake is a 4xx with an
+OpenAI-style error body."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from .frontend import Event, Frontend, IncrementalText, Inflight
+from .protocol import APIError, GenRequest, parse_json, parse_request
+
+
+def build_app(frontend: Frontend, encoder, tokenizer, model_name: str, max_model_len: int, defaults,
+              api_key: str | None) -> FastAPI:
+    app = FastAPI(title="specdp", docs_url=None, redoc_url=None, openapi_url=None)
+    api_key = api_key or os.environ.get("SPECDP_API_KEY") or None
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(404)
+    async def _not_found(_request: Request, _e):
+        return JSONResponse(APIError(404, "no such route").body(), status_code=404)
+
+    @app.exception_handler(405)
+    async def _bad_method(_request: Request, _e):
+        return JSONResponse(APIError(405, "method not allowed").body(), status_code=405)
+
+    def check_auth(request: Request) -> None:
+        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+            raise APIError(401, "missing or wrong API key (send Authorization: Bearer <key>)", code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        if frontend.healthy and not frontend.draining:
+            return Response(status_code=200)
+        return JSONResponse({"status": frontend.failed or ("draining" if frontend.draining else "starting")},
+                            status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        waiting, running = frontend.queue_sizes()
+        up = len(frontend.link.up) if frontend.link else 0
+        return PlainTextResponse(frontend.metrics.render(waiting, running, up, frontend.world),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        check_auth(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "specdp", "max_model_len": max_model_len}]}
+
+    async def generate(request: Request, chat: bool):
+        check_auth(request)
+        body = parse_json(await request.body())
+        req = parse_request(body, chat, encoder, model_name, max_model_len, defaults)
+        inf = frontend.submit(req)
+        if req.stream:
+            return StreamingResponse(_stream(frontend, tokenizer, inf, req), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await _collect(frontend, request, inf, req)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    return app
+
+
+def _usage(stats: dict | None, req: GenRequest, n_tokens: int) -> dict:
+    p = len(req.prompt_ids)
+    c = stats["completion_tokens"] if stats else n_tokens
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+async def _collect(frontend: Frontend, request: Request, inf: Inflight, req: GenRequest):
+    """A non-streamed answer; a client that goes away meanwhile aborts the request."""
+    tokens: list[int] = []
+    try:
+        while True:
+            try:
+                ev: Event = await asyncio.wait_for(inf.queue.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    frontend.abort(inf)
+                    return Response(status_code=499)
+                continue
+            tokens += ev.new_tokens
+            frontend.note_tokens(inf, len(ev.new_tokens))
+            if ev.finish_reason is not None:
+                break
+    except asyncio.CancelledError:
+        frontend.abort(inf)
+        raise
+    if ev.finish_reason in ("error", "abort"):
+        frontend.release(inf, "error")
+        raise APIError(503, ev.error or "the request was aborted")
+    frontend.release(inf, ev.finish_reason, ev.stats)
+    created = int(time.time())
+    text = ev.final_text or ""
+    if req.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": ev.finish_reason}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
+        obj = "text_completion"
+    return {"id": inf.id, "object": obj, "created": created, "model": req.echo_model, "choices": [choice],
+            "usage": _usage(ev.stats, req, len(tokens))}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+async def _stream(frontend: Frontend, tokenizer, inf: Inflight, req: GenRequest):
+    created = int(time.time())
+    text = IncrementalText(tokenizer, req.stop)
+    base = {"id": inf.id, "object": "chat.completion.chunk" if req.chat else "text_completion",
+            "created": created, "model": req.echo_model}
+
+    def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict:
+        if req.chat:
+            d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+            c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        else:
+            c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        return {**base, "choices": [c]}
+
+    finished = False
+    try:
+        if req.chat:
+            yield _sse(chunk(None, None, role=True))
+        n = 0
+        while True:
+            ev: Event = await inf.queue.get()
+            n += len(ev.new_tokens)
+            frontend.note_tokens(inf, len(ev.new_tokens))
+            if ev.finish_reason in ("error", "abort"):
+                finished = True
+                frontend.release(inf, "error")
+                yield _sse({"error": {"message": ev.error or "the request was aborted", "type": "server_error",
+                                      "param": None, "code": None}})
+                break
+            if ev.finish_reason is None:
+                delta = text.add(ev.new_tokens)
+                if delta:
+                    yield _sse(chunk(delta, None))
+                continue
+            finished = True
+            delta = text.finish(ev.final_text or "")      # everything not sent yet, stop string cut
+            frontend.release(inf, ev.finish_reason, ev.stats)
+            if delta:
+                yield _sse(chunk(delta, None))
+            yield _sse(chunk(None, ev.finish_reason))
+            if req.include_usage:
+                yield _sse({**base, "choices": [], "usage": _usage(ev.stats, req, n)})
+            break
+        yield "data: [DONE]\n\n"
+    finally:
+        if not finished:                 # the client went away mid-stream: free its slot
+            frontend.abort(inf)

@@ -1,0 +1,173 @@
+"""The frontend's view of the ranks: requests in flight, routing, and events from the ranks turned
+into per-request asyncio queues."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .link import RankLink
+from .metrics import Metrics
+from .protocol import APIError, GenRequest
+
+
+@dataclass
+class Event:
+    new_tokens: list[int]
+    finish_reason: str | None = None     # stop | length | abort | error
+    final_text: str | None = None
+    stats: dict | None = None
+    error: str | None = None
+
+
+@dataclass
+class Inflight:
+    id: str
+    req: GenRequest
+    rank: int
+    cost: int
+    queue: asyncio.Queue
+    created: float = field(default_factory=time.monotonic)
+    first_token_t: float | None = None
+    last_token_t: float | None = None
+    n_tokens: int = 0
+    done: bool = False
+
+
+class IncrementalText:
+    """Text deltas for streaming: the decoded text minus a held-back tail that may still turn out to
+    be (the start of) a stop string or an unfinished UTF-8 character, so what was sent is always a
+    prefix of the final text."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer = tokenizer
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = 0
+
+    def add(self, tokens: list[int]) -> str:
+        self.tokens += tokens
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        safe = len(text) - self.hold
+        while safe > self.sent and text[safe - 1] == "\ufffd":
+            safe -= 1
+        if safe <= self.sent:
+            return ""
+        out, self.sent = text[self.sent:safe], safe
+        return out
+
+    def finish(self, final_text: str) -> str:
+        out = final_text[self.sent:]
+        self.sent = len(final_text)
+        return out
+
+
+class Frontend:
+    def __init__(self, world: int, metrics: Metrics, max_queue: int, max_num_seqs: int):
+        self.world = world
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.max_num_seqs = max_num_seqs
+        self.inflight: dict[str, Inflight] = {}
+        self.rank_cost = [0] * world
+        self.link: RankLink | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.failed: str | None = None
+        self.draining = False
+        self._ids = itertools.count()
+
+    # -- called from the link's threads ---------------------------------------------------------
+
+    def _call(self, fn, *args) -> None:
+        loop = self.loop
+        if loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:          # the event loop has closed: the server is shutting down
+            pass
+
+    def on_message(self, rank: int, msg) -> None:
+        if msg[0] == "out":
+            self._call(self._dispatch, msg[1])
+
+    def on_lost(self, rank: int) -> None:
+        self._call(self.rank_lost, rank, f"rank {rank} stopped answering")
+
+    # -- on the event loop ----------------------------------------------------------------------
+
+    def _dispatch(self, events) -> None:
+        for rid, tokens, finish, text, stats in events:
+            inf = self.inflight.get(rid)
+            if inf is not None:
+                inf.queue.put_nowait(Event(tokens, finish, text, stats))
+
+    def rank_lost(self, rank: int, why: str) -> None:
+        if self.draining and self.failed is None and not self.inflight:
+            return                       # an orderly shutdown
+        if self.failed is None:
+            self.failed = why
+        for inf in list(self.inflight.values()):
+            inf.queue.put_nowait(Event([], "error", error=f"the server lost a rank ({why}); request aborted"))
+
+    @property
+    def healthy(self) -> bool:
+        return self.failed is None and self.link is not None and self.link.all_up
+
+    def submit(self, req: GenRequest) -> Inflight:
+        if self.failed is not None or self.link is None or not self.link.all_up:
+            raise APIError(503, f"the server is not ready or lost a rank: {self.failed or 'starting'}")
+        if self.draining:
+            raise APIError(503, "the server is shutting down")
+        if len(self.inflight) >= self.max_queue:
+            raise APIError(429, f"the server has {len(self.inflight)} requests in flight (server.max_queue); "
+                                f"retry shortly", headers={"Retry-After": "1"})
+        # spread by outstanding work (prompt + max_tokens), ties to the lower rank
+        rank = min(range(self.world), key=lambda r: (self.rank_cost[r], r))
+        rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        cost = len(req.prompt_ids) + req.max_tokens
+        inf = Inflight(rid, req, rank, cost, asyncio.Queue())
+        self.inflight[rid] = inf
+        self.rank_cost[rank] += cost
+        params = {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
+                  "top_k": max(req.top_k, 0), "stop": req.stop}
+        if not self.link.send(rank, ("add", rid, req.prompt_ids, params, req.seed)):
+            self.release(inf)
+            raise APIError(503, f"rank {rank} is not reachable")
+        for r in range(self.world):            # lockstep ranks wake together (see server/rank.py)
+            if r != rank:
+                self.link.send(r, ("wake",))
+        return inf
+
+    def note_tokens(self, inf: Inflight, n: int) -> None:
+        now = time.monotonic()
+        if n and inf.first_token_t is None:
+            inf.first_token_t = now
+        if n:
+            inf.last_token_t = now
+            inf.n_tokens += n
+
+    def release(self, inf: Inflight, outcome: str | None = None, stats: dict | None = None) -> None:
+        if self.inflight.pop(inf.id, None) is None:
+            return
+        self.rank_cost[inf.rank] -= inf.cost
+        inf.done = True
+        if outcome is not None:
+            ttft = inf.first_token_t - inf.created if inf.first_token_t is not None else None
+            tpot = ((inf.last_token_t - inf.first_token_t) / (inf.n_tokens - 1)
+                    if inf.n_tokens > 1 and inf.first_token_t is not None else None)
+            self.metrics.finished(outcome, stats, ttft, tpot)
+
+    def abort(self, inf: Inflight) -> None:
+        if not inf.done and self.link is not None:
+            self.link.send(inf.rank, ("abort", inf.id))
+        self.release(inf, "abort")
+
+    def queue_sizes(self) -> tuple[int, int]:
+        per_rank = [0] * self.world
+        for inf in self.inflight.values():
+            per_rank[inf.rank] += 1
+        running = sum(min(n, self.max_num_seqs) for n in per_rank)
+        return len(self.inflight) - running, running

@@ -1,0 +1,150 @@
+"""OpenAI request bodies -> internal requests, with the errors OpenAI clients expect.
+
+Bodies are parsed by hand (not by a pydantic model) so every mistake becomes a 4xx with an
+OpenAI-style body `{"error": {"message", "type", "param", "code"}}` and never a 422 or a 500.
+Unknown fields are ignored.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ..prompts import PromptEncoder, PromptError
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+@dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    chat: bool
+    echo_model: str
+    extra: dict = field(default_factory=dict)
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    return body
+
+
+def _number(body: dict, key: str, default, kind=float, lo=None, hi=None, lo_open=False):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+        raise bad(f"'{key}' must be {'an integer' if kind is int else 'a number'}", key)
+    if lo is not None and (v <= lo if lo_open else v < lo):
+        raise bad(f"'{key}' must be {'>' if lo_open else '>='} {lo} (got {v})", key)
+    if hi is not None and v > hi:
+        raise bad(f"'{key}' must be <= {hi} (got {v})", key)
+    return kind(v)
+
+
+def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: str, max_model_len: int,
+                  defaults) -> GenRequest:
+    model = body.get("model")
+    if model is not None and model != model_name:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{model_name}'",
+                       param="model", code="model_not_found")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise bad("only n = 1 is supported", "n")
+    if body.get("logprobs") or body.get("top_logprobs") is not None:
+        raise bad("logprobs are not supported yet", "logprobs")
+    if body.get("best_of") not in (None, 1):
+        raise bad("best_of is not supported", "best_of")
+    try:
+        if chat:
+            if "messages" not in body:
+                raise bad("'messages' is required", "messages")
+            msgs = body["messages"]
+            if isinstance(msgs, list):
+                msgs = [_flatten_content(m) for m in msgs]
+            prompt_ids = encoder.encode_chat(msgs)
+        else:
+            if "prompt" not in body:
+                raise bad("'prompt' is required", "prompt")
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]          # a batch of one
+            if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+                raise bad("a list of several prompts is not supported; send one prompt per request", "prompt")
+            prompt_ids = encoder.encode_text(prompt)
+            if not prompt_ids:
+                raise bad("the prompt is empty", "prompt")
+    except PromptError as e:
+        raise bad(str(e), "messages" if chat else "prompt") from None
+    P = len(prompt_ids)
+    if P >= max_model_len:
+        raise bad(f"this model's maximum context length is {max_model_len} tokens; the prompt has {P} tokens",
+                  "messages" if chat else "prompt")
+    key = "max_tokens"
+    max_tokens = body.get("max_tokens")
+    if chat and body.get("max_completion_tokens") is not None:
+        key, max_tokens = "max_completion_tokens", body.get("max_completion_tokens")
+    if max_tokens is None:
+        max_tokens = min(defaults.max_tokens, max_model_len - P)
+    else:
+        max_tokens = _number({key: max_tokens}, key, None, int, lo=1)
+        if P + max_tokens > max_model_len:
+            raise bad(f"this model's maximum context length is {max_model_len} tokens; you asked for {P} prompt "
+                      f"tokens + {max_tokens} completion tokens = {P + max_tokens}: lower {key}", key)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise bad("'stop' must be a string or a list of strings", "stop")
+    stop = [s for s in stop if s]
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("'stream_options' must be an object", "stream_options")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("'stream' must be a boolean", "stream")
+    return GenRequest(
+        prompt_ids=prompt_ids, max_tokens=max_tokens,
+        temperature=_number(body, "temperature", defaults.temperature, lo=0, hi=2),
+        top_p=_number(body, "top_p", defaults.top_p, lo=0, hi=1, lo_open=True),
+        top_k=_number(body, "top_k", defaults.top_k if defaults.top_k else 0, int, lo=-1),
+        seed=_number(body, "seed", None, int), stop=stop, stream=stream,
+        include_usage=bool((opts or {}).get("include_usage")), chat=chat, echo_model=model_name)
+
+
+def _flatten_content(m):
+    """OpenAI allows content as a list of parts; text parts are joined."""
+    if isinstance(m, dict) and isinstance(m.get("content"), list):
+        parts = m["content"]
+        if all(isinstance(p, dict) and p.get("type") == "text" for p in parts):
+            return {**m, "content": "".join(str(p.get("text", "")) for p in parts)}
+        raise bad("only text content parts are supported", "messages")
+    return m

@@ -1,0 +1,88 @@
+"""The serving loop of one rank: requests arrive from the frontend over the link, tokens go back
+after every step.
+
+Waiting for work is a blocking read of this rank's inbox — no collective, no timeout, no spinning.
+With `dp_sync: always` the ranks step together while any of them has work: each step ends with the
+vote, and when it says nobody has work every rank goes back to waiting. The frontend sends every
+other rank a "wake" with each new request, and a rank that saw any message since the last vote
+votes "work", so no rank can miss a wake-up and leave the others alone in a collective.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from multiprocessing.connection import Client
+
+from ..runtime.sampling import SamplingParams
+from .link import link_address
+
+
+def serve_rank(engine, dp, job: dict) -> None:
+    address, authkey = link_address(job["link"])
+    conn = Client(address, authkey=authkey)
+    conn.send(("hello", dp.rank))
+    inbox: queue.Queue = queue.Queue()
+    send_lock = threading.Lock()
+
+    def reader() -> None:
+        try:
+            while True:
+                inbox.put(conn.recv())
+        except (EOFError, OSError):
+            inbox.put(("shutdown",))     # the frontend is gone
+
+    threading.Thread(target=reader, daemon=True, name="specdp-link").start()
+
+    def send(msg) -> None:
+        with send_lock:
+            conn.send(msg)
+
+    shutting_down = False
+    active = False            # lockstep: stepping together until the vote says stop
+    while True:
+        if not active and not engine.has_work:
+            if shutting_down:
+                break
+            dp.publish(engine.step_no, "waiting for requests")
+            msgs = [inbox.get()]              # blocks: idle ranks do not spin and hold no collective
+        else:
+            msgs = []
+        while True:
+            try:
+                msgs.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        for msg in msgs:
+            kind = msg[0]
+            if kind == "add":
+                _, req_id, prompt_ids, params, seed = msg
+                engine.add_request(engine.make_request(req_id, prompt_ids, SamplingParams.from_dict(params), seed))
+            elif kind == "abort":
+                if engine.abort(msg[1]):
+                    send(("out", [(msg[1], [], "abort", "", None)]))
+            elif kind == "shutdown":
+                shutting_down = True
+        if shutting_down and not dp.lockstep:
+            for seq in list(engine.scheduler.running):
+                engine.abort(seq.req.id)
+            break
+        if dp.lockstep:
+            active = True
+        elif not engine.has_work:
+            continue
+        outs = engine.step()
+        events = [(o.seq.req.id, o.new_tokens, o.seq.finish_reason if o.finished else None,
+                   engine.output.text(o.seq) if o.finished else None,
+                   _stats(o.seq) if o.finished else None) for o in outs if o.new_tokens or o.finished]
+        if events:
+            send(("out", events))
+        if dp.lockstep:
+            active = dp.vote(engine.has_work or bool(msgs), engine.step_no)
+    send(("bye", dp.rank))
+
+
+def _stats(seq) -> dict:
+    s = seq.stats
+    return {"prompt_tokens": seq.num_prompt, "completion_tokens": len(seq.generated), "num_drafts": s.num_drafts,
+            "num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_tokens,
+            "accepted_per_pos": list(s.accepted_per_pos)}

@@ -1,0 +1,302 @@
+"""`specdp serve` with dp = 2 on CPU, driven by the real `openai` client over a live port."""
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import openai
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from dp_util import write_jsonl
+from helpers import write_config
+from specdp_cli.cli import app
+
+pytestmark = pytest.mark.timeout(300)
+KEY = "sk-test-key"
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_config(tmp, models, port, **extra):
+    data = {"model": str(models["target"]), "max_model_len": 96, "device": "cpu", "chat_template": TEMPLATE,
+            "speculative": {"model": str(models["draft"]), "num_speculative_tokens": 3},
+            "parallel": {"data_parallel_size": 2, "dp_sync": "always", "collective_timeout_s": 20},
+            "scheduler": {"max_num_seqs": 4}, "sampling": {"max_tokens": 16},
+            "server": {"port": port, "model_name": "tiny", "max_queue": 20, "api_key": KEY}}
+    for k, v in extra.items():
+        data[k] = {**data.get(k, {}), **v} if isinstance(v, dict) else v
+    return write_config(tmp / "serve.yaml", data)
+
+
+class Server:
+    def __init__(self, cfg, port):
+        self.port = port
+        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+        env.pop("SPECDP_API_KEY", None)
+        self.proc = subprocess.Popen([sys.executable, "-m", "specdp_cli", "serve", str(cfg)], env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while self.health() != 200:
+            assert self.proc.poll() is None, self.proc.communicate()
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.3)
+
+    def http(self, method, path, body=None, headers=None, raw=None):
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json", **(headers or {})}
+        data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+        c.request(method, path, body=data, headers=h)
+        r = c.getresponse()
+        text = r.read().decode()
+        c.close()
+        return r.status, text, dict(r.getheaders())
+
+    def health(self):
+        try:
+            return self.http("GET", "/health")[0]
+        except OSError:
+            return None
+
+    def metric(self, name):
+        _, text, _ = self.http("GET", "/metrics", headers={"Authorization": ""})
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+    def ranks(self):
+        return [p for p in psutil.Process(self.proc.pid).children(recursive=True)
+                if "specdp_cli.runtime.rank_main" in p.cmdline() and p.name() != "pt_elastic"]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, models):
+    tmp = tmp_path_factory.mktemp("serve")
+    port = free_port()
+    s = Server(server_config(tmp, models, port), port)
+    s.tmp, s.models = tmp, models
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key=KEY, max_retries=0)
+
+
+PROMPTS = ["def add(a, b):", "class Point:\n    def __init__(self", "for i in range(10):", "import os\nimport sys\n"]
+
+
+def test_models_and_completions(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert r.object == "text_completion" and r.model == "tiny" and r.id.startswith("cmpl-")
+    assert r.choices[0].finish_reason in ("stop", "length") and isinstance(r.choices[0].text, str)
+    assert r.usage.prompt_tokens > 0 and 0 < r.usage.completion_tokens <= 12
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_streamed_completion_equals_unstreamed(client):
+    full = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=14, temperature=0)
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=14, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_chat_streamed_and_not(client):
+    msgs = [{"role": "user", "content": "write a loop"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=10, temperature=0)
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == r.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_greedy_server_equals_generate(client, server, tmp_path):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p, "max_tokens": 16} for p in PROMPTS])
+    cfg = server_config(tmp_path, server.models, server.port)
+    res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(inp), "--output", str(tmp_path / "o.jsonl"),
+                                   "--dp", "1"])
+    assert res.exit_code == 0, res.output
+    expected = [json.loads(x)["text"] for x in open(tmp_path / "o.jsonl")]
+    got = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
+           for p in PROMPTS]
+    assert got == expected
+
+
+def test_sixteen_concurrent_streams(client):
+    results, errors = {}, []
+
+    def one(i):
+        try:
+            s = client.completions.create(model="tiny", prompt=PROMPTS[i % 4] + " " * (i % 3), max_tokens=20,
+                                          temperature=0.7, seed=i, stream=True)
+            chunks = list(s)
+            results[i] = [c for c in chunks if c.choices][-1].choices[0].finish_reason
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and len(results) == 16 and all(v in ("stop", "length") for v in results.values())
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", None, 400, None),                                               # malformed JSON
+    ("/v1/completions", {"max_tokens": 5}, 400, "prompt"),
+    ("/v1/chat/completions", {"max_tokens": 5}, 400, "messages"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    ("/v1/completions", {"prompt": "def f(x): return x\n" * 40}, 400, "prompt"),        # prompt >= M
+    ("/v1/completions", {"prompt": "x", "max_tokens": 200}, 400, "max_tokens"),          # prompt + max_tokens > M
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+])
+def test_bad_inputs(server, path, body, status, param):
+    raw = "{not json" if body is None else None
+    code, text, _ = server.http("POST", path, body=body, raw=raw)
+    assert code == status, text
+    err = json.loads(text)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    if "200" in text and status == 400 and param == "max_tokens":
+        assert "96" in err["message"]
+    assert server.health() == 200
+
+
+def test_auth_and_unknown_fields(server, client):
+    assert server.http("GET", "/v1/models", headers={"Authorization": ""})[0] == 401
+    assert server.http("POST", "/v1/completions", {"prompt": "x"}, headers={"Authorization": "Bearer nope"})[0] == 401
+    bad = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    code, _, _ = server.http("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "frobnicate": True})
+    assert code == 200
+    # health and metrics need no key
+    assert server.http("GET", "/health", headers={"Authorization": ""})[0] == 200
+    assert server.http("GET", "/metrics", headers={"Authorization": ""})[0] == 200
+
+
+def test_metrics_counters(server, client):
+    before = server.metric("specdp:spec_decode_num_draft_tokens_total")
+    client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0)
+    assert server.metric("specdp:spec_decode_num_draft_tokens_total") > before
+    _, text, _ = server.http("GET", "/metrics")
+    for name in ("specdp:spec_decode_num_drafts_total", "specdp:spec_decode_num_accepted_tokens_total",
+                 'specdp:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}',
+                 "specdp:time_to_first_token_seconds_bucket", "specdp:time_per_output_token_seconds_count",
+                 "specdp:prompt_tokens_total", "specdp:generation_tokens_total", "specdp:num_requests_waiting",
+                 'finished_reason="length"'):
+        assert name in text
+
+
+def test_disconnect_frees_the_slot(server):
+    aborts = server.metric('specdp:request_success_total{model_name="tiny",finished_reason="abort"}')
+    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    c.request("POST", "/v1/completions", body=json.dumps({"prompt": "def f(x):", "max_tokens": 80, "stream": True,
+                                                            "ignore_eos": True}),
+              headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    r.fp.readline()                         # the first chunk arrived: the request is running
+    c.sock.shutdown(socket.SHUT_RDWR)
+    c.close()
+    deadline = time.monotonic() + 30
+    while server.metric('specdp:request_success_total{model_name="tiny",finished_reason="abort"}') == aborts:
+        assert time.monotonic() < deadline, "the disconnect did not abort the request"
+        time.sleep(0.2)
+    while server.metric("specdp:num_requests_running") > 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert server.health() == 200
+
+
+def test_queue_limit_gives_429(server):
+    statuses, retry = [], []
+
+    def one():
+        code, _, headers = server.http("POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 80})
+        statuses.append(code)
+        if code == 429:
+            retry.append(headers.get("Retry-After") or headers.get("retry-after"))
+
+    threads = [threading.Thread(target=one) for _ in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert statuses.count(429) > 0 and statuses.count(200) >= 20, statuses
+    assert set(statuses) <= {200, 429} and all(retry)
+    assert server.health() == 200
+
+
+def test_bench_serve(server, tmp_path):
+    out = tmp_path / "bench.json"
+    res = CliRunner().invoke(app, ["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "4",
+                                   "--num-requests", "8", "--max-tokens", "12", "--api-key", KEY, "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    for label in ("request throughput", "TTFT", "TPOT", "ITL", "acceptance rate", "mean acceptance length"):
+        assert label in res.output
+    data = json.load(open(out))
+    assert data["completed"] == 8 and data["failed"] == 0 and data["ttft_ms"]["median"] > 0
+    assert data["acceptance_rate"] is not None
+
+
+def test_sigterm_drains_and_exits_0(server, client):
+    got = {}
+
+    def slow():
+        got["r"] = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=60, temperature=0)
+
+    t = threading.Thread(target=slow)
+    t.start()
+    time.sleep(0.5)
+    server.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert "r" in got and got["r"].choices[0].finish_reason in ("stop", "length")      # drained, not cut
+    assert server.proc.wait(60) == 0
+
+
+def test_killed_rank_turns_health_503_and_exits_1(tmp_path, models):
+    port = free_port()
+    s = Server(server_config(tmp_path, models, port), port)
+    try:
+        ranks = s.ranks()
+        assert len(ranks) == 2
+        t0 = time.monotonic()
+        ranks[1].kill()
+        saw_503 = False
+        while s.proc.poll() is None and time.monotonic() - t0 < 20 + 30:
+            if s.health() == 503:
+                saw_503 = True
+            time.sleep(0.1)
+        assert saw_503
+        assert s.proc.wait(5) == 1
+        assert time.monotonic() - t0 < 20 + 30
+    finally:
+        s.stop()
