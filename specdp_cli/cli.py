@@ -62,7 +62,7 @@ def preflight_or_exit(config_path: Path, items: list[str], as_json: bool = False
             stderr.print("[bold red]configuration error[/] in " + str(config_path), highlight=False)
             for p in e.problems:
                 stderr.print(f"  - {p}", markup=False, highlight=False)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     report = run_preflight(cfg)
     if as_json:
         print(report_json(report))
@@ -120,10 +120,10 @@ def generate(
     except JobFailed as e:
         stderr.print("[bold red]job failed[/]: ", end="")
         stderr.print(str(e), markup=False, highlight=False)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         stderr.print(f"interrupted; finished results are kept beside {out} — rerun the same command to resume")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     if summary is None:
         stderr.print("done (this machine's ranks finished; machine 0 writes the output and summary)")
         return
@@ -181,7 +181,7 @@ def bench(
     except BenchError as e:
         stderr.print("[bold red]bench failed[/]: ", end="")
         stderr.print(str(e), markup=False)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     print_results(res, stdout)
     if json_path is not None:
         with open(json_path, "w") as fh:

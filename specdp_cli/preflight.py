@@ -108,7 +108,7 @@ def run_preflight(cfg: Config) -> Report:
     report = Report()
     plan = report.plan
     spec = cfg.speculative
-    k, M = spec.num_speculative_tokens, cfg.max_model_len
+    k = spec.num_speculative_tokens
     uses_drafter_model = spec.method == "draft_model"
 
     # 1. files ---------------------------------------------------------------------------------

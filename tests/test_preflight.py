@@ -1,6 +1,5 @@
 """`specdp validate config`: every check's paths, the JSON shape, exit codes, --set and schema errors."""
 import json
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner

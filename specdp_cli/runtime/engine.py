@@ -212,22 +212,24 @@ class Engine:
         dev = logits.device
         K = max(len(d) for _, d, _ in rows)
         R = len(rows)
-        index, base = [], 0
+        index, drafts, base = [], [], 0
         for _, d, _ in rows:
-            index.append([base + min(j, len(d)) for j in range(K + 1)])
+            index += [base + min(j, len(d)) for j in range(K + 1)]
+            drafts += d + [0] * (K - len(d))
             base += len(d) + 1
-        target_logits = logits[torch.tensor(index, device=dev)]                 # [R, K+1, V]
-        drafts = torch.tensor([d + [0] * (K - len(d)) for _, d, _ in rows], dtype=torch.long, device=dev)
-        n_drafts = torch.tensor([len(d) for _, d, _ in rows], dtype=torch.long, device=dev)
-        params = [s.req.params for s, _, _ in rows]
-        rt = row_tensors(params, dev)
+        # one host-to-device copy for the step's index tensors, one device-to-host copy back
+        packed = torch.tensor(index + drafts + [len(d) for _, d, _ in rows] + [s.L for s, _, _ in rows],
+                              dtype=torch.long).to(dev)
+        idx, drafts_t, n_drafts, first_pos = torch.split(packed, [R * (K + 1), R * K, R, R])
+        target_logits = logits[idx].view(R, K + 1, -1)
+        rt = row_tensors([s.req.params for s, _, _ in rows], dev)
         q = None
-        if draft_probs is not None and K:
-            src = [i if i is not None else 0 for _, _, i in rows]
-            q = draft_probs[torch.tensor(src, device=dev), :K]
-        first_pos = torch.tensor([s.L for s, _, _ in rows], dtype=torch.long, device=dev)
-        out, n_out = verify(target_logits, drafts.view(R, K), n_drafts, q, rt, first_pos)
-        return out.tolist(), n_out.tolist()
+        if draft_probs is not None and K and not rt["all_greedy"]:
+            src = torch.tensor([i if i is not None else 0 for _, _, i in rows], dtype=torch.long).to(dev)
+            q = draft_probs[src, :K]
+        out, n_out = verify(target_logits, drafts_t.view(R, K), n_drafts, q, rt, first_pos)
+        both = torch.cat([out, n_out.view(-1, 1)], 1).tolist()
+        return [r[:-1] for r in both], [r[-1] for r in both]
 
     def _accept(self, s: Sequence, drafts: list[int], new: list[int]) -> StepOutput:
         old_len = s.L

@@ -73,16 +73,17 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 # logits -> probabilities
 
 def row_tensors(params: list[SamplingParams], device) -> dict:
-    """Per-row sampling settings as device tensors, plus two flags decided on the host (no sync)."""
-    return {
-        "all_greedy": all(p.greedy for p in params),
-        "filter": any(0 < p.top_k or p.top_p < 1 for p in params if not p.greedy),
-        "greedy": torch.tensor([p.greedy for p in params], dtype=torch.bool, device=device),
-        "temperature": torch.tensor([max(p.temperature, 1e-5) for p in params], device=device),
-        "top_p": torch.tensor([p.top_p for p in params], device=device),
-        "top_k": torch.tensor([p.top_k for p in params], device=device),
-        "seed": torch.tensor([p.seed for p in params], dtype=torch.long, device=device),
-    }
+    """Per-row sampling settings as device tensors (one host-to-device copy; none at all when every
+    row is greedy), plus two flags decided on the host so no step waits on the device for them."""
+    rows = {"all_greedy": all(p.greedy for p in params),
+            "filter": any(0 < p.top_k or p.top_p < 1 for p in params if not p.greedy)}
+    if rows["all_greedy"]:
+        return rows
+    packed = torch.tensor([[float(p.greedy), max(p.temperature, 1e-5), p.top_p, p.top_k, p.seed] for p in params],
+                          dtype=torch.float64).to(device)
+    rows.update(greedy=packed[:, 0] > 0.5, temperature=packed[:, 1].float(), top_p=packed[:, 2].float(),
+                top_k=packed[:, 3].long(), seed=packed[:, 4].long())
+    return rows
 
 
 def probabilities(logits: torch.Tensor, rows: dict) -> torch.Tensor:
@@ -181,8 +182,10 @@ def draw(logits: torch.Tensor, rows: dict, positions: torch.Tensor,
 
 def select_rows(rows: dict, index: list[int], params: list[SamplingParams]) -> dict:
     """The row settings of a subset of rows (`params` are the subset's own, for the host flags)."""
-    idx = torch.tensor(index, dtype=torch.long, device=rows["seed"].device)
-    out = {k: v.index_select(0, idx) for k, v in rows.items() if isinstance(v, torch.Tensor)}
-    out["all_greedy"] = all(p.greedy for p in params)
-    out["filter"] = any(0 < p.top_k or p.top_p < 1 for p in params if not p.greedy)
+    out = {"all_greedy": all(p.greedy for p in params),
+           "filter": any(0 < p.top_k or p.top_p < 1 for p in params if not p.greedy)}
+    if out["all_greedy"]:
+        return out
+    idx = torch.tensor(index, dtype=torch.long).to(rows["seed"].device)
+    out.update({k: v.index_select(0, idx) for k, v in rows.items() if isinstance(v, torch.Tensor)})
     return out

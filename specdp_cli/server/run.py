@@ -68,7 +68,7 @@ def run_server(cfg: Config, plan: Plan, console: Console) -> int:
         tokenizer = load_tokenizer(cfg.tokenizer_path)
         app = build_app(frontend, PromptEncoder(tokenizer, cfg.chat_template), tokenizer, plan.model_name,
                         cfg.max_model_len, cfg.sampling, cfg.server.api_key)
-        return asyncio.run(_serve(app, frontend, ranks, cfg, console))
+        return asyncio.run(_serve(app, frontend, ranks, cfg, plan, console))
     finally:
         if link is not None:
             for r in range(world):
@@ -83,7 +83,7 @@ def run_server(cfg: Config, plan: Plan, console: Console) -> int:
         run_dir.cleanup()
 
 
-async def _serve(app, frontend, ranks: Ranks, cfg: Config, console: Console) -> int:
+async def _serve(app, frontend, ranks: Ranks, cfg: Config, plan: Plan, console: Console) -> int:
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -117,7 +117,7 @@ async def _serve(app, frontend, ranks: Ranks, cfg: Config, console: Console) -> 
             if frontend.failed is not None:
                 if failed_at is None:
                     failed_at = time.monotonic()
-                    console.print(f"[bold red]a rank failed[/]: ", end="")
+                    console.print("[bold red]a rank failed[/]: ", end="")
                     console.print(frontend.failed, markup=False)
                 if time.monotonic() - failed_at > FAILED_GRACE_S or ranks.poll() is not None and \
                         time.monotonic() - failed_at > 1.0:
@@ -139,7 +139,7 @@ async def _serve(app, frontend, ranks: Ranks, cfg: Config, console: Console) -> 
         server.should_exit = True
 
     console.print(f"serving [bold]{frontend.metrics.model}[/] on http://{cfg.server.host}:{cfg.server.port}/v1 "
-                  f"({frontend.world} rank(s), dp_sync {cfg.parallel.dp_sync if cfg.parallel.dp_sync != 'auto' else 'auto'})")
+                  f"({frontend.world} rank(s), dp_sync {plan.dp_sync})")
     tasks = [asyncio.create_task(watch()), asyncio.create_task(drain())]
     try:
         await server.serve()

@@ -45,7 +45,8 @@ class ModelDrafter(Drafter):
             if not active:
                 continue
             sub = rt if len(active) == len(rows) else select_rows(rt, active, [params[i] for i in active])
-            pos = torch.tensor([rows[i][0].L + j for i in active], dtype=torch.long, device=dev)
+            pos = None if sub["all_greedy"] else \
+                torch.tensor([rows[i][0].L + j for i in active], dtype=torch.long).to(dev)
             tok, probs = draw(logits, sub, pos, STREAM_DRAFT)
             for i, t in zip(active, tok.tolist()):
                 tokens[i].append(t)
@@ -66,7 +67,7 @@ class ModelDrafter(Drafter):
         V = probs_by_fwd[0][2].shape[-1]
         out = torch.zeros(R, K, V, device=probs_by_fwd[0][2].device)
         for j, active, p in probs_by_fwd:
-            out[torch.tensor(active, device=out.device), j] = p
+            out[torch.tensor(active).to(out.device), j] = p
         return out
 
     def on_accept(self, seq: Sequence, old_len: int, accepted: int) -> None:
