@@ -88,10 +88,6 @@ def rank_env(cfg: Config, plan: Plan) -> dict[str, str]:
     return env
 
 
-class RankFailure(Exception):
-    """The ranks ended badly; the message names the rank(s) and phase(s)."""
-
-
 class Ranks:
     """The ranks of this machine, started through accelerate, watched by the parent."""
 

@@ -231,17 +231,6 @@ class DPGroup:
         self._run(lambda: dist.scatter_object_list(box, objs if self.rank == 0 else None, src=0), 0, what)
         return box[0]
 
-    def all_gather_objects(self, obj: Any, what: str) -> list[Any]:
-        if self.world == 1:
-            return [obj]
-        import torch.distributed as dist
-
-        self.publish(0, what)
-        out: list[Any] = [None] * self.world
-        self._check(("all_gather_object", "-", (1,), "object", 0, what))
-        self._run(lambda: dist.all_gather_object(out, obj), 0, what)
-        return out
-
     def wait_for_all(self, what: str) -> None:
         """A barrier without a time limit, for `dp_sync: never`: a slow but alive rank is no fault.
         It polls the store (no busy loop); the watchdog ends this rank if a peer dies meanwhile."""

@@ -44,7 +44,6 @@ class RankCounters:
         self.padding_steps = 0
         self.skipped_drafter_steps = 0
         self.generated_tokens = 0
-        self.finished = 0
         self.spec = SpecStats()
         self.first_step_t: float | None = None     # wall clock (comparable across ranks of a machine)
         self.last_step_t: float | None = None
@@ -195,7 +194,6 @@ class Engine:
                 outputs.append(self._accept(s, d, toks[:n]))
         for out in outputs:
             if out.finished:
-                c.finished += 1
                 c.spec.merge(out.seq.stats)
                 self._free(out.seq)
 

@@ -40,6 +40,3 @@ class SlotKVCache:
         for store in (self.keys, self.values):
             for t in store.values():
                 t[dst, :, :length] = t[src, :, :length]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in (self.keys, self.values) for t in s.values())

@@ -93,10 +93,6 @@ class StepPlan:
     decode: list[tuple[Sequence, int]]            # (sequence, k_eff)
     prefill: list[tuple[Sequence, int, int]]      # (sequence, start, end) of a prompt chunk
 
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
-
 
 class Scheduler:
     def __init__(self, num_slots: int, max_batched_tokens: int, k: int, max_model_len: int, D: int):
