@@ -72,11 +72,16 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 # logits -> probabilities
 
+def _host_flags(params: list[SamplingParams]) -> dict:
+    """Decided on the host, so no step waits on the device for them."""
+    return {"all_greedy": all(p.greedy for p in params),
+            "filter": any(0 < p.top_k or p.top_p < 1 for p in params if not p.greedy)}
+
+
 def row_tensors(params: list[SamplingParams], device) -> dict:
     """Per-row sampling settings as device tensors (one host-to-device copy; none at all when every
-    row is greedy), plus two flags decided on the host so no step waits on the device for them."""
-    rows = {"all_greedy": all(p.greedy for p in params),
-            "filter": any(0 < p.top_k or p.top_p < 1 for p in params if not p.greedy)}
+    row is greedy), plus the host flags."""
+    rows = _host_flags(params)
     if rows["all_greedy"]:
         return rows
     packed = torch.tensor([[float(p.greedy), max(p.temperature, 1e-5), p.top_p, p.top_k, p.seed] for p in params],
@@ -182,8 +187,7 @@ def draw(logits: torch.Tensor, rows: dict, positions: torch.Tensor,
 
 def select_rows(rows: dict, index: list[int], params: list[SamplingParams]) -> dict:
     """The row settings of a subset of rows (`params` are the subset's own, for the host flags)."""
-    out = {"all_greedy": all(p.greedy for p in params),
-           "filter": any(0 < p.top_k or p.top_p < 1 for p in params if not p.greedy)}
+    out = _host_flags(params)
     if out["all_greedy"]:
         return out
     idx = torch.tensor(index, dtype=torch.long).to(rows["seed"].device)

@@ -77,15 +77,14 @@ def build_app(frontend: Frontend, encoder, tokenizer, model_name: str, max_model
     return app
 
 
-def _usage(stats: dict | None, req: GenRequest, n_tokens: int) -> dict:
-    p = len(req.prompt_ids)
-    c = stats["completion_tokens"] if stats else n_tokens
+def _usage(stats: dict | None, inf: Inflight) -> dict:
+    p = len(inf.req.prompt_ids)
+    c = stats["completion_tokens"] if stats else inf.n_tokens
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
 async def _collect(frontend: Frontend, request: Request, inf: Inflight, req: GenRequest):
     """A non-streamed answer; a client that goes away meanwhile aborts the request."""
-    tokens: list[int] = []
     try:
         while True:
             try:
@@ -95,7 +94,6 @@ async def _collect(frontend: Frontend, request: Request, inf: Inflight, req: Gen
                     frontend.abort(inf)
                     return Response(status_code=499)
                 continue
-            tokens += ev.new_tokens
             frontend.note_tokens(inf, len(ev.new_tokens))
             if ev.finish_reason is not None:
                 break
@@ -116,7 +114,7 @@ async def _collect(frontend: Frontend, request: Request, inf: Inflight, req: Gen
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
         obj = "text_completion"
     return {"id": inf.id, "object": obj, "created": created, "model": req.echo_model, "choices": [choice],
-            "usage": _usage(ev.stats, req, len(tokens))}
+            "usage": _usage(ev.stats, inf)}
 
 
 def _sse(obj) -> str:
@@ -141,10 +139,8 @@ async def _stream(frontend: Frontend, tokenizer, inf: Inflight, req: GenRequest)
     try:
         if req.chat:
             yield _sse(chunk(None, None, role=True))
-        n = 0
         while True:
             ev: Event = await inf.queue.get()
-            n += len(ev.new_tokens)
             frontend.note_tokens(inf, len(ev.new_tokens))
             if ev.finish_reason in ("error", "abort"):
                 finished = True
@@ -164,7 +160,7 @@ async def _stream(frontend: Frontend, tokenizer, inf: Inflight, req: GenRequest)
                 yield _sse(chunk(delta, None))
             yield _sse(chunk(None, ev.finish_reason))
             if req.include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(ev.stats, req, n)})
+                yield _sse({**base, "choices": [], "usage": _usage(ev.stats, inf)})
             break
         yield "data: [DONE]\n\n"
     finally:

@@ -3,7 +3,6 @@ into per-request asyncio queues."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -76,7 +75,6 @@ class Frontend:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.failed: str | None = None
         self.draining = False
-        self._ids = itertools.count()
 
     # -- called from the link's threads ---------------------------------------------------------
 
