@@ -1,65 +1,63 @@
 #!/usr/bin/env bash
-# The GPU benchmark runs behind benchmarks/results/ and docs/benchmarks.md, in stages.
-#   bash benchmarks/run_h200.sh smoke|offline|widened|dp|serve OUT_DIR
-# Needs .bench/codepair (a copy of ../shared/models/codepair) and .bench/{hf_baselines,widen}.py
+# The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
+# the Hugging Face rows of the same run on GPU 1 at the same time):
+#   bash benchmarks/run_h200.sh gpu-tests|codepair|widened|memory|dp OUT_DIR
+# Needs .bench/codepair (a copy of ../shared/models/codepair) and .bench/{hf_baselines,widen,graph_floor}.py
 # (copies of ../shared/bench/); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
 stage=$1; out=$2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-if [ -d .whl ] && ! python3 -c "import pydantic, fastapi, uvicorn" 2>/dev/null; then
+if [ -d .whl ] && ! python3 -c "import pydantic" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 P=.bench/codepair
+W=/tmp/wide
+widen() {   # the 8B-shaped target that computes the codepair target's function (../shared/bench/widen.py)
+  [ -f $W/target/config.json ] && return 0
+  python3 .bench/widen.py $P/target $W/target > "$out/widen.log" 2>&1 || { cat "$out/widen.log"; return 1; }
+  ln -sfn "$PWD/$P/draft" $W/draft && ln -sfn "$PWD/$P/tokenizer" $W/tokenizer && cp $P/heldout_prompts.jsonl $W/
+}
 case "$stage" in
-smoke)
+gpu-tests)
   nvidia-smi -L
-  python3 -c "import torch, transformers, accelerate; print(torch.__version__, transformers.__version__, accelerate.__version__, torch.cuda.device_count())"
-  head -8 $P/heldout_prompts.jsonl > "$out/p8.jsonl"
-  python3 -m specdp_cli validate config benchmarks/codepair.yaml --dp 2
-  python3 -m specdp_cli generate benchmarks/codepair.yaml --input "$out/p8.jsonl" --output "$out/o1.jsonl" --summary-json "$out/smoke_dp1.json"
-  python3 -m specdp_cli generate benchmarks/codepair.yaml --input "$out/p8.jsonl" --output "$out/o2.jsonl" --dp 2 \
-    --set parallel.dp_sync=always --set parallel.check_collectives=true --summary-json "$out/smoke_dp2.json"
-  python3 - "$out" <<'PY'
-import json, sys
-a = [json.loads(l) for l in open(sys.argv[1] + "/o1.jsonl")]; b = [json.loads(l) for l in open(sys.argv[1] + "/o2.jsonl")]
-print("dp1 vs dp2 lockstep, bf16 greedy token_ids equal:", sum(x["token_ids"] == y["token_ids"] for x, y in zip(a, b)), "/", len(a))
-PY
-  SPECDP_FAULT=single-dummy-forward:1 timeout 120 python3 -m specdp_cli generate benchmarks/codepair.yaml --input "$out/p8.jsonl" \
-    --output "$out/o3.jsonl" --dp 2 --set parallel.dp_sync=always --set parallel.collective_timeout_s=60; echo "fault run exit: $?"
+  python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
   ;;
-offline)
-  CUDA_VISIBLE_DEVICES=1 python3 .bench/hf_baselines.py $P --prompts 32 --new 128 > "$out/hf_codepair.jsonl" 2> "$out/hf_codepair.err" &
-  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --json "$out/offline_codepair.json" > "$out/offline_codepair.log" 2>&1
+codepair)
+  CUDA_VISIBLE_DEVICES=1 python3 benchmarks/hf_rows.py .bench/hf_baselines.py $P --cases generate_bs1,prompt_lookup,assisted_k4,static:32 \
+    > "$out/hf_codepair.jsonl" 2> "$out/hf_codepair.err" &
+  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --batches 1 --profile "${PROFILE:-draft_model:1}" \
+    --json "$out/offline_codepair_bs1.json" > "$out/offline_codepair_bs1.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --requests 256 --batches 32 \
+    --json "$out/offline_codepair_256.json" > "$out/offline_codepair_256.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --batches 32 --methods none,draft_model --eager \
+    --json "$out/offline_codepair_eager.json" > "$out/offline_codepair_eager.log" 2>&1
   wait
-  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/hf_rows.py .bench/hf_baselines.py $P --cases static:32 >> "$out/hf_codepair.jsonl" 2>> "$out/hf_codepair.err"
-  tail -12 "$out/offline_codepair.log"; cat "$out/hf_codepair.jsonl"
-  ;;
-offline-quick)
-  # the specdp table plus the HF rows its targets compare with (batch 1, assisted k = 4, static batch 32)
-  CUDA_VISIBLE_DEVICES=1 python3 benchmarks/hf_rows.py .bench/hf_baselines.py $P --cases generate_bs1,assisted_k4,static:32 \
-    > "$out/hf_codepair_quick.jsonl" 2> "$out/hf_codepair_quick.err" &
-  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --json "$out/offline_codepair_v2.json" > "$out/offline_codepair_v2.log" 2>&1
-  wait
-  tail -10 "$out/offline_codepair_v2.log"; cat "$out/hf_codepair_quick.jsonl"
+  CUDA_VISIBLE_DEVICES=1 python3 .bench/graph_floor.py $P/target --bs 1,32 --label _codepair >> "$out/hf_codepair.jsonl" 2>> "$out/hf_codepair.err"
+  grep -v "^{" "$out/offline_codepair_bs1.log" | head -90
+  for f in bs1 256 eager; do grep -A8 "^method" "$out/offline_codepair_$f.log"; done
+  cat "$out/hf_codepair.jsonl"
   ;;
 widened)
-  python3 .bench/widen.py $P/target /tmp/wide/target > "$out/widen.log" 2>&1 || { cat "$out/widen.log"; exit 1; }
-  mkdir -p /tmp/wide && ln -sfn "$PWD/$P/draft" /tmp/wide/draft && ln -sfn "$PWD/$P/tokenizer" /tmp/wide/tokenizer \
-    && cp $P/heldout_prompts.jsonl /tmp/wide/
-  CUDA_VISIBLE_DEVICES=1 python3 .bench/hf_baselines.py /tmp/wide --prompts 16 --new 128 > "$out/hf_widened.jsonl" 2> "$out/hf_widened.err" &
-  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --target /tmp/wide/target --prompts 16 --batches 1,16 \
+  widen || exit 1
+  CUDA_VISIBLE_DEVICES=1 sh -c "python3 benchmarks/hf_rows.py .bench/hf_baselines.py $W --prompts 16 --cases generate_bs1,static:16; \
+    python3 .bench/graph_floor.py $W/target --bs 1,16 --label _8b" > "$out/hf_widened.jsonl" 2> "$out/hf_widened.err" &
+  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --target $W/target --prompts 16 --batches 1,16 \
     --methods none,draft_model --label widened --json "$out/offline_widened.json" > "$out/offline_widened.log" 2>&1
   wait
-  tail -6 "$out/offline_widened.log"; cat "$out/hf_widened.jsonl"
+  grep -A8 "^method" "$out/offline_widened.log"; tail -3 "$out/offline_widened.log"; cat "$out/hf_widened.jsonl"
+  ;;
+memory)
+  widen || exit 1
+  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --target $W/target --requests 256 --batches 256 \
+    --methods none --max-model-len 4096 --label widened-memory --json "$out/offline_memory.json" > "$out/offline_memory.log" 2>&1
+  tail -4 "$out/offline_memory.log"
   ;;
 dp)
-  python3 benchmarks/dp_scaling.py --pair $P --dps "${DPS:-1,2}" --cuts "${CUTS:-16}" --work /tmp/dpwork --json "$out/dp_scaling.json" 2>&1 | tail -8
-  ;;
-serve)
-  python3 benchmarks/serve_bench.py --pair $P --work /tmp/servework --json "$out/serve.json" 2>&1 | tail -8
-  cp /tmp/servework/server.log "$out/" 2>/dev/null
+  python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
+    --json "$out/dp_scaling.json" 2>&1 | tail -8
   ;;
 esac

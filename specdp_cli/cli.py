@@ -101,7 +101,9 @@ def generate(
     """Run an offline batch job over the data-parallel ranks (resumable: rerun the same command)."""
     import time
 
-    t0 = time.time()
+    from .launch import process_start_time
+
+    t0 = process_start_time()
     cfg, report = preflight_or_exit(config, overrides(set_, dp, device), quiet_ok=True)
     if cfg.parallel.machine_rank == 0:
         if input is None:

@@ -75,6 +75,12 @@ class SchedulerConfig(_Strict):
     max_num_batched_tokens: int = Field(8192, ge=1)
 
 
+class CacheConfig(_Strict):
+    block_size: int = Field(16, ge=1, le=1024)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    num_blocks: Optional[int] = Field(None, ge=1)   # default: sized from GPU memory (CUDA) or max_num_seqs (CPU)
+
+
 class SamplingConfig(_Strict):
     max_tokens: int = Field(128, ge=1)
     temperature: float = Field(0.0, ge=0)
@@ -98,9 +104,11 @@ class Config(_Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int = Field(4096, ge=2)
     seed: int = 0
+    enforce_eager: bool = False        # no CUDA graphs (CPU always runs eagerly)
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
 

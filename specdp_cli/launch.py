@@ -28,6 +28,19 @@ from .runtime.status import read_states
 GRACE_S = 10.0
 
 
+def process_start_time() -> float:
+    """Wall-clock time this process started (Linux: from /proc; elsewhere: now), so a command's
+    figures include its own interpreter and import time."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as fh:
+            boot = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
 class RunDir:
     """The files shared by the parent and the ranks of this machine."""
 
@@ -39,7 +52,7 @@ class RunDir:
 
     def write_job(self, cfg: Config, plan: Plan, mode: str, threads: int, **extra) -> None:
         job = {"config": cfg.model_dump(), "plan": asdict(plan), "mode": mode, "threads": threads,
-               "parent_pid": os.getpid(), **extra}
+               "parent_pid": os.getpid(), "started_at": process_start_time(), **extra}
         with open(self.file("job.json"), "w") as fh:
             json.dump(job, fh)
 

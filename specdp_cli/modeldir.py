@@ -8,11 +8,33 @@ from dataclasses import dataclass
 from functools import cached_property
 
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# architecture -> transformers' module name; specdp's decoder (runtime/model.py) runs all of them
+FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+            "Qwen3ForCausalLM": "qwen3"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
 class ModelDirError(Exception):
     pass
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+def architecture_of(config: dict) -> str:
+    """The supported architecture a config.json names, or UnsupportedModel saying what is supported."""
+    archs = config.get("architectures") or []
+    for a in archs:
+        if a in FAMILIES:
+            return a
+    mt = config.get("model_type")
+    if not archs:
+        for a, family in FAMILIES.items():
+            if mt == family:
+                return a
+    named = ", ".join(archs) or f"model_type {mt!r}"
+    raise UnsupportedModel(f"{named} is not supported; specdp runs {', '.join(sorted(FAMILIES))}")
 
 
 @dataclass
@@ -98,8 +120,8 @@ class ModelDir:
 
     @cached_property
     def weight_files(self) -> list[str]:
-        files = glob.glob(os.path.join(self.path, "*.safetensors"))
-        return files or glob.glob(os.path.join(self.path, "*.bin"))
+        files = sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
+        return files or sorted(glob.glob(os.path.join(self.path, "*.bin")))
 
     def weight_bytes(self, dtype: str) -> int:
         """Bytes of the weights once loaded in `dtype` (files on disk, rescaled from their stored dtype)."""

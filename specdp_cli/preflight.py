@@ -12,9 +12,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from .config import Config
-from .modeldir import ModelDir, ModelDirError, has_tokenizer_files, load_tokenizer
+from .modeldir import ModelDir, ModelDirError, UnsupportedModel, architecture_of, has_tokenizer_files, load_tokenizer
 
 STATUS_ORDER = {"ok": 0, "warn": 1, "error": 2}
+ACTIVATION_RESERVE = 1 << 30             # preflight's guess at activations + CUDA graphs on a GPU
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Report:
     plan: Plan = field(default_factory=Plan)
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    kv_cache: Optional[dict] = None          # block_size, num_blocks, tokens, sequences (see _memory)
 
     @property
     def ok(self) -> bool:
@@ -71,6 +73,7 @@ class Report:
             "dp_sync": p.dp_sync,
             "drafter_max_model_len": p.drafter_max_model_len,
             "no_draft_window": p.no_draft_window,
+            "kv_cache": self.kv_cache,
             "checks": [asdict(c) for c in self.checks],
             "errors": list(self.errors),
             "warnings": list(self.warnings),
@@ -91,15 +94,15 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def device_free_bytes(device: str) -> Optional[int]:
-    """Free memory of one device; None on CPU (there the memory check reports the estimate only)."""
+def device_memory(device: str) -> Optional[tuple[int, int]]:
+    """(free, total) bytes of one device; None on CPU (there the memory check reports the estimate only)."""
     if device != "cuda":
         return None
     import torch
     if not torch.cuda.is_available():
         return None     # the parallel check already reports the missing GPU
-    free, _total = torch.cuda.mem_get_info(0)
-    return int(free)
+    free, total = torch.cuda.mem_get_info(0)
+    return int(free), int(total)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,7 +123,7 @@ def run_preflight(cfg: Config) -> Report:
         if not target.weight_files:
             findings.append(("error", f"target directory {target.path} has no weights (*.safetensors or *.bin)."))
         else:
-            findings.append(("ok", f"target {target.path}."))
+            findings.append(_supported("target", target))
     except ModelDirError as e:
         findings.append(("error", f"{e}."))
     if uses_drafter_model:
@@ -129,7 +132,7 @@ def run_preflight(cfg: Config) -> Report:
             if not drafter.weight_files:
                 findings.append(("error", f"drafter directory {drafter.path} has no weights."))
             else:
-                findings.append(("ok", f"drafter {drafter.path}."))
+                findings.append(_supported("drafter", drafter))
         except ModelDirError as e:
             hint = " (method draft_model needs it; or use method: ngram)" if not spec.model else ""
             findings.append(("error", f"{e}{hint}."))
@@ -168,7 +171,7 @@ def run_preflight(cfg: Config) -> Report:
 
     # 6. memory ----------------------------------------------------------------------------------
     if target is not None and (drafter is not None or not uses_drafter_model):
-        report.add("memory", _memory(cfg, plan, target, drafter))
+        report.add("memory", _memory(cfg, plan, target, drafter, report))
 
     # 7. scheduler -------------------------------------------------------------------------------
     s = cfg.scheduler
@@ -181,6 +184,13 @@ def run_preflight(cfg: Config) -> Report:
         report.add("scheduler", [("ok", f"max_num_seqs {s.max_num_seqs}, max_num_batched_tokens "
                                         f"{s.max_num_batched_tokens} (prompts longer than that are prefilled in chunks).")])
     return report
+
+
+def _supported(role: str, md: ModelDir) -> tuple[str, str]:
+    try:
+        return "ok", f"{role} {md.path} ({architecture_of(md.config)})."
+    except UnsupportedModel as e:
+        return "error", f"{role} {md.path}: {e}."
 
 
 def _parallel(cfg: Config, plan: Plan, target: ModelDir | None) -> list[tuple[str, str]]:
@@ -337,23 +347,38 @@ def _fmt_bytes(n: float) -> str:
     return f"{n}"
 
 
-def _memory(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None) -> list[tuple[str, str]]:
-    M, n = cfg.max_model_len, cfg.scheduler.max_num_seqs
+def _memory(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None,
+            report: Report) -> list[tuple[str, str]]:
+    """Weights and the paged KV cache's capacity, in tokens and in full-length sequences."""
+    M, n, c = cfg.max_model_len, cfg.scheduler.max_num_seqs, cfg.cache
+    bs = c.block_size
     weights = target.weight_bytes(plan.dtype) + (drafter.weight_bytes(plan.dtype) if drafter else 0)
-    per_seq = target.kv_bytes_per_token(plan.dtype) * M
-    if drafter is not None:
-        per_seq += drafter.kv_bytes_per_token(plan.dtype) * (plan.drafter_max_model_len or M)
-    need_one, need_all = weights + per_seq, weights + per_seq * n
-    numbers = (f"weights {_fmt_bytes(weights)} + KV cache {_fmt_bytes(per_seq)} per full-length sequence "
-               f"x {n} = {_fmt_bytes(need_all)}")
-    free = device_free_bytes(plan.device)
-    if free is None:
-        return [("ok", f"{numbers} per rank (estimate only: no GPU to compare with).")]
-    if need_one > free:
-        return [("error", f"{numbers}; not even one sequence of max_model_len {M} fits in {_fmt_bytes(free)} free: "
-                          f"lower max_model_len, or use a smaller dtype or larger GPUs.")]
-    if need_all > free:
-        fit = int((free - weights) // per_seq)
-        return [("warn", f"{numbers}, more than the {_fmt_bytes(free)} free; {fit} full-length sequences fit, so "
-                         f"the engine runs at most {fit} at once (lower max_num_seqs or max_model_len to silence this).")]
-    return [("ok", f"{numbers}; {_fmt_bytes(free)} free on one device.")]
+    per_token = target.kv_bytes_per_token(plan.dtype) + (drafter.kv_bytes_per_token(plan.dtype) if drafter else 0)
+    per_seq = -(-M // bs)                                    # blocks of one full-length sequence
+    mem = device_memory(plan.device)
+    if c.num_blocks:
+        blocks, how = c.num_blocks, "cache.num_blocks"
+    elif mem is None:
+        blocks, how = n * per_seq, f"max_num_seqs ({n}) full-length sequences"
+    else:
+        free, total = mem
+        # what gpu_memory_utilization leaves after this device's current use, the weights and a
+        # reserve for activations (the engine measures those at start and sizes the pool exactly)
+        budget = c.gpu_memory_utilization * total - (total - free) - weights - ACTIVATION_RESERVE
+        blocks, how = max(0, int(budget // max(per_token * bs, 1))), \
+            f"gpu_memory_utilization {c.gpu_memory_utilization} of {_fmt_bytes(total)}"
+    tokens = blocks * bs
+    seqs = blocks // per_seq
+    report.kv_cache = {"block_size": bs, "num_blocks": blocks, "tokens": tokens, "sequences": seqs}
+    numbers = (f"weights {_fmt_bytes(weights)}; KV cache {blocks} blocks of {bs} tokens = {tokens} tokens "
+               f"({_fmt_bytes(per_token)} per token, {_fmt_bytes(tokens * per_token)}; from {how}): "
+               f"{seqs} sequences of max_model_len {M} at once")
+    if blocks < per_seq:
+        return [("error", f"{numbers}; not even one sequence of max_model_len {M} fits ({per_seq} blocks): raise "
+                          f"cache.num_blocks or cache.gpu_memory_utilization, or lower max_model_len.")]
+    where = "estimate only: no GPU to compare with" if mem is None else "an estimate; the engine measures it at start"
+    out = [("ok", f"{numbers} ({where}).")]
+    if seqs < n:
+        out.append(("ok", f"Fewer than max_num_seqs ({n}) sequences fit at full length: sequences take blocks "
+                          f"as they grow, and when none is free the newest is preempted and recomputed later."))
+    return out

@@ -12,7 +12,7 @@ from specdp_cli.cli import app
 runner = CliRunner()
 SUMMARY_KEYS = {"requests", "errors", "prompt_tokens", "generated_tokens", "wall_s", "engine_s", "tok_s", "num_drafts",
                 "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
-                "accepted_per_position", "ranks"}
+                "accepted_per_position", "preemptions", "startup", "ranks"}
 RESULT_KEYS = {"id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "spec"}
 
 
@@ -82,7 +82,11 @@ def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
     assert s["generated_tokens"] == sum(by[g]["completion_tokens"] for g in (1, "point", 8, 10))
     assert s["acceptance_rate"] is None or 0 <= s["acceptance_rate"] <= 1
     assert len(s["ranks"]) == 1 and set(s["ranks"][0]) == {"rank", "requests", "steps", "padding_steps",
-                                                           "skipped_drafter_steps", "generated_tokens"}
+                                                           "skipped_drafter_steps", "generated_tokens", "preemptions"}
+    assert s["preemptions"] == 0
+    assert set(s["startup"]) == {"launch_s", "load_s", "kv_alloc_s", "capture_s"}
+    assert all(v >= 0 for v in s["startup"].values()) and s["startup"]["load_s"] > 0
+    assert s["wall_s"] >= s["engine_s"] + s["startup"]["load_s"]
     assert "acceptance" in res.stdout
 
 

@@ -9,7 +9,8 @@ from specdp_cli import preflight
 from specdp_cli.cli import app
 
 runner = CliRunner()
-JSON_KEYS = {"ok", "policy", "dp_sync", "drafter_max_model_len", "no_draft_window", "checks", "errors", "warnings"}
+JSON_KEYS = {"ok", "policy", "dp_sync", "drafter_max_model_len", "no_draft_window", "kv_cache", "checks", "errors",
+             "warnings"}
 
 
 def validate(cfg_path, *args):
@@ -164,7 +165,7 @@ def test_parallel_paths(base, models, tmp_path, monkeypatch):
     code, out, _ = validate(base(device="cuda"))
     assert code == 1 and "no GPU" in check(out, "parallel")["detail"]
     monkeypatch.setattr(preflight, "cuda_device_count", lambda: 2)
-    monkeypatch.setattr(preflight, "device_free_bytes", lambda device: 80 << 30)
+    monkeypatch.setattr(preflight, "device_memory", lambda device: (80 << 30, 80 << 30))
     code, out, _ = validate(base(device="cuda", parallel={"data_parallel_size": 4}))
     assert code == 1 and "4 ranks per machine need 4 GPUs" in check(out, "parallel")["detail"]
     code, out, _ = validate(base(device="cuda", parallel={"data_parallel_size": 2}))
@@ -183,19 +184,40 @@ def test_parallel_paths(base, models, tmp_path, monkeypatch):
 
 
 def test_memory_paths(base, monkeypatch):
-    code, out, _ = validate(base())
+    # CPU: the KV cache holds max_num_seqs full-length sequences (256 tokens = 16 blocks of 16 each)
+    code, out, _ = validate(base(scheduler={"max_num_seqs": 8}))
     assert check(out, "memory")["status"] == "ok" and "estimate only" in check(out, "memory")["detail"]
+    assert out["kv_cache"] == {"block_size": 16, "num_blocks": 8 * 16, "tokens": 8 * 256, "sequences": 8}
+    code, out, _ = validate(base(cache={"num_blocks": 40, "block_size": 8}))
+    assert out["kv_cache"] == {"block_size": 8, "num_blocks": 40, "tokens": 320, "sequences": 1}
+    assert "preempted" in check(out, "memory")["detail"]
+    code, out, _ = validate(base(cache={"num_blocks": 15}))
+    assert code == 1 and "not even one" in check(out, "memory")["detail"]
+    # GPU: what gpu_memory_utilization leaves after the device's current use, weights and a reserve
     monkeypatch.setattr(preflight, "cuda_device_count", lambda: 1)
     big = {"max_model_len": 256, "scheduler": {"max_num_seqs": 64}}
-    monkeypatch.setattr(preflight, "device_free_bytes", lambda device: 1 << 40)
+    gib = 1 << 30
+    monkeypatch.setattr(preflight, "device_memory", lambda device: (80 * gib, 80 * gib))
     code, out, _ = validate(base(device="cuda", **big))
-    assert code == 0 and check(out, "memory")["status"] == "ok"
-    monkeypatch.setattr(preflight, "device_free_bytes", lambda device: 2 << 20)   # 2 MiB: a few sequences fit
-    code, out, _ = validate(base(device="cuda", **big))
-    assert code == 0 and check(out, "memory")["status"] == "warn" and "full-length sequences fit" in check(out, "memory")["detail"]
-    monkeypatch.setattr(preflight, "device_free_bytes", lambda device: 1000)
+    assert code == 0 and check(out, "memory")["status"] == "ok" and out["kv_cache"]["sequences"] > 64
+    tokens = out["kv_cache"]["tokens"]
+    code, out, _ = validate(base(device="cuda", cache={"gpu_memory_utilization": 0.5}, **big))
+    assert out["kv_cache"]["tokens"] < tokens * 0.6
+    monkeypatch.setattr(preflight, "device_memory", lambda device: (int(1.01 * gib), 80 * gib))
+    code, out, _ = validate(base(device="cuda", cache={"gpu_memory_utilization": 1.0}, **big))
+    assert code == 0 and 0 < out["kv_cache"]["sequences"] < 64 and "preempted" in check(out, "memory")["detail"]
+    monkeypatch.setattr(preflight, "device_memory", lambda device: (1000, 80 * gib))
     code, out, _ = validate(base(device="cuda", **big))
     assert code == 1 and check(out, "memory")["status"] == "error" and "not even one" in check(out, "memory")["detail"]
+
+
+def test_unsupported_architecture_is_refused(base, models, tmp_path):
+    import shutil
+    odd = shutil.copytree(models["target"], tmp_path / "odd")
+    set_config_json(odd, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+    code, out, _ = validate(base(model=str(odd)))
+    assert code == 1 and "GPT2LMHeadModel is not supported" in check(out, "files")["detail"]
+    assert "LlamaForCausalLM" in check(out, "files")["detail"]
 
 
 def test_scheduler_paths(base):

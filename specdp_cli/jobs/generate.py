@@ -75,7 +75,8 @@ def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequ
         writer.close()
     if not dp.lockstep:
         dp.wait_for_all("waiting for the other ranks to finish")
-    gathered = dp.gather_objects((records, engine.counters.report(dp.rank, len(mine))), "gathering results")
+    report = {**engine.counters.report(dp.rank, len(mine)), "startup": engine.startup}
+    gathered = dp.gather_objects((records, report), "gathering results")
 
     summary = None
     if dp.rank == 0:

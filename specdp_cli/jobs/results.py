@@ -15,6 +15,8 @@ from typing import Any
 from ..runtime.scheduler import Sequence, SpecStats
 from .inputs import JobRequest, id_key
 
+STARTUP_PHASES = ("launch_s", "load_s", "kv_alloc_s", "capture_s")
+
 
 def part_path(output: str, rank: int) -> str:
     return f"{output}.rank{rank}.part"
@@ -115,6 +117,7 @@ def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float |
     generated = sum(r["generated_tokens"] for r in rank_reports)
     errors = sum(1 for r in new_records if "error" in r)
     nd = stats.num_drafts
+    startup = {k: max(r["startup"][k] for r in rank_reports) for k in STARTUP_PHASES} if rank_reports else {}
     return {
         "requests": len(new_records),
         "errors": errors,
@@ -129,6 +132,8 @@ def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float |
         "acceptance_rate": stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else None,
         "mean_acceptance_length": 1 + stats.num_accepted_tokens / nd if nd else None,
         "accepted_per_position": [a / nd for a in stats.accepted_per_pos] if nd else [],
+        "preemptions": sum(r["preemptions"] for r in rank_reports),
+        "startup": startup,
         "ranks": [{k: r[k] for k in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps",
-                                     "generated_tokens")} for r in rank_reports],
+                                     "generated_tokens", "preemptions")} for r in rank_reports],
     }

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..config import Config
-from ..launch import Ranks, RunDir, threads_per_rank
+from ..launch import Ranks, RunDir, process_start_time, threads_per_rank
 from ..modeldir import load_tokenizer
 from ..preflight import Plan
 from ..prompts import PromptEncoder
@@ -82,7 +82,7 @@ def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, r
         task = progress.add_task("generate", total=len(requests) if leader else None, completed=len(already))
         if world == 1:
             return _in_process(cfg, plan, faults, output, retry_errors, requests,
-                               lambda rec: progress.advance(task))
+                               lambda rec: progress.advance(task), progress.console)
         follower = PartFollower(output, already)
 
         def tick() -> None:
@@ -95,7 +95,7 @@ def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, r
         return summary
 
 
-def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result) -> dict:
+def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result, console: Console) -> dict:
     import torch
 
     from ..runtime.dist import DPGroup
@@ -110,7 +110,9 @@ def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result) ->
 
     torch.set_num_threads(threads_per_rank(plan))
     device = torch.device("cuda", 0) if plan.device == "cuda" else torch.device("cpu")
-    engine = Engine(cfg, plan, DPGroup.solo(), device, faults, on_fault_exit=fault_exit)
+    engine = Engine(cfg, plan, DPGroup.solo(), device, faults, on_fault_exit=fault_exit,
+                    started_at=process_start_time())
+    console.print(engine.ready_line, markup=False, highlight=False)
     try:
         return run_rank(engine, engine.dp, output, retry_errors, requests, True, on_result)
     except FaultExit as e:
@@ -158,15 +160,17 @@ def print_summary(summary: dict, console: Console) -> None:
             ("draft tokens", summary["num_draft_tokens"]), ("accepted tokens", summary["num_accepted_tokens"]),
             ("acceptance rate", f(summary["acceptance_rate"])),
             ("mean acceptance length", f(summary["mean_acceptance_length"])),
-            ("accepted per position", ", ".join(f"{a:.2f}" for a in summary["accepted_per_position"]) or "-")]
+            ("accepted per position", ", ".join(f"{a:.2f}" for a in summary["accepted_per_position"]) or "-"),
+            ("preemptions", summary["preemptions"]),
+            ("start-up (s)", ", ".join(f"{k[:-2]} {v:.2f}" for k, v in summary["startup"].items()) or "-")]
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
     if len(summary["ranks"]) > 1 or summary["ranks"][0]["padding_steps"]:
         rt = Table(title="ranks")
-        for col in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps", "generated_tokens"):
+        cols = ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps", "generated_tokens", "preemptions")
+        for col in cols:
             rt.add_column(col.replace("_", " "), justify="right")
         for r in summary["ranks"]:
-            rt.add_row(*(str(r[c]) for c in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps",
-                                              "generated_tokens")))
+            rt.add_row(*(str(r[c]) for c in cols))
         console.print(rt)

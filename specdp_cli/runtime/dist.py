@@ -1,11 +1,14 @@
 """The DP group: the one door through which every collective of specdp passes.
 
-Stepping collectives (`sync_tokens` before every forward, `vote` at the end of a step) only exist
-in lockstep (`dp_sync: always`). Each is a single MAX all-reduce over a vector in which rank r
-writes its token count at index r, plus `tag` and `-tag` at the end (tag = hash of step and
-phase). One collective returns every rank's count *and* max(tag), -min(tag): if they differ the
-ranks are out of step, and a second collective gathers each rank's phase for the message. So a
-divergence is caught at the first collective where ranks disagree, not by a timeout.
+Stepping collectives (`sync_step` at the start of a step, `vote` at its end) only exist in
+lockstep (`dp_sync: always`). Each is a single MAX all-reduce over a vector in which rank r writes
+its fields at row r (the step sync: the sizes of every forward of its step), plus `tag` and `-tag`
+at the end (tag = hash of step and phase). One collective returns every rank's fields *and*
+max(tag), -min(tag): if they differ the ranks are out of step, and a second collective gathers
+each rank's phase for the message. So a divergence is caught at the first collective where ranks
+disagree, not by a timeout. Because the step sync carries every forward's size, every rank knows
+the padded size (and CUDA graph) of each forward of the step before the first one runs, with no
+collective or host sync between forwards.
 
 `check_collectives` also compares a full descriptor (op, shape, dtype, step, phase) before every
 collective. Stepping collectives use `collective_timeout_s`; start-up and result collectives use
@@ -134,42 +137,49 @@ class DPGroup:
     def publish(self, step: int, what: str) -> None:
         self.status.set(step, what)
 
-    def sync_tokens(self, n_local: int, step: int, what: str) -> int:
-        """Before every forward: in lockstep, every rank's token count (and a check that all ranks
-        are in the same phase); returns the maximum, which every rank pads to."""
-        self.publish(step, what)
+    def sync_step(self, fields: list[int], step: int) -> list[list[int]]:
+        """Start of a step: in lockstep, every rank's `fields` (the sizes of its step's forwards) in
+        one collective, with the check that all ranks are at the same step; else only this rank's."""
+        self.publish(step, "step sync")
         if not self.lockstep:
-            return n_local
-        return max(self._sync(n_local, step, what))
+            return [list(fields)]
+        F = len(fields)
+        flat = self._sync(fields, step, "step sync")
+        return [flat[r * F:(r + 1) * F] for r in range(self.world)]
 
     def vote(self, has_work: bool, step: int) -> bool:
         """End of a lockstep step: does any rank have work left?"""
         self.publish(step, "vote")
         if not self.lockstep:
             return has_work
-        return max(self._sync(int(has_work), step, "vote")) > 0
+        return max(self._sync([int(has_work)], step, "vote")) > 0
 
-    def _sync(self, value: int, step: int, what: str) -> list[int]:
+    def _sync(self, fields: list[int], step: int, what: str) -> list[int]:
         import torch.distributed as dist
 
-        W = self.world
+        W, F = self.world, len(fields)
         tag = _tag(step, what)
-        vec = torch.zeros(W + 2, dtype=torch.long)
-        vec[self.rank], vec[W], vec[W + 1] = value, tag, -tag
+        vec = torch.zeros(W * F + 2, dtype=torch.long)
+        vec[self.rank * F:(self.rank + 1) * F] = torch.tensor(fields, dtype=torch.long)
+        vec[W * F], vec[W * F + 1] = tag, -tag
         vec = vec.to(self.comm_device)
-        self._check(("all_reduce", "max", (W + 2,), "int64", step, what))
+        self._check(("all_reduce", "max", (W * F + 2,), "int64", step, what))
         self._run(lambda: dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.step_group), step, what)
         v = vec.tolist()
-        if v[W] != -v[W + 1]:
+        if v[W * F] != -v[W * F + 1]:
             self._out_of_step(step, what)
-        return v[:W]
+        return v[:W * F]
 
     def _out_of_step(self, step: int, what: str) -> None:
         import torch.distributed as dist
 
         phases: list[Any] = [None] * self.world
         self._run(lambda: dist.all_gather_object(phases, (step, what), group=self.step_group), step, what)
-        listing = "; ".join(f"rank {r} at {where(*p)}" for r, p in enumerate(phases))
+        self.out_of_step([where(*p) for p in phases])
+
+    def out_of_step(self, places: list[str]) -> None:
+        """Raise the out-of-step error, naming where each rank is (`places[r]`)."""
+        listing = "; ".join(f"rank {r} at {p}" for r, p in enumerate(places))
         raise OutOfStepError(f"ranks are out of step (their collective sequences differ): {listing}")
 
     def _check(self, desc: tuple) -> None:

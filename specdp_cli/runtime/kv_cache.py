@@ -1,42 +1,51 @@
-"""Per-sequence KV cache: one row ("slot") per running sequence, preallocated to the model's limit.
+"""Paged KV cache: fixed-size blocks drawn from one pool by every running sequence.
 
-Layout per layer: [num_slots + 1, kv_heads, max_len, head_dim]. Slot `num_slots` is the trash slot
-where padding tokens write. A sequence owns one slot; its length lives with the scheduler, so a
-rollback of rejected draft positions is O(1): the length goes back and stale entries past it are
-masked out and later overwritten. Running sequences occupy slots 0..n-1 (the scheduler compacts
-when one leaves), so attention can read `cache[:rows]` as a plain view.
+A sequence holds a list of block ids (its block table); position p lives in block
+table[p // block_size] at offset p % block_size. The target and the drafter share the block tables
+(they cache the same positions of the same sequences) and each keeps its own tensors over the same
+block ids, so one pool sizes both. Block 0 is the trash block: padding tokens write there and
+table entries past a sequence's end point there. Rolling back rejected drafts is free (the length
+goes back; stale entries are masked out and later overwritten), and freeing a sequence is host
+bookkeeping only — no tensor is touched.
 """
 from __future__ import annotations
 
 import torch
 
+TRASH_BLOCK = 0
 
-class SlotKVCache:
-    def __init__(self, num_slots: int, max_len: int, device: torch.device):
-        self.num_slots = num_slots
-        self.max_len = max_len
-        self.device = device
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks = num_blocks                 # usable blocks: ids 1..num_blocks
+        self.block_size = block_size
+        self._free = list(range(num_blocks, 0, -1))  # pop() hands out low ids first
 
     @property
-    def trash_slot(self) -> int:
-        return self.num_slots
+    def num_free(self) -> int:
+        return len(self._free)
 
-    def layer(self, idx: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (keys, values) of layer `idx`, allocated on first use from the shape of `like`
-        ([1, kv_heads, tokens, head_dim]) so any head layout of any model family fits."""
-        k = self.keys.get(idx)
-        if k is None:
-            shape = (self.num_slots + 1, like.shape[1], self.max_len, like.shape[3])
-            k = self.keys[idx] = torch.zeros(shape, dtype=like.dtype, device=self.device)
-            self.values[idx] = torch.zeros(shape, dtype=like.dtype, device=self.device)
-        return k, self.values[idx]
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
 
-    def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of slot `src` into slot `dst` (compaction)."""
-        if length <= 0 or src == dst:
-            return
-        for store in (self.keys, self.values):
-            for t in store.values():
-                t[dst, :, :length] = t[src, :, :length]
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"KV block pool exhausted: {n} wanted, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes one cached token takes in every layer of `model` (keys and values)."""
+    size = torch.empty(0, dtype=model.dtype).element_size()
+    return sum(kh * kd + vh * vd for (kh, kd), (vh, vd) in model.kv_shapes()) * size
+
+
+def allocate_kv(model, num_blocks: int, block_size: int) -> None:
+    """Give `model` its per-layer caches [num_blocks + 1, block_size, heads, dim] (block 0 = trash)."""
+    model.kv_caches = [
+        (torch.zeros((num_blocks + 1, block_size, kh, kd), dtype=model.dtype, device=model.device),
+         torch.zeros((num_blocks + 1, block_size, vh, vd), dtype=model.dtype, device=model.device))
+        for (kh, kd), (vh, vd) in model.kv_shapes()]

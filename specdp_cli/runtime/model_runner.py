@@ -1,125 +1,169 @@
-"""One model (target or drafter) with its KV cache: loading, and a forward over token segments.
+"""One model (target or drafter) with its KV cache: the forwards of a step.
 
-`ModelRunner.forward` is the only place a model runs. It first calls the DP group's token-count
-sync (a no-op unless ranks step in lockstep), pads to the agreed size, and runs the model over a
-flat token list. Called with no segments it runs a padding batch, which is exactly how an idle
-rank takes part in a lockstep step: the same code over a placeholder token.
+Two kinds of forward, both over a flat token list:
+- **uniform** (`uniform(R, T)`): R rows of T tokens each — every decode forward. Its inputs live
+  in persistent buffers that the caller fills on the device (`ids`, `start`, `n_real`, and the
+  engine's shared block table); positions, cache slots and padding are derived from them on the
+  device. On CUDA each (R, T) replays a CUDA graph captured at start-up; the key is a padded row
+  count and a token count per row, never a sequence length (attention reads lengths from the
+  positions and block tables). Row r's tokens sit at positions start[r] + t; tokens t >= n_real[r]
+  are padding (they write to the trash block and their outputs are ignored).
+- **mixed** (`mixed(batch)`): decode rows and prompt chunks together, described on the host;
+  always eager (prefill steps are few).
+Logits come back for every token of a uniform forward (`logits_of="all"`: the target verifies
+each draft) or for each row's last real token (`"last"`: a drafter proposes one token per row).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from .attention import ATTN_NAME, AttentionMeta, forward_context, register
-from .kv_cache import SlotKVCache
+from .kv_cache import TRASH_BLOCK
+from .ops import AttnMeta, mixed_tiles
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+def capture_sizes(max_rows: int) -> list[int]:
+    """Padded row counts with a graph each: 1, 2, 4, 8, then steps of 8, 16 and 32 (vLLM-like), up to
+    the first size that holds max_rows."""
+    sizes, s = [], 1
+    while True:
+        sizes.append(s)
+        if s >= max_rows:
+            return sizes
+        s = s * 2 if s < 8 else s + (8 if s < 32 else 16 if s < 128 else 32)
+
+
+def pad_rows(n: int, sizes: list[int]) -> int:
+    for s in sizes:
+        if s >= n:
+            return s
+    return n
 
 
 @dataclass
-class Segment:
-    slot: int
-    start: int          # position of tokens[0] in its sequence
-    tokens: list[int]
-    keep: int = 0       # logits are returned for the last `keep` tokens
+class MixedRow:
+    blocks: list[int]
+    start: int                 # position of tokens[0]
+    tokens: list[int]          # ids (placeholders where the device fills drafts); padded tail past n_real
+    n_real: int
+    logits: str = "none"       # which tokens' logits come back: none | last (real token) | all (padding too)
 
 
-def load_causal_lm(path: str, dtype: str, device: torch.device):
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
+@dataclass
+class MixedBatch:
+    rows: list[MixedRow] = field(default_factory=list)
+    n_pad: int = 0             # total tokens, padding included (lockstep: agreed between ranks)
+    fill: tuple | None = None  # (R, T, K, drafts [>=R, >=K]): rows 0..R-1 hold T tokens, tokens 1..K from drafts
 
-    hf_logging.disable_progress_bar()      # no per-shard loading bars in a CLI's output
-    register()
-    if device.type == "cuda":
-        # cuDNN attention builds a graph per new shape, costing ~0.6 ms of CPU per call with our
-        # changing shapes (measured on an H200); the memory-efficient kernel has no such cost
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation=ATTN_NAME)
-    model.to(device).eval()
-    model.requires_grad_(False)
-    for name, module in model.named_modules():
-        if name.endswith(("self_attn", "attention", "attn")) and hasattr(module, "q_proj") \
-                and not isinstance(getattr(module, "layer_idx", None), int):
-            raise RuntimeError(f"{path}: attention module {name} has no layer_idx; this model family is not supported")
-    return model
-
-
-def bucket(n: int, exact_up_to: int = 0, step_after: int = 0) -> int:
-    """Round up to a small set of sizes: exact up to `exact_up_to`, then powers of two
-    (or multiples of `step_after` once past it)."""
-    if n <= exact_up_to:
-        return max(n, 1)
-    if step_after and n > step_after:
-        return -(-n // step_after) * step_after
-    p = 1
-    while p < n:
-        p *= 2
-    return p
+    @property
+    def n_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows)
 
 
 class ModelRunner:
-    def __init__(self, model, cache: SlotKVCache, device: torch.device, dp, role: str):
+    def __init__(self, model, device: torch.device, block_table: torch.Tensor, block_size: int,
+                 max_rows: int, t_values: list[int], logits_of: str):
         self.model = model
-        self.cache = cache
         self.device = device
-        self.dp = dp
-        self.role = role
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.padding_forwards = 0
+        self.block_table = block_table            # [rows, max_blocks] int32, shared with the other runner
+        self.block_size = block_size
+        self.t_values = sorted(set(t_values))
+        self.logits_of = logits_of
+        T = max(self.t_values)
+        self.ids = torch.zeros(max_rows * T, dtype=torch.long, device=device)
+        self.start = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self.n_real = torch.zeros(max_rows, dtype=torch.long, device=device)
+        self._t = torch.arange(T, device=device)
+        self._rows = torch.arange(max_rows, device=device)
+        out_rows = max_rows * (T if logits_of == "all" else 1)
+        self.logits_out = torch.zeros((out_rows, model.vocab_size), dtype=torch.float32, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
-    def forward(self, segments: list[Segment], step: int, what: str) -> torch.Tensor:
-        """Run the model over `segments`; return float32 logits [sum(keep), vocab] in segment order.
-        Every rank in lockstep first agrees on the token count and pads to it."""
-        n_local = sum(len(s.tokens) for s in segments)
-        n = self.dp.sync_tokens(n_local, step, what)
-        if n_local == 0:
-            self.padding_forwards += 1
-        return self._run(segments, n)
+    # -- uniform forwards -------------------------------------------------------------------------
 
-    def warmup(self) -> None:
-        """One padding forward outside any step: allocates every layer's KV cache up front, so a
-        lack of memory shows at start-up rather than in the middle of a job."""
-        self._run([], 1)
+    def uniform(self, R: int, T: int) -> torch.Tensor:
+        """Logits of the uniform forward over the first R rows of the buffers ([R*T or R, V])."""
+        g = self.graphs.get((R, T))
+        if g is not None:
+            g.replay()
+            n = R * T if self.logits_of == "all" else R
+            return self.logits_out[:n]
+        return self._uniform_forward(R, T)
 
-    @torch.inference_mode()
-    def _run(self, segments: list[Segment], n: int) -> torch.Tensor:
-        N = bucket(max(n, 1), exact_up_to=0, step_after=512)
-        rows = min(bucket(max((s.slot for s in segments), default=0) + 1), self.cache.num_slots)
-        T = bucket(max((len(s.tokens) for s in segments), default=1), exact_up_to=8)
-        S = min(bucket(max((s.start + len(s.tokens) for s in segments), default=1), step_after=128),
-                self.cache.max_len)
-        S = max(S, min(128, self.cache.max_len))
+    def _uniform_forward(self, R: int, T: int) -> torch.Tensor:
+        BS = self.block_size
+        start = self.start[:R].clamp(min=0).view(R, 1)
+        n_real = self.n_real[:R].view(R, 1)
+        last = (n_real - 1).clamp(min=0)
+        t = self._t[:T].view(1, T)
+        pos = start + torch.minimum(t, last)                                   # padding repeats the last position
+        bt = self.block_table[:R]
+        blk = bt.gather(1, (pos // BS).clamp(max=bt.shape[1] - 1)).long()
+        slots = torch.where(t < n_real, blk * BS + pos % BS, TRASH_BLOCK * BS)
+        meta = AttnMeta(pos.view(-1), slots.view(-1), bt, uniform_t=T)
+        hidden = self.model.forward(self.ids[:R * T], meta)
+        if self.logits_of == "last":
+            hidden = hidden[self._rows[:R] * T + last.view(R)]
+        n = hidden.shape[0]
+        self.logits_out[:n].copy_(self.model.logits(hidden))
+        return self.logits_out[:n]
 
-        ids, pos, slot, out_index = [], [], [], []
-        q_index = [0] * (rows * T)
-        qpos = [0] * (rows * T)
-        keep = []
-        for s in segments:
-            base, m = len(ids), len(s.tokens)
-            ids.extend(s.tokens)
-            pos.extend(range(s.start, s.start + m))
-            slot.extend([s.slot] * m)
-            cell = s.slot * T
-            out_index.extend(range(cell, cell + m))
-            q_index[cell:cell + m] = range(base, base + m)
-            qpos[cell:cell + m] = range(s.start, s.start + m)
-            keep.extend(range(base + m - s.keep, base + m))
-        pad = N - len(ids)
-        ids += [0] * pad
-        pos += [0] * pad
-        slot += [self.cache.trash_slot] * pad
-        out_index += [0] * pad
-        packed = torch.tensor(ids + pos + slot + out_index + q_index + qpos + keep, dtype=torch.long)
-        packed = packed.to(self.device, non_blocking=True)
-        parts = torch.split(packed, [N, N, N, N, rows * T, rows * T, len(keep)])
-        meta = AttentionMeta(slot=parts[2], pos=parts[1], out_index=parts[3], q_index=parts[4],
-                             qpos=parts[5].view(rows, T), rows=rows, T=T, S=S)
-        logits_to_keep = parts[6] if keep else 1
-        with forward_context(meta, self.cache):
-            out = self.model(input_ids=parts[0].unsqueeze(0), position_ids=parts[1].unsqueeze(0),
-                             use_cache=False, logits_to_keep=logits_to_keep)
-        logits = out.logits[0]
-        if not keep:
-            return logits[:0].float()
-        return logits.float()
+    def capture(self, row_sizes: list[int]) -> int:
+        """Capture a CUDA graph per (padded rows, T), largest first, in one memory pool. Each key is
+        run once eagerly first (kernel compilation, library workspaces). Returns the graph count."""
+        pool = torch.cuda.graph_pool_handle()
+        for T in self.t_values:
+            for R in sorted(row_sizes, reverse=True):
+                self._uniform_forward(R, T)
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    self._uniform_forward(R, T)
+                self.graphs[(R, T)] = g
+        torch.cuda.synchronize(self.device)
+        return len(self.graphs)
+
+    # -- mixed forwards -------------------------------------------------------------------------------
+
+    def mixed(self, batch: MixedBatch) -> torch.Tensor:
+        """Eager forward of a mixed batch; the logits its rows ask for, in row order ([n, V])."""
+        BS = self.block_size
+        n = batch.n_tokens
+        N = max(batch.n_pad, n, 1)
+        ids = np.zeros(N, np.int64)
+        pos = np.zeros(N, np.int64)
+        slots = np.full(N, TRASH_BLOCK * BS, np.int64)
+        nb = self.block_table.shape[1]
+        bt = np.zeros((max(len(batch.rows), 1), nb), np.int32)
+        keep, row_start, row_len = [], [], []
+        o = 0
+        for r, row in enumerate(batch.rows):
+            m = len(row.tokens)
+            ids[o:o + m] = row.tokens
+            p = row.start + np.minimum(np.arange(m), max(row.n_real - 1, 0))
+            pos[o:o + m] = p
+            blocks = np.asarray(row.blocks, np.int64)
+            real = p[:row.n_real]
+            slots[o:o + row.n_real] = blocks[real // BS] * BS + real % BS
+            bt[r, :len(row.blocks)] = row.blocks
+            if row.logits == "last":
+                keep.append(o + row.n_real - 1)
+            elif row.logits == "all":
+                keep.extend(range(o, o + m))
+            row_start.append(o)
+            row_len.append(m)
+            o += m
+        dev = self.device
+        packed = torch.from_numpy(np.concatenate([ids, pos, slots, np.asarray(keep, np.int64)])).to(dev, non_blocking=True)
+        ids_t, pos_t, slots_t, keep_t = torch.split(packed, [N, N, N, len(keep)])
+        if batch.fill is not None:
+            R, T, K, drafts = batch.fill
+            if R and K:
+                ids_t[:R * T].view(R, T)[:, 1:K + 1] = drafts[:R, :K]
+        bt_t = torch.from_numpy(bt).to(dev, non_blocking=True)
+        tiles = mixed_tiles(row_start, row_len, self.model.H // self.model.KV, dev) if dev.type == "cuda" else None
+        meta = AttnMeta(pos_t, slots_t, bt_t, row_start=row_start, row_len=row_len, tiles=tiles)
+        hidden = self.model.forward(ids_t, meta)
+        return self.model.logits(hidden[keep_t]).float()

@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> None:
             status.exit("fault", message, exit_code)
             os._exit(exit_code)
 
-        engine = Engine(cfg, plan, dp, device, Faults.from_env(world), on_fault_exit=fault_exit)
+        engine = Engine(cfg, plan, dp, device, Faults.from_env(world), on_fault_exit=fault_exit,
+                        started_at=job.get("started_at"))
+        print(engine.ready_line, file=sys.stderr, flush=True)
         if job["mode"] == "generate":
             from ..jobs.generate import run_rank
 

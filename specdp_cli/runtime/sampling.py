@@ -78,14 +78,15 @@ def _host_flags(params: list[SamplingParams]) -> dict:
             "filter": any(0 < p.top_k or p.top_p < 1 for p in params if not p.greedy)}
 
 
-def row_tensors(params: list[SamplingParams], device) -> dict:
+def row_tensors(params: list[SamplingParams], device, pad_to: int = 0) -> dict:
     """Per-row sampling settings as device tensors (one host-to-device copy; none at all when every
-    row is greedy), plus the host flags."""
+    row is greedy), plus the host flags. Rows past len(params), up to `pad_to`, are greedy padding."""
     rows = _host_flags(params)
     if rows["all_greedy"]:
         return rows
-    packed = torch.tensor([[float(p.greedy), max(p.temperature, 1e-5), p.top_p, p.top_k, p.seed] for p in params],
-                          dtype=torch.float64).to(device)
+    cells = [[float(p.greedy), max(p.temperature, 1e-5), p.top_p, p.top_k, p.seed] for p in params]
+    cells += [[1.0, 1.0, 1.0, 0, 0]] * (pad_to - len(params))
+    packed = torch.tensor(cells, dtype=torch.float64).to(device)
     rows.update(greedy=packed[:, 0] > 0.5, temperature=packed[:, 1].float(), top_p=packed[:, 2].float(),
                 top_k=packed[:, 3].long(), seed=packed[:, 4].long())
     return rows
@@ -183,13 +184,3 @@ def draw(logits: torch.Tensor, rows: dict, positions: torch.Tensor,
     tok = sample_from(probs, uniforms(rows["seed"], positions, stream))
     probs = torch.where(greedy.view(-1, 1), torch.nn.functional.one_hot(arg, probs.shape[-1]).to(probs.dtype), probs)
     return torch.where(greedy, arg, tok), probs
-
-
-def select_rows(rows: dict, index: list[int], params: list[SamplingParams]) -> dict:
-    """The row settings of a subset of rows (`params` are the subset's own, for the host flags)."""
-    out = _host_flags(params)
-    if out["all_greedy"]:
-        return out
-    idx = torch.tensor(index, dtype=torch.long).to(rows["seed"].device)
-    out.update({k: v.index_select(0, idx) for k, v in rows.items() if isinstance(v, torch.Tensor)})
-    return out

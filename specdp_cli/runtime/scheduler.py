@@ -1,11 +1,14 @@
-"""Continuous batching: which sequences run this step, with how many draft tokens, and which
-prompt chunks are prefilled.
+"""Continuous batching over a paged KV cache: which sequences run this step, with how many draft
+tokens, which prompt chunks are prefilled, and who is preempted when blocks run out.
 
-Every running sequence takes part in every step (its KV rows are preallocated, so there is no
-preemption). New requests are admitted first-come first-served while slots are free; prompts are
-prefilled within `max_num_batched_tokens` minus what the running sequences' verification needs,
-in chunks when they do not fit whole. Slots are kept dense (0..n-1): when a sequence leaves, the
-last one moves into its slot.
+As in vLLM: a waiting request is admitted (first come, first served, up to `max_num_seqs`) when
+the blocks of its whole prompt are free; every step, each running sequence first gets the blocks
+this step writes (up to position L - 1 + k_eff); when none are free the newest running sequence is
+preempted — its blocks are freed and it goes back to the head of the queue, to be recomputed
+later (its prompt and generated tokens, but the last, prefilled again) with nothing it produced
+lost: it then goes on decoding from the same length, so its outputs do not change. Prompts are
+prefilled within `max_num_batched_tokens` minus what the decode rows need, in chunks when they do
+not fit whole.
 
 Lengths follow DESIGN.md's contract: L = prompt + generated; a sequence fits the drafter when
 L + k <= D and then drafts k_eff = min(k, M - L - 1, max_tokens_left - 1).
@@ -16,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from .kv_cache import BlockPool
 from .sampling import SamplingParams
 
 
@@ -55,18 +59,20 @@ class SpecStats:
 
 
 class Sequence:
-    def __init__(self, req: Request, slot: int, max_model_len: int):
+    def __init__(self, req: Request, max_model_len: int):
         self.req = req
-        self.slot = slot
         self.tokens = list(req.prompt_ids)
         self.num_prompt = len(req.prompt_ids)
         self.limit = min(max_model_len, self.num_prompt + req.params.max_tokens)  # L never passes this
         self.M = max_model_len
+        self.blocks: list[int] = []  # KV blocks (shared by the target's and the drafter's caches)
+        self.prefill_len = self.num_prompt   # tokens to prefill: the prompt, or all but the last after a preemption
         self.target_len = 0          # positions held in the target's KV cache
         self.draft_len = 0           # positions held in the drafter's KV cache
         self.finish_reason: str | None = None
         self.stop_text_end: int | None = None   # where a matched stop string starts in the text
         self.stats = SpecStats()
+        self.preemptions = 0
 
     @property
     def L(self) -> int:
@@ -78,7 +84,13 @@ class Sequence:
 
     @property
     def in_prefill(self) -> bool:
-        return self.target_len < self.num_prompt
+        return self.target_len < self.prefill_len
+
+    @property
+    def samples_after_prefill(self) -> bool:
+        """A prompt's last chunk draws the first token; a recomputation (after a preemption) stops one
+        token short and goes on decoding exactly where it was, drafts and random draws included."""
+        return self.prefill_len == self.L
 
     def k_eff(self, k: int, D: int) -> int:
         """Draft tokens this step (0 while prefilling, or when L + k > D)."""
@@ -92,54 +104,89 @@ class Sequence:
 class StepPlan:
     decode: list[tuple[Sequence, int]]            # (sequence, k_eff)
     prefill: list[tuple[Sequence, int, int]]      # (sequence, start, end) of a prompt chunk
+    preempted: int = 0
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_batched_tokens: int, k: int, max_model_len: int, D: int):
-        self.num_slots = num_slots
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_batched_tokens: int, k: int,
+                 max_model_len: int, D: int):
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.k, self.M, self.D = k, max_model_len, D
-        self.waiting: deque[Request] = deque()
-        self.running: list[Sequence] = []      # index == slot
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []      # admission order: the last is the newest
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self.waiting.append(Sequence(req, self.M))
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> StepPlan:
-        while self.waiting and len(self.running) < self.num_slots:
-            self.running.append(Sequence(self.waiting.popleft(), len(self.running), self.M))
+        preempted = self._grow_running()
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            need = self.pool.blocks_for(seq.prefill_len)
+            if need > self.pool.num_free:
+                break
+            self.waiting.popleft()
+            seq.blocks = self.pool.allocate(need)
+            self.running.append(seq)
         decode = [(s, s.k_eff(self.k, self.D)) for s in self.running if not s.in_prefill]
         budget = self.max_batched_tokens - sum(1 + ke for _, ke in decode)
         prefill = []
         for s in self.running:
             if s.in_prefill and budget > 0:
-                end = min(s.num_prompt, s.target_len + budget)
+                end = min(s.prefill_len, s.target_len + budget)
                 prefill.append((s, s.target_len, end))
                 budget -= end - s.target_len
-        return StepPlan(decode, prefill)
+        return StepPlan(decode, prefill, preempted)
 
-    def remove(self, seq: Sequence) -> tuple[Sequence, int] | None:
-        """Free `seq`'s slot. Returns (moved, from_slot) when the last sequence moved into it:
-        its KV rows must be copied from `from_slot` to `moved.slot`."""
-        last = self.running.pop()
-        if last is seq:
-            return None
-        from_slot = last.slot
-        self.running[seq.slot] = last
-        last.slot = seq.slot
-        return last, from_slot
+    def _grow_running(self) -> int:
+        """Give every decoding sequence the blocks this step writes, preempting the newest
+        sequences while the pool is short. Returns how many were preempted."""
+        preempted = 0
+        i = 0
+        while i < len(self.running):
+            s = self.running[i]
+            need = 0 if s.in_prefill else self.pool.blocks_for(s.L + s.k_eff(self.k, self.D)) - len(s.blocks)
+            while need > self.pool.num_free:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted += 1
+                if victim is s:
+                    break
+            if i < len(self.running) and self.running[i] is s:
+                if need > 0:
+                    s.blocks += self.pool.allocate(need)
+                i += 1
+        return preempted
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq.blocks)
+        seq.blocks = []
+        seq.target_len = seq.draft_len = 0
+        seq.prefill_len = seq.L - 1 if seq.L > seq.num_prompt else seq.num_prompt
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """A finished sequence leaves: its blocks go back to the pool."""
+        self.running.remove(seq)
+        self.pool.free(seq.blocks)
+        seq.blocks = []
 
     def abort(self, req_id) -> tuple[bool, Sequence | None]:
-        """Drop a request: (found, the running sequence whose slot the caller must free)."""
-        for i, r in enumerate(self.waiting):
-            if r.id == req_id:
+        """Drop a request: (found, the running sequence that was dropped, if it was running)."""
+        for i, s in enumerate(self.waiting):
+            if s.req.id == req_id:
                 del self.waiting[i]
                 return True, None
         for s in self.running:
             if s.req.id == req_id:
+                self.remove(s)
                 return True, s
         return False, None

@@ -46,6 +46,7 @@ class Metrics:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_pos: list[int] = []
+        self.preemptions = 0
 
     def finished(self, outcome: str, stats: dict | None, ttft: float | None, tpot: float | None) -> None:
         with self.lock:
@@ -61,6 +62,7 @@ class Metrics:
             self.num_drafts += stats["num_drafts"]
             self.num_draft_tokens += stats["num_draft_tokens"]
             self.num_accepted_tokens += stats["num_accepted_tokens"]
+            self.preemptions += stats.get("preemptions", 0)
             per = stats["accepted_per_pos"]
             if len(self.accepted_per_pos) < len(per):
                 self.accepted_per_pos += [0] * (len(per) - len(self.accepted_per_pos))
@@ -81,6 +83,8 @@ class Metrics:
                       "# TYPE specdp:num_requests_running gauge", f"specdp:num_requests_running{{{m}}} {running}",
                       "# TYPE specdp:ranks_up gauge", f"specdp:ranks_up{{{m}}} {ranks_up}",
                       "# TYPE specdp:ranks gauge", f"specdp:ranks{{{m}}} {world}",
+                      "# TYPE specdp:num_preemptions_total counter",
+                      f"specdp:num_preemptions_total{{{m}}} {self.preemptions}",
                       "# TYPE specdp:time_to_first_token_seconds histogram"]
             lines += self.ttft.lines("specdp:time_to_first_token_seconds")
             lines += ["# TYPE specdp:time_per_output_token_seconds histogram"]

@@ -85,4 +85,4 @@ def _stats(seq) -> dict:
     s = seq.stats
     return {"prompt_tokens": seq.num_prompt, "completion_tokens": len(seq.generated), "num_drafts": s.num_drafts,
             "num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_tokens,
-            "accepted_per_pos": list(s.accepted_per_pos)}
+            "accepted_per_pos": list(s.accepted_per_pos), "preemptions": seq.preemptions}

@@ -1,4 +1,12 @@
-"""The drafter interface: propose draft tokens for the rows that draft this step."""
+"""The drafter interface: how many drafts each decode row gets, and the drafts themselves.
+
+A step asks a drafter twice. `host_drafts` runs before the step's inputs go to the device: it
+says how many tokens each row drafts (and, for a drafter that works on the host such as n-gram
+lookup, which ones). `propose` runs the drafter's model forwards on the device and leaves the
+drafts there for the target's verification — no host sync between them. A drafter with a model
+forward also reports, through `mixed_fields`, what its first forward needs (see the engine's
+step sync).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,33 +18,29 @@ from ..scheduler import Sequence
 
 @dataclass
 class Drafts:
-    tokens: list[list[int]]              # per drafting row, up to its k_eff tokens
-    probs: torch.Tensor | None = None    # [rows, K, V] the distributions drawn from; None = one-hot
+    n: list[int]                              # drafts of each decode row
+    host: list[list[int]] | None = None       # the drafts, when made on the host (n-gram)
+    tokens: torch.Tensor | None = None        # [R_pad, T - 1] long on the device (model drafters)
+    probs: torch.Tensor | None = None         # [R_pad, T - 1, V] the distributions drawn from; None = one-hot
 
 
 class Drafter:
-    """`propose(rows, prefill, n_forwards, step)`.
-
-    rows: (sequence, k_eff >= 1) pairs that draft this step; prefill: the prompt chunks the target
-    prefills this step, which a drafter with a KV cache prefills alongside; n_forwards: how many
-    model forwards the drafter phase runs (the engine decides: lockstep needs exactly k, also over
-    a padding batch). Drafters without a model forward ignore it.
-    """
     has_forward = False
 
-    def propose(self, rows: list[tuple[Sequence, int]], prefill: list[tuple[Sequence, int, int]],
-                n_forwards: int, step: int) -> Drafts:
-        raise NotImplementedError
+    def host_drafts(self, rows: list[tuple[Sequence, int]], n_forwards: int) -> Drafts:
+        """rows: (sequence, k_eff) of every decode row; n_forwards: the drafter forwards of this step."""
+        return Drafts([0] * len(rows))
+
+    def mixed_fields(self, rows, prefill, drafts: Drafts, n_forwards: int) -> tuple[int, int]:
+        """(1 if the first drafter forward cannot be a uniform one, its token count)."""
+        return 0, 0
+
+    def propose(self, ctx, drafts: Drafts) -> None:
+        """Fill drafts.tokens / drafts.probs on the device (drafters with a model forward)."""
 
     def on_accept(self, seq: Sequence, old_len: int, accepted: int) -> None:
         """After verification: `seq` had length old_len and `accepted` drafts were kept."""
 
-    def on_move(self, seq: Sequence, from_slot: int) -> None:
-        """`seq` moved from `from_slot` to `seq.slot` (slot compaction)."""
-
 
 class NoDrafter(Drafter):
     """method: none — plain decoding through the same engine."""
-
-    def propose(self, rows, prefill, n_forwards, step) -> Drafts:
-        return Drafts([[] for _ in rows])

@@ -1,0 +1,186 @@
+"""specdp's own decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), loaded from a local
+Hugging Face directory.
+
+Why not the transformers module itself: a forward here is a flat list of tokens from many
+sequences over a paged KV cache, and a decode step must be one CUDA graph of a few fused kernels
+per layer (q/k/v and gate/up are single matrix products; rotary embedding and the KV store are
+one kernel; norms fuse the residual add). transformers' modules are used for what they are the
+reference of: the config (defaults of every family) and the rotary tables (every rope type).
+
+A forward: `hidden = model.forward(ids [N], meta)`, then `model.logits(hidden[rows])`.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..modeldir import FAMILIES, ModelDir, UnsupportedModel, architecture_of
+from . import ops
+from .ops import AttnMeta
+
+@dataclass
+class Layer:
+    in_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None          # Qwen3: RMSNorm of each head's q and k before rotation
+    k_norm: torch.Tensor | None
+    window: int | None
+
+
+class CausalLM:
+    def __init__(self, hf_config, layers: list[Layer], embed: torch.Tensor, norm: torch.Tensor,
+                 lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        c = hf_config
+        self.config = c
+        self.layers = layers
+        self.embed, self.norm, self.lm_head = embed, norm, lm_head
+        self.cos, self.sin = cos, sin                       # [max_pos, head_dim // 2] float32
+        self.H = c.num_attention_heads
+        self.KV = getattr(c, "num_key_value_heads", None) or self.H
+        self.D = getattr(c, "head_dim", None) or c.hidden_size // self.H
+        self.eps = c.rms_norm_eps
+        self.scale = self.D ** -0.5
+        self.vocab_size = lm_head.shape[0]
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []    # per layer, set by the KV cache
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def kv_shapes(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """Per layer ((kv_heads, key dim), (kv_heads, value dim)): what one cached token holds."""
+        return [((self.KV, self.D), (self.KV, self.D)) for _ in self.layers]
+
+    def forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """ids [N] -> final hidden states [N, hidden] (after the last norm)."""
+        x = F.embedding(ids, self.embed)
+        residual = None
+        for layer, (k_cache, v_cache) in zip(self.layers, self.kv_caches):
+            if residual is None:
+                residual = x
+                h = ops.rms_norm(x, layer.in_norm, self.eps)
+            else:
+                h = ops.rms_norm(x, layer.in_norm, self.eps, residual)
+            x = self._attention(layer, h, meta, k_cache, v_cache)
+            h = ops.rms_norm(x, layer.post_norm, self.eps, residual)
+            x = F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+        return ops.rms_norm(x, self.norm, self.eps, residual)
+
+    def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
+        N = h.shape[0]
+        H, KV, D = self.H, self.KV, self.D
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        if layer.q_norm is not None:
+            heads = qkv.view(N, H + 2 * KV, D)
+            heads[:, :H] = ops.rms_norm(heads[:, :H].reshape(N * H, D), layer.q_norm, self.eps).view(N, H, D)
+            heads[:, H:H + KV] = ops.rms_norm(heads[:, H:H + KV].reshape(N * KV, D), layer.k_norm, self.eps).view(N, KV, D)
+        ops.rope_and_store(qkv, self.cos, self.sin, meta, k_cache, v_cache, H, KV, D)
+        q = qkv[:, :H * D].view(N, H, D)
+        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window)
+        return F.linear(out.view(N, -1), layer.o, layer.o_bias)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+def _read_weights(files: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        if f.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(f, framework="pt", device=str(device)) as fh:
+                for name in fh.keys():
+                    out[name] = fh.get_tensor(name)
+        else:
+            out.update(torch.load(f, map_location=device, weights_only=True))
+    return out
+
+
+def rotary_tables(hf_config, model_type: str, arch: str, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [max_len, head_dim // 2] float32, computed by the family's own transformers module
+    (so every rope type it knows — linear, llama3, yarn… — comes out as transformers computes it)."""
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    rotary = getattr(module, arch.replace("ForCausalLM", "RotaryEmbedding"))(config=hf_config)
+    pos = torch.arange(max_len).view(1, -1)
+    with torch.no_grad():
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
+    half = cos.shape[-1] // 2
+    return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
+
+
+def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int) -> CausalLM:
+    """Load a supported Hugging Face causal LM directory as specdp's decoder."""
+    from transformers import AutoConfig
+
+    md = ModelDir.open(path, "model")
+    arch = architecture_of(md.config)
+    model_type = FAMILIES[arch]
+    c = AutoConfig.from_pretrained(path)
+    if getattr(c, "hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"{path}: hidden_act {c.hidden_act!r} is not supported (silu only)")
+    w = _read_weights(md.weight_files, device)
+    prefix = "model." if "model.embed_tokens.weight" in w else ""
+
+    def get(name: str, required: bool = True) -> torch.Tensor | None:
+        t = w.pop(prefix + name, None)
+        if t is None:
+            if required:
+                raise UnsupportedModel(f"{path}: weight {prefix + name} is missing")
+            return None
+        return t.to(dtype)
+
+    def cat(*ts):
+        if all(t is None for t in ts):
+            return None
+        if any(t is None for t in ts):
+            raise UnsupportedModel(f"{path}: some projections of a layer have a bias and others not")
+        return torch.cat(ts, 0).contiguous()
+
+    types = getattr(c, "layer_types", None)
+    layers = []
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        if types:
+            window = c.sliding_window if types[i] == "sliding_attention" else None
+        else:
+            window = getattr(c, "sliding_window", None) if model_type == "mistral" else None
+        layers.append(Layer(
+            in_norm=get(p + "input_layernorm.weight"),
+            qkv=cat(get(p + "self_attn.q_proj.weight"), get(p + "self_attn.k_proj.weight"), get(p + "self_attn.v_proj.weight")),
+            qkv_bias=cat(get(p + "self_attn.q_proj.bias", False), get(p + "self_attn.k_proj.bias", False),
+                         get(p + "self_attn.v_proj.bias", False)),
+            o=get(p + "self_attn.o_proj.weight"), o_bias=get(p + "self_attn.o_proj.bias", False),
+            post_norm=get(p + "post_attention_layernorm.weight"),
+            gate_up=cat(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")),
+            gate_up_bias=cat(get(p + "mlp.gate_proj.bias", False), get(p + "mlp.up_proj.bias", False)),
+            down=get(p + "mlp.down_proj.weight"), down_bias=get(p + "mlp.down_proj.bias", False),
+            q_norm=get(p + "self_attn.q_norm.weight", False), k_norm=get(p + "self_attn.k_norm.weight", False),
+            window=int(window) if window else None))
+    embed = get("embed_tokens.weight")
+    norm = get("norm.weight")
+    head = w.pop("lm_head.weight", None)
+    if getattr(c, "tie_word_embeddings", False):
+        lm_head = embed
+    elif head is None:
+        raise UnsupportedModel(f"{path}: weight lm_head.weight is missing (and the embeddings are not tied)")
+    else:
+        lm_head = head.to(dtype)
+    cos, sin = rotary_tables(c, model_type, arch, max(max_len, 1))
+    return CausalLM(c, layers, embed, norm, lm_head, cos.to(device), sin.to(device))

@@ -1,0 +1,146 @@
+"""The few operations a decoder layer needs beyond matrix products, over the paged KV cache.
+
+Each has a plain-torch version (what CPU runs, written to round where Hugging Face's modules round,
+so float32 outputs match transformers') and, on CUDA, a Triton kernel (`triton_kernels.py`) that
+the GPU tests compare with it. `AttnMeta` describes one forward's token layout to attention.
+
+Token layout of a forward: N tokens, grouped in rows (a sequence's tokens of this forward, at
+rising positions). A *uniform* forward has R rows of exactly T tokens (decoding: row r owns tokens
+[r*T, (r+1)*T)); its attention needs nothing but tensors, so it can be captured in a CUDA graph.
+A *mixed* forward (prompt chunks beside decode rows) lists its rows explicitly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttnMeta:
+    positions: torch.Tensor          # [N] long: position of each token in its sequence
+    slot_mapping: torch.Tensor       # [N] long: flat cache slot each token's k, v go to (block * BS + offset)
+    block_table: torch.Tensor        # [R, max_blocks] int32: row r's blocks (0, the trash block, past its end)
+    uniform_t: int = 0               # T of a uniform forward, else 0
+    row_start: list[int] | None = None   # mixed forwards: each row's first token and token count
+    row_len: list[int] | None = None
+    tiles: tuple | None = None       # mixed forwards on CUDA: (tile_row, tile_start, tile_len, block_q)
+
+    def rows(self) -> tuple[list[int], list[int]]:
+        if self.uniform_t:
+            T = self.uniform_t
+            return [r * T for r in range(self.block_table.shape[0])], [T] * self.block_table.shape[0]
+        return self.row_start, self.row_len
+
+
+def _triton():
+    from . import triton_kernels
+    return triton_kernels
+
+
+# ---------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * x / rms(x), as transformers' Llama RMSNorm rounds it. With `residual`, first
+    residual += x (in place, the layer's residual stream) and normalise that."""
+    if x.is_cuda:
+        return _triton().rms_norm(x, weight, eps, residual)
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        return _triton().silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, H: int, KV: int, D: int) -> None:
+    """Rotate q and k of qkv [N, (H + 2 KV) * D] in place (rotate-half convention); store k and v
+    into the caches [blocks, BS, KV, D] at meta.slot_mapping. cos, sin: [max_pos, D // 2] float32."""
+    if qkv.is_cuda:
+        _triton().rope_and_store(qkv, cos, sin, meta.positions, meta.slot_mapping, k_cache, v_cache, H, KV, D)
+        return
+    N = qkv.shape[0]
+    x = qkv.view(N, H + 2 * KV, D)
+    half = D // 2
+    c = cos[meta.positions].to(qkv.dtype).unsqueeze(1)
+    s = sin[meta.positions].to(qkv.dtype).unsqueeze(1)
+    qk = x[:, :H + KV]
+    x1, x2 = qk[..., :half].clone(), qk[..., half:].clone()
+    qk[..., :half] = x1 * c - x2 * s
+    qk[..., half:] = x2 * c + x1 * s
+    k_cache.view(-1, KV, D).index_copy_(0, meta.slot_mapping, x[:, H:H + KV])
+    v_cache.view(-1, KV, D).index_copy_(0, meta.slot_mapping, x[:, H + KV:])
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
+                    scale: float, window: int | None) -> torch.Tensor:
+    """Causal attention of q [N, H, D] over the cache; returns [N, H, DV]. A token sees its own
+    row's keys at positions <= its own (and within `window` when set)."""
+    N, H, D = q.shape
+    DV = v_cache.shape[-1]
+    if q.is_cuda:
+        out = torch.empty((N, H, DV), dtype=q.dtype, device=q.device)
+        _triton().paged_attention(q, k_cache, v_cache, out, meta.positions, meta.block_table, meta.tiles,
+                                  meta.uniform_t, scale, window or 0)
+        return out
+    return _attention_reference(q, k_cache, v_cache, meta, scale, window)
+
+
+def _attention_reference(q, k_cache, v_cache, meta: AttnMeta, scale, window) -> torch.Tensor:
+    N, H, D = q.shape
+    _, BS, KV, DV = v_cache.shape
+    G = H // KV
+    out = torch.zeros((N, H, DV), dtype=q.dtype, device=q.device)
+    starts, lens = meta.rows()
+    R = len(starts)
+    if R == 0 or N == 0:
+        return out
+    Tq = max(lens)
+    dev = q.device
+    start_t = torch.tensor(starts, device=dev).view(R, 1)
+    len_t = torch.tensor(lens, device=dev).view(R, 1)
+    t = torch.arange(Tq, device=dev).view(1, Tq)
+    cell_ok = t < len_t                                              # [R, Tq]
+    idx = start_t + torch.minimum(t, (len_t - 1).clamp(min=0))       # token of each cell
+    qpos = meta.positions[idx]                                       # [R, Tq]
+    S = int(qpos.max()) + 1
+    kpos = torch.arange(S, device=dev)
+    bt = meta.block_table[:R].long()
+    col = (kpos // BS).clamp(max=bt.shape[1] - 1)
+    slots = bt[:, col] * BS + kpos % BS                              # [R, S]
+    keys = k_cache.view(-1, KV, D)[slots].permute(0, 2, 1, 3)        # [R, KV, S, D]
+    vals = v_cache.view(-1, KV, DV)[slots].permute(0, 2, 1, 3)
+    # the G query heads sharing a KV head fold into the query length: no KV copies for GQA
+    qg = q[idx].view(R, Tq, KV, G, D).permute(0, 2, 3, 1, 4).reshape(R, KV, G * Tq, D)
+    visible = kpos.view(1, 1, S) <= qpos.unsqueeze(-1)               # [R, Tq, S]
+    if window:
+        visible = visible & (qpos.unsqueeze(-1) - kpos.view(1, 1, S) < window)
+    mask = visible.unsqueeze(1).expand(R, G, Tq, S).reshape(R, 1, G * Tq, S)
+    o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale)
+    o = o.view(R, KV, G, Tq, DV).permute(0, 3, 1, 2, 4).reshape(R, Tq, H, DV)
+    out[idx[cell_ok]] = o[cell_ok]
+    return out
+
+
+def mixed_tiles(row_start: list[int], row_len: list[int], G: int, device) -> tuple:
+    """The CUDA attention's work list for a mixed forward: each row cut into runs of block_q tokens."""
+    from .triton_kernels import tile_block_q
+
+    bq = tile_block_q(G, max(row_len, default=1))
+    rows, starts, lens = [], [], []
+    for r, (s, n) in enumerate(zip(row_start, row_len)):
+        for off in range(0, n, bq):
+            rows.append(r)
+            starts.append(s + off)
+            lens.append(min(bq, n - off))
+    t = torch.tensor([rows, starts, lens], dtype=torch.int32).to(device, non_blocking=True)
+    return t[0], t[1], t[2], bq

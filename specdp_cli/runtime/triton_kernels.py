@@ -1,0 +1,239 @@
+"""Triton kernels of the CUDA execution path (imported only on CUDA; `ops.py` holds the torch
+reference of each, which CPU runs and the GPU tests compare against).
+
+- `paged_attention`: causal attention of a flat batch of query tokens over a paged KV cache.
+  Work is split into tiles (a run of query tokens of one row) x KV heads; a tile's queries and the
+  G query heads sharing its KV head form one [BLOCK_M, D] block, so GQA costs no KV copies. Keys
+  are read through the row's block table up to the tile's last query position, with an online
+  softmax (flash attention). Uniform batches (every row T tokens: decoding) need no tile arrays:
+  tile = row, so a CUDA graph's attention depends on nothing but the tensors it reads.
+- `rope_and_store`: rotary embedding of q and k (in place, HF's rotate-half convention) and the
+  store of k and v into their cache slots, one program per token.
+- `add_rms_norm` / `rms_norm` and `silu_and_mul`: the fused elementwise steps of a decoder layer,
+  rounding where Hugging Face's modules round so bf16 results stay close to theirs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+
+@triton.jit
+def _paged_attention_kernel(
+        q_ptr, k_cache, v_cache, out_ptr, pos_ptr, bt_ptr,
+        tile_row_ptr, tile_start_ptr, tile_len_ptr,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+        uniform_t, scale, window,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        BS: tl.constexpr, UNIFORM: tl.constexpr, PREC: tl.constexpr):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    if UNIFORM:
+        row = tile
+        q0 = tile * uniform_t
+        qn = uniform_t
+    else:
+        row = tl.load(tile_row_ptr + tile)
+        q0 = tl.load(tile_start_ptr + tile)
+        qn = tl.load(tile_len_ptr + tile)
+    BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
+    m = tl.arange(0, BLOCK_M)
+    tq = m // G_PAD
+    g = m % G_PAD
+    m_ok = (tq < qn) & (g < G)
+    tok = q0 + tq
+    head = kvh * G + g
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=m_ok[:, None] & (d[None, :] < D), other=0.0)
+    qpos = tl.load(pos_ptr + tok, mask=m_ok, other=0)
+    last = tl.load(pos_ptr + q0 + qn - 1)            # positions rise within a row: the tile's last is its max
+    first = tl.load(pos_ptr + q0)
+    lo = 0
+    if window > 0:
+        lo = tl.maximum(first - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    qk_scale = scale * 1.4426950408889634            # exp2 instead of exp
+    for start in range(lo, last + 1, BLOCK_N):
+        kpos = start + tl.arange(0, BLOCK_N)
+        k_ok = kpos <= last
+        blk = tl.load(bt_ptr + row * stride_bt + kpos // BS, mask=k_ok, other=0).to(tl.int64)
+        off = kpos % BS
+        k = tl.load(k_cache + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh + d[None, :],
+                    mask=k_ok[:, None] & (d[None, :] < D), other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        visible = k_ok[None, :] & (kpos[None, :] <= qpos[:, None])
+        if window > 0:
+            visible = visible & (qpos[:, None] - kpos[None, :] < window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
+                    mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    acc = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < DV))
+
+
+def paged_attention(q, k_cache, v_cache, out, positions, block_table, tiles, uniform_t: int,
+                    scale: float, window: int) -> None:
+    """q [N, H, D] (any token/head strides, unit last stride), caches [blocks, BS, KV, D(V)],
+    out [N, H, DV]. `tiles` = (tile_row, tile_start, tile_len, BLOCK_Q) int32 tensors, or None with
+    `uniform_t` = T when row r owns tokens [r*T, (r+1)*T) (the number of rows is block_table's)."""
+    H, D = q.shape[1], q.shape[2]
+    BS, KV, DV = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
+    G = H // KV
+    G_PAD = _pow2(G)
+    if tiles is None:
+        n_tiles = block_table.shape[0]
+        block_q = max(_pow2(uniform_t), 16 // min(G_PAD, 16))
+        t_row = t_start = t_len = block_table          # unused
+    else:
+        t_row, t_start, t_len, block_q = tiles
+        n_tiles = t_row.shape[0]
+    if n_tiles == 0:
+        return
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    _paged_attention_kernel[(n_tiles, KV)](
+        q, k_cache, v_cache, out, positions, block_table, t_row, t_start, t_len,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
+        uniform_t, scale, window or 0,
+        G=G, G_PAD=G_PAD, D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), BLOCK_Q=block_q,
+        BLOCK_N=64 if _pow2(D) <= 128 else 32, BS=BS, UNIFORM=tiles is None, PREC=prec,
+        num_warps=4)
+
+
+def tile_block_q(G: int, longest: int) -> int:
+    """Query tokens per tile of a mixed batch: a [BLOCK_Q * G, D] block of about 64 rows."""
+    g = _pow2(G)
+    return max(min(_pow2(longest), max(64 // g, 1)), 16 // min(g, 16))
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary embedding + KV store
+
+@triton.jit
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache, v_cache,
+                       stride_t, stride_ct, stride_kslot, stride_kh, stride_vslot, stride_vh,
+                       H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    slot = tl.load(slot_ptr + t)
+    i = tl.arange(0, BLOCK_HALF)
+    i_ok = i < HALF
+    cos = tl.load(cos_ptr + pos * stride_ct + i, mask=i_ok, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_ct + i, mask=i_ok, other=0.0)
+    h = tl.arange(0, BLOCK_H)
+    base = qkv_ptr + t * stride_t
+    # q heads then k heads: rotate in place; k heads also go to the cache
+    hq_ok = h < H + KV
+    ok = hq_ok[:, None] & i_ok[None, :]
+    p1 = base + h[:, None] * D + i[None, :]
+    x1 = tl.load(p1, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=ok, other=0.0).to(tl.float32)
+    y1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(qkv_ptr.dtype.element_ty)
+    y2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(qkv_ptr.dtype.element_ty)
+    tl.store(p1, y1, mask=ok)
+    tl.store(p1 + HALF, y2, mask=ok)
+    kh = h - H
+    is_k = (h >= H) & hq_ok
+    kok = is_k[:, None] & i_ok[None, :]
+    kp = k_cache + slot * stride_kslot + kh[:, None] * stride_kh + i[None, :]
+    tl.store(kp, y1.to(k_cache.dtype.element_ty), mask=kok)
+    tl.store(kp + HALF, y2.to(k_cache.dtype.element_ty), mask=kok)
+    # v heads: a plain copy into the cache
+    dd = tl.arange(0, BLOCK_D)
+    vh = tl.arange(0, BLOCK_H)
+    vok = (vh[:, None] < KV) & (dd[None, :] < D)
+    v = tl.load(base + (H + KV) * D + vh[:, None] * D + dd[None, :], mask=vok, other=0.0)
+    tl.store(v_cache + slot * stride_vslot + vh[:, None] * stride_vh + dd[None, :],
+             v.to(v_cache.dtype.element_ty), mask=vok)
+
+
+def rope_and_store(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, H: int, KV: int, D: int) -> None:
+    """qkv [N, (H + 2 KV) * D] contiguous rows: rotate q and k in place, store k, v at `slot_mapping`
+    (flat slots of caches [blocks, BS, KV, D]). cos, sin [max_pos, D // 2] float32."""
+    N = qkv.shape[0]
+    if N == 0:
+        return
+    kf = k_cache.view(-1, KV, D)
+    vf = v_cache.view(-1, KV, D)
+    _rope_store_kernel[(N,)](qkv, cos, sin, positions, slot_mapping, kf, vf,
+                             qkv.stride(0), cos.stride(0), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
+                             H=H, KV=KV, D=D, HALF=D // 2, BLOCK_H=_pow2(H + KV), BLOCK_HALF=_pow2(D // 2),
+                             BLOCK_D=_pow2(D), num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# norms and the MLP activation
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n, eps,
+                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    ok = c < n
+    x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + c, mask=ok, other=0.0).to(tl.float32))
+        x = x.to(res_ptr.dtype.element_ty)
+        tl.store(res_ptr + row * stride_r + c, x, mask=ok)       # the residual stream, rounded as HF rounds it
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n
+    y = (xf * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + c, mask=ok, other=0.0)
+    tl.store(out_ptr + row * stride_o + c, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rms_norm(x, weight, eps: float, residual=None):
+    """y = weight * (x / rms(x)); with `residual`: residual += x first (in place) and x = residual."""
+    N, n = x.shape
+    out = torch.empty_like(x)
+    if N:
+        res = residual if residual is not None else x
+        _rms_norm_kernel[(N,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
+                               HAS_RES=residual is not None, BLOCK=_pow2(n), num_warps=4 if n <= 4096 else 8)
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < n
+    gate = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n + c, mask=ok, other=0.0).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + c, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_and_mul(x):
+    """x [N, 2I] = [gate | up] -> silu(gate) * up [N, I]."""
+    N, two = x.shape
+    n = two // 2
+    out = torch.empty((N, n), dtype=x.dtype, device=x.device)
+    if N:
+        BLOCK = min(_pow2(n), 1024)
+        _silu_mul_kernel[(N, triton.cdiv(n, BLOCK))](x, out, x.stride(0), out.stride(0), n, BLOCK=BLOCK, num_warps=4)
+    return out

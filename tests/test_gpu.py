@@ -1,0 +1,112 @@
+"""The GPU lane (marked `gpu`, skipped without CUDA; run on a GPU machine with
+`python -m pytest -q -m gpu`): the Triton kernels against their torch references, CUDA graphs
+against eager execution (identical greedy tokens in float32, also through preemption), and a
+lockstep dp = 2 run over NCCL with every collective checked."""
+import pytest
+import torch
+
+from dp_util import dp_config, read_out, run_cli, run_in_process, same_tokens, write_jsonl
+from engine_util import hf_reference, make_config, prompts_of_lengths, run_engine
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+              pytest.mark.timeout(600)]
+
+
+def rel(a, b) -> float:
+    a, b = a.float().cpu(), b.float().cpu()
+    return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_kernels_match_reference(dtype):
+    from specdp_cli.runtime import ops
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    x, w, r = rnd(7, 384), rnd(384), rnd(7, 384)
+    assert rel(ops.rms_norm(x.cuda(), w.cuda(), 1e-6), ops.rms_norm(x, w, 1e-6)) < tol
+    r1, r2 = r.cuda(), r.clone()
+    assert rel(ops.rms_norm(x.cuda(), w.cuda(), 1e-6, r1), ops.rms_norm(x, w, 1e-6, r2)) < tol
+    assert rel(r1, r2) < tol
+    gu = rnd(5, 2 * 1000)
+    assert rel(ops.silu_and_mul(gu.cuda()), ops.silu_and_mul(gu)) < tol
+
+    H, KV, D, BS, NB = 6, 2, 64, 16, 12
+    qkv = rnd(9, (H + 2 * KV) * D)
+    cos, sin = torch.randn(200, D // 2, generator=g), torch.randn(200, D // 2, generator=g)
+    pos = torch.randint(0, 200, (9,), generator=g)
+    slots = torch.randperm(NB * BS, generator=g)[:9]
+    meta = ops.AttnMeta(pos, slots, None)
+    kc, vc = torch.zeros(NB, BS, KV, D, dtype=dtype), torch.zeros(NB, BS, KV, D, dtype=dtype)
+    q_ref = qkv.clone()
+    ops.rope_and_store(q_ref, cos, sin, meta, kc, vc, H, KV, D)
+    q_gpu, kg, vg = qkv.cuda(), torch.zeros_like(kc).cuda(), torch.zeros_like(vc).cuda()
+    ops.rope_and_store(q_gpu, cos.cuda(), sin.cuda(), ops.AttnMeta(pos.cuda(), slots.cuda(), None), kg, vg, H, KV, D)
+    assert rel(q_gpu, q_ref) < tol and rel(kg, kc) < tol and rel(vg, vc) < tol
+
+    for H, KV, D in ((6, 2, 64), (4, 4, 64), (32, 8, 128), (4, 2, 48)):
+        kc, vc = rnd(40, BS, KV, D).cuda(), rnd(40, BS, KV, D).cuda()
+        bt = torch.zeros(3, 16, dtype=torch.int32)
+        perm = torch.randperm(39, generator=g) + 1
+        bt[0, :5], bt[1, :3], bt[2, :10] = perm[:5], perm[5:8], perm[8:18]
+        bt = bt.cuda()
+        positions = torch.tensor([60, 61, 62, 33] + list(range(100, 150))).cuda()     # a 50-token chunk
+        q = rnd(54, H, D).cuda()
+        for window in (None, 20):
+            m = ops.AttnMeta(positions, None, bt, row_start=[0, 3, 4], row_len=[3, 1, 50],
+                             tiles=ops.mixed_tiles([0, 3, 4], [3, 1, 50], H // KV, "cuda"))
+            assert rel(ops.paged_attention(q, kc, vc, m, 0.1, window), ops._attention_reference(q, kc, vc, m, 0.1, window)) < tol
+        T = 5
+        start, n_real = torch.tensor([70, 20, 140]), torch.tensor([5, 2, 1])
+        p = (start[:, None] + torch.minimum(torch.arange(T)[None], (n_real - 1)[:, None])).view(-1).cuda()
+        q = rnd(3 * T, H, D).cuda()
+        m = ops.AttnMeta(p, None, bt, uniform_t=T)
+        assert rel(ops.paged_attention(q, kc, vc, m, 0.1, None), ops._attention_reference(q, kc, vc, m, 0.1, None)) < tol
+
+
+def cuda_engine(cfg, plan):
+    from specdp_cli.runtime.dist import DPGroup
+    from specdp_cli.runtime.engine import Engine
+    return Engine(cfg, plan, DPGroup.solo(), torch.device("cuda", 0))
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "none"])
+def test_graphs_equal_eager_float32(models, method):
+    prompts = prompts_of_lengths([3, 9, 17, 26, 33, 41, 50, 57, 62])
+    kw = dict(method=method, k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda",
+              speculative={"prompt_lookup_min": 1, "prompt_lookup_max": 3})
+    out = {}
+    for eager in (True, False):
+        cfg, plan = make_config(models["target"], models["draft"], enforce_eager=eager, **kw)
+        engine = cuda_engine(cfg, plan)
+        assert (engine.graphs == 0) == eager
+        out[eager] = run_engine(engine, prompts, max_tokens=30)
+    for i, p in enumerate(prompts):
+        assert out[False][i].generated == out[True][i].generated, i
+        assert out[False][i].generated == hf_reference(models["target"], p, min(30, 64 - len(p))), i
+
+
+def test_graphs_through_preemption(models):
+    prompts = prompts_of_lengths([5, 14, 23, 9, 30, 18, 11, 26], seed=7)
+    kw = dict(k=3, M=64, max_num_seqs=6, max_batched=64, device="cuda")
+    roomy = run_engine(cuda_engine(*make_config(models["target"], models["draft"], **kw)), prompts, max_tokens=30)
+    tight_engine = cuda_engine(*make_config(models["target"], models["draft"], cache={"block_size": 4, "num_blocks": 24}, **kw))
+    tight = run_engine(tight_engine, prompts, max_tokens=30)
+    assert tight_engine.counters.preemptions > 0 and tight_engine.graphs > 0
+    assert [tight[i].generated for i in range(8)] == [roomy[i].generated for i in range(8)]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_lockstep_dp2_nccl_with_checked_collectives(tmp_path, models):
+    rows = [{"prompt": f"def f{i}(x):\n    return x *", "max_tokens": 4 + 5 * i} for i in range(5)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    cfg = dp_config(tmp_path, models["target"], models["draft"], dp=2, dp_sync="always", check=True, device="cuda",
+                    timeout_s=60)
+    run_in_process(cfg, inp, tmp_path / "ref.jsonl")
+    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
+                   tmp_path / "s.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
