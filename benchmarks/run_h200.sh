@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh gpu-tests|codepair|widened|memory|dp OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp OUT_DIR
 # Needs .bench/codepair (a copy of ../shared/models/codepair) and .bench/{hf_baselines,widen,graph_floor}.py
 # (copies of ../shared/bench/); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -17,18 +17,50 @@ P=.bench/codepair
 W=/tmp/wide
 widen() {   # the 8B-shaped target that computes the codepair target's function (../shared/bench/widen.py)
   [ -f $W/target/config.json ] && return 0
-  python3 .bench/widen.py $P/target $W/target > "$out/widen.log" 2>&1 || { cat "$out/widen.log"; return 1; }
+  python3 .bench/widen.py $P/target $W/target > /tmp/widen.log 2>&1 || { cat /tmp/widen.log; return 1; }
   ln -sfn "$PWD/$P/draft" $W/draft && ln -sfn "$PWD/$P/tokenizer" $W/tokenizer && cp $P/heldout_prompts.jsonl $W/
 }
+offline() {   # NAME ARGS...: one benchmarks/offline.py run on GPU 0, JSON in OUT, log in /tmp
+  name=$1; shift
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/offline.py "$@" --json "$out/$name.json" > /tmp/$name.log 2>&1 \
+    || { echo "== $name failed"; tail -20 /tmp/$name.log; }
+}
 case "$stage" in
+all)
+  # everything in one lease: GPU 1 runs the Hugging Face rows (and builds the 8B-shaped target)
+  # while GPU 0 runs the GPU tests and specdp's benchmarks; DP scaling (both GPUs) comes last
+  ( export CUDA_VISIBLE_DEVICES=1
+    python3 benchmarks/hf_rows.py .bench/hf_baselines.py $P --cases generate_bs1,static:32
+    python3 .bench/graph_floor.py $P/target --bs 1,32 --label _codepair
+    widen && touch /tmp/widened
+    python3 benchmarks/hf_rows.py .bench/hf_baselines.py $W --prompts 16 --cases generate_bs1,static:16
+    python3 .bench/graph_floor.py $W/target --bs 1,16 --label _8b ) > "$out/hf.jsonl" 2> /tmp/hf.err &
+  hf=$!
+  timeout 150 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
+  tail -3 "$out/gpu_tests.log"
+  offline offline_codepair_bs1 --pair $P --batches 1 --profile draft_model:1
+  offline offline_codepair_256 --pair $P --requests 256 --batches 32
+  offline offline_codepair_eager --pair $P --batches 32 --methods none,draft_model --eager
+  for i in $(seq 120); do [ -f /tmp/widened ] && break; sleep 2; done
+  offline offline_widened --pair $P --target $W/target --prompts 16 --batches 1,16 --methods none,draft_model --label widened
+  offline offline_memory --pair $P --target $W/target --requests 256 --batches 256 --methods none --max-model-len 4096 \
+    --label widened-memory
+  for i in $(seq 60); do kill -0 $hf 2>/dev/null || break; sleep 2; done
+  timeout 170 python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
+    --json "$out/dp_scaling.json" > /tmp/dp.log 2>&1; tail -7 /tmp/dp.log
+  grep -A22 "^profile:" /tmp/offline_codepair_bs1.log | cut -c1-60,100-175
+  for f in offline_codepair_bs1 offline_codepair_256 offline_codepair_eager offline_widened offline_memory; do
+    grep -A8 "^method" /tmp/$f.log; done
+  cat "$out/hf.jsonl"
+  ;;
 gpu-tests)
   nvidia-smi -L
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
   ;;
 codepair)
-  CUDA_VISIBLE_DEVICES=1 python3 benchmarks/hf_rows.py .bench/hf_baselines.py $P --cases generate_bs1,prompt_lookup,assisted_k4,static:32 \
-    > "$out/hf_codepair.jsonl" 2> "$out/hf_codepair.err" &
+  CUDA_VISIBLE_DEVICES=1 sh -c "python3 benchmarks/hf_rows.py .bench/hf_baselines.py $P --cases ${HF_CASES:-generate_bs1,static:32}; \
+    python3 .bench/graph_floor.py $P/target --bs 1,32 --label _codepair" > "$out/hf_codepair.jsonl" 2> "$out/hf_codepair.err" &
   CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --batches 1 --profile "${PROFILE:-draft_model:1}" \
     --json "$out/offline_codepair_bs1.json" > "$out/offline_codepair_bs1.log" 2>&1
   CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --requests 256 --batches 32 \
@@ -36,7 +68,6 @@ codepair)
   CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --batches 32 --methods none,draft_model --eager \
     --json "$out/offline_codepair_eager.json" > "$out/offline_codepair_eager.log" 2>&1
   wait
-  CUDA_VISIBLE_DEVICES=1 python3 .bench/graph_floor.py $P/target --bs 1,32 --label _codepair >> "$out/hf_codepair.jsonl" 2>> "$out/hf_codepair.err"
   grep -v "^{" "$out/offline_codepair_bs1.log" | head -90
   for f in bs1 256 eager; do grep -A8 "^method" "$out/offline_codepair_$f.log"; done
   cat "$out/hf_codepair.jsonl"

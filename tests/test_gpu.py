@@ -49,22 +49,19 @@ def test_triton_kernels_match_reference(dtype):
 
     for H, KV, D in ((6, 2, 64), (4, 4, 64), (32, 8, 128), (4, 2, 48)):
         kc, vc = rnd(40, BS, KV, D).cuda(), rnd(40, BS, KV, D).cuda()
-        bt = torch.zeros(3, 16, dtype=torch.int32)
+        bt = torch.zeros(4, 16, dtype=torch.int32)
         perm = torch.randperm(39, generator=g) + 1
-        bt[0, :5], bt[1, :3], bt[2, :10] = perm[:5], perm[5:8], perm[8:18]
+        bt[0, :5], bt[1, :3], bt[2, :10], bt[3, :10] = perm[:5], perm[5:8], perm[8:18], perm[8:18]
         bt = bt.cuda()
-        positions = torch.tensor([60, 61, 62, 33] + list(range(100, 150))).cuda()     # a 50-token chunk
-        q = rnd(54, H, D).cuda()
-        for window in (None, 20):
-            m = ops.AttnMeta(positions, None, bt, row_start=[0, 3, 4], row_len=[3, 1, 50],
-                             tiles=ops.mixed_tiles([0, 3, 4], [3, 1, 50], H // KV, "cuda"))
-            assert rel(ops.paged_attention(q, kc, vc, m, 0.1, window), ops._attention_reference(q, kc, vc, m, 0.1, window)) < tol
-        T = 5
-        start, n_real = torch.tensor([70, 20, 140]), torch.tensor([5, 2, 1])
-        p = (start[:, None] + torch.minimum(torch.arange(T)[None], (n_real - 1)[:, None])).view(-1).cuda()
-        q = rnd(3 * T, H, D).cuda()
-        m = ops.AttnMeta(p, None, bt, uniform_t=T)
-        assert rel(ops.paged_attention(q, kc, vc, m, 0.1, None), ops._attention_reference(q, kc, vc, m, 0.1, None)) < tol
+        for T in (1, 5, 16):
+            # rows 2 and 3: one sequence's prompt cut into two rows; row 1 mostly padding
+            start, n_real = torch.tensor([70, 20, 120, 120 + T]), torch.tensor([T, min(2, T), T, max(T - 3, 1)])
+            p = (start[:, None] + torch.minimum(torch.arange(T)[None], (n_real - 1)[:, None])).view(-1).cuda()
+            q = rnd(4 * T, H, D).cuda()
+            for window in (None, 20):
+                m = ops.AttnMeta(p, None, bt, T)
+                assert rel(ops.paged_attention(q, kc, vc, m, 0.1, window),
+                           ops._attention_reference(q, kc, vc, m, 0.1, window)) < tol, (H, KV, D, T, window)
 
 
 def cuda_engine(cfg, plan):
@@ -73,26 +70,34 @@ def cuda_engine(cfg, plan):
     return Engine(cfg, plan, DPGroup.solo(), torch.device("cuda", 0))
 
 
+# engines of one process share the GPU: each takes a fixed KV cache instead of most of the memory
+ROOM = {"num_blocks": 512}
+
+
 @pytest.mark.parametrize("method", ["draft_model", "ngram", "none"])
 def test_graphs_equal_eager_float32(models, method):
     prompts = prompts_of_lengths([3, 9, 17, 26, 33, 41, 50, 57, 62])
-    kw = dict(method=method, k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda",
+    kw = dict(method=method, k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda", cache=ROOM,
               speculative={"prompt_lookup_min": 1, "prompt_lookup_max": 3})
     out = {}
     for eager in (True, False):
         cfg, plan = make_config(models["target"], models["draft"], enforce_eager=eager, **kw)
         engine = cuda_engine(cfg, plan)
-        assert (engine.graphs == 0) == eager
         out[eager] = run_engine(engine, prompts, max_tokens=30)
+        sampled = run_engine(engine, prompts, max_tokens=20, temperature=0.8, top_p=0.95, seed=5)
+        out[eager, "sampled"] = [sampled[i].generated for i in range(len(prompts))]
+        assert (engine.graphs == 0) == eager
     for i, p in enumerate(prompts):
         assert out[False][i].generated == out[True][i].generated, i
         assert out[False][i].generated == hf_reference(models["target"], p, min(30, 64 - len(p))), i
+    assert out[False, "sampled"] == out[True, "sampled"]
 
 
 def test_graphs_through_preemption(models):
     prompts = prompts_of_lengths([5, 14, 23, 9, 30, 18, 11, 26], seed=7)
     kw = dict(k=3, M=64, max_num_seqs=6, max_batched=64, device="cuda")
-    roomy = run_engine(cuda_engine(*make_config(models["target"], models["draft"], **kw)), prompts, max_tokens=30)
+    roomy = run_engine(cuda_engine(*make_config(models["target"], models["draft"], cache=ROOM, **kw)), prompts,
+                       max_tokens=30)
     tight_engine = cuda_engine(*make_config(models["target"], models["draft"], cache={"block_size": 4, "num_blocks": 24}, **kw))
     tight = run_engine(tight_engine, prompts, max_tokens=30)
     assert tight_engine.counters.preemptions > 0 and tight_engine.graphs > 0
@@ -104,7 +109,7 @@ def test_lockstep_dp2_nccl_with_checked_collectives(tmp_path, models):
     rows = [{"prompt": f"def f{i}(x):\n    return x *", "max_tokens": 4 + 5 * i} for i in range(5)]
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     cfg = dp_config(tmp_path, models["target"], models["draft"], dp=2, dp_sync="always", check=True, device="cuda",
-                    timeout_s=60)
+                    timeout_s=60, cache=ROOM)
     run_in_process(cfg, inp, tmp_path / "ref.jsonl")
     r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
                    tmp_path / "s.json")

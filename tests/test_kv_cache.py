@@ -7,7 +7,7 @@ import torch
 from engine_util import make_config, make_engine, prompts_of_lengths, run_engine
 from specdp_cli.runtime.kv_cache import BlockPool, allocate_kv
 from specdp_cli.runtime.model import load_model
-from specdp_cli.runtime.model_runner import MixedBatch, MixedRow, ModelRunner
+from specdp_cli.runtime.model_runner import ModelRunner
 from specdp_cli.runtime.sampling import SamplingParams
 from specdp_cli.runtime.scheduler import Request, Scheduler
 
@@ -92,7 +92,7 @@ def runner(models):
     model = load_model(str(models["target"]), torch.float32, torch.device("cpu"), 128)
     allocate_kv(model, 40, 4)
     bt = torch.zeros((8, 32), dtype=torch.int32)
-    return ModelRunner(model, torch.device("cpu"), bt, 4, 8, [1, 3], "all")
+    return ModelRunner(model, torch.device("cpu"), bt, 4, 8, [3, 8], window=3)
 
 
 def _hf_logits(models, tokens):
@@ -102,35 +102,33 @@ def _hf_logits(models, tokens):
         return hf(torch.tensor([tokens])).logits[0]
 
 
+def _forward(runner, R, T, rows):
+    """rows: (blocks, start, tokens, n_real, out_start); rows past them are padding."""
+    bt = runner.block_table
+    bt.zero_()
+    ids = torch.zeros((R, T), dtype=torch.long)
+    start, n_real, out = (torch.zeros(R, dtype=torch.long) for _ in range(3))
+    for i, (blocks, s, toks, n, o) in enumerate(rows):
+        bt[i, :len(blocks)] = torch.tensor(blocks)
+        ids[i, :len(toks)] = torch.tensor(toks)
+        start[i], n_real[i], out[i] = s, n, o
+    runner.set_rows(R, ids, start, n_real, out)
+    return runner.forward(R, T).clone()
+
+
 def test_attention_over_block_tables_padded_and_unpadded(models, runner):
-    """Two sequences in scattered blocks, prefilled by one mixed forward, then verified by uniform
-    forwards of 2 rows and of 4 rows (2 padding), and by a mixed forward: the same logits, equal
-    to transformers' forward over each whole sequence."""
+    """Two sequences in scattered blocks, prefilled by one forward (a prompt cut into rows of the
+    same sequence), then verified by forwards of 2 rows and of 4 rows (2 padding) and by a wider
+    forward: the same logits, equal to transformers' forward over each whole sequence."""
     a, b = prompts_of_lengths([13, 6], seed=9)
     blocks = {"a": [9, 3, 17, 5, 11], "b": [22, 2, 30]}          # out of order, interleaved
     nxt_a, nxt_b = [41, 42, 43], [51, 52, 53]
-    runner.mixed(MixedBatch([MixedRow(blocks["a"], 0, a, len(a)), MixedRow(blocks["b"], 0, b, len(b))]))
+    _forward(runner, 3, 8, [(blocks["a"], 0, a[:8], 8, 7), (blocks["a"], 8, a[8:], 5, 4), (blocks["b"], 0, b, 6, 5)])
     ref_a = _hf_logits(models, a + nxt_a)[len(a):]
     ref_b = _hf_logits(models, b + nxt_b[:2])[len(b):]
-
-    def uniform(R):
-        bt = runner.block_table
-        bt.zero_()
-        bt[0, :5] = torch.tensor(blocks["a"])
-        bt[1, :3] = torch.tensor(blocks["b"])
-        runner.ids.zero_()
-        runner.start.zero_()
-        runner.n_real.zero_()
-        runner.ids[:6] = torch.tensor(nxt_a + nxt_b)
-        runner.start[:2] = torch.tensor([len(a), len(b)])
-        runner.n_real[:2] = torch.tensor([3, 2])                  # row b: its third token is padding
-        return runner.uniform(R, 3).view(R, 3, -1).clone()
-
-    two, four = uniform(2), uniform(4)
+    rows = [(blocks["a"], len(a), nxt_a, 3, 0), (blocks["b"], len(b), nxt_b, 2, 0)]   # row b: its third token is padding
+    two, four, wide = _forward(runner, 2, 3, rows), _forward(runner, 4, 3, rows), _forward(runner, 2, 8, rows)
     torch.testing.assert_close(four[:2], two, rtol=0, atol=1e-5)
+    torch.testing.assert_close(wide, two, rtol=0, atol=1e-5)
     torch.testing.assert_close(two[0], ref_a, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(two[1, :2], ref_b, rtol=1e-4, atol=1e-4)
-    mixed = runner.mixed(MixedBatch([MixedRow(blocks["a"], len(a), nxt_a, 3, "all"),
-                                     MixedRow(blocks["b"], len(b), nxt_b, 2, "all")], n_pad=9))
-    torch.testing.assert_close(mixed[:3], two[0], rtol=0, atol=1e-5)
-    torch.testing.assert_close(mixed[3:5], two[1, :2], rtol=0, atol=1e-5)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -34,13 +34,15 @@ from .drafters.ngram import NgramDrafter
 from .faults import EXIT_STATUS, Faults
 from .kv_cache import BlockPool, allocate_kv, kv_bytes_per_token
 from .model import load_model
-from .model_runner import MixedBatch, MixedRow, ModelRunner, capture_sizes, pad_rows
+from .model_runner import ModelRunner, capture_sizes, pad_rows
 from .output import OutputProcessor
 from .sampling import SamplingParams, row_tensors, verify
 from .scheduler import Request, Scheduler, Sequence, SpecStats
-from .step_inputs import DRAFTS, LAST, LEN, NDRAFT, StepInputs
+from .step_inputs import FIRST, NDRAFT, NREAL, OUT, START, RowSpec, StepInputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CHUNK_ROW_TOKENS = 16    # tokens per row in a step with prompt chunks (a chunk takes one row per 16 tokens)
+CHUNK_ROWS = 32          # rows a step has for prompt chunks beyond max_num_seqs decode rows
 
 
 @dataclass
@@ -53,23 +55,22 @@ class StepOutput:
 @dataclass
 class StepSizes:
     """What every rank of a lockstep step agrees on before its first forward."""
-    R_pad: int            # rows of every uniform forward (a CUDA graph size)
+    R_pad: int            # rows of every forward of the step (a CUDA graph size)
     K: int                # drafter forwards
-    T: int                # tokens per decode row in the target forward (1 + draft slots)
-    draft_mixed: int      # tokens of a mixed first drafter forward (padding included), 0 when uniform
-    target_mixed: int     # tokens of a mixed target forward (padding included), 0 when uniform
+    T_dec: int            # the verification window: 1 + draft slots
+    T: int                # tokens per row of the target forward (T_dec, or the prompt-chunk width)
+    T1: int               # tokens per row of the first drafter forward (2, or the prompt-chunk width)
 
 
 @dataclass
 class StepContext:
     step: int
-    rows: list[tuple[Sequence, int]]              # decode rows (sequence, k_eff), in row order
-    prefill: list[tuple[Sequence, int, int]]
+    rows: list[RowSpec]
     sizes: StepSizes
     inputs: StepInputs
     rt: dict                                      # sampling settings of the R_pad rows
     publish: Callable[[str], None]
-    padding: list[bool] = field(default_factory=list)   # per phase: did it run over a padding batch only
+    graphs: bool                                  # replay CUDA graphs (where captured)
 
 
 class RankCounters:
@@ -126,17 +127,20 @@ class Engine:
         t_loaded = time.time()
 
         bs = cfg.cache.block_size
-        self.row_sizes = capture_sizes(cfg.scheduler.max_num_seqs)
+        n_seqs = cfg.scheduler.max_num_seqs
+        self.T_chunk = max(CHUNK_ROW_TOKENS, self.k + 1)       # row width of a step with prompt chunks
+        self.decode_sizes = capture_sizes(n_seqs)               # rows of a decode step
+        self.row_sizes = capture_sizes(n_seqs + CHUNK_ROWS)     # rows of a step with prompt chunks too
         max_rows = self.row_sizes[-1]
         max_blocks = -(-(self.M + self.k + 1) // bs)
         for m in models:
             allocate_kv(m, 1, bs)                    # a trash block only, until the pool is sized
-        self.inputs = StepInputs(max_rows, self.k, max_blocks, device)
+        self.inputs = StepInputs(max_rows, self.T_chunk, max_blocks, device)
         self.target = ModelRunner(target, device, self.inputs.block_table, bs, max_rows,
-                                  [1, self.k + 1] if self.k else [1], "all")
+                                  [1, self.k + 1, self.T_chunk], window=self.k + 1)
         self.drafter: Drafter
         if draft is not None:
-            runner = ModelRunner(draft, device, self.inputs.block_table, bs, max_rows, [1, 2], "last")
+            runner = ModelRunner(draft, device, self.inputs.block_table, bs, max_rows, [1, 2, self.T_chunk], window=1)
             self.drafter = ModelDrafter(runner, self.D, self.k)
         elif spec.method == "ngram":
             self.drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -150,15 +154,18 @@ class Engine:
         t_kv = time.time()
 
         self.graphs = 0
+        self.step_graphs: dict[tuple, tuple] = {}
         if device.type == "cuda" and not cfg.enforce_eager:
+            self.graph_pool = torch.cuda.graph_pool_handle()
             with torch.no_grad():
-                self.graphs = sum(r.capture(self.row_sizes) for r in self.runners)
+                self.graphs = sum(r.capture({T: self.row_sizes if T == self.T_chunk else self.decode_sizes
+                                             for T in r.t_values}, self.graph_pool) for r in self.runners)
         t_captured = time.time()
         self.startup = {"launch_s": max(0.0, t_begin - started_at) if started_at else 0.0,
                         "load_s": t_loaded - t_begin, "kv_alloc_s": t_kv - t_loaded,
                         "capture_s": t_captured - t_kv}
-        self.scheduler = Scheduler(self.pool, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens,
-                                   self.k, self.M, self.D)
+        self.scheduler = Scheduler(self.pool, n_seqs, cfg.scheduler.max_num_batched_tokens, self.k, self.M, self.D,
+                                   max_rows=max_rows, row_tokens=self.T_chunk)
         self.ready_line = (f"rank {dp.rank} ready in {t_captured - (started_at or t_begin):.1f} s: "
                            + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in self.startup.items())
                            + f"; KV cache {num_blocks} blocks x {bs} tokens; {self.graphs} CUDA graphs"
@@ -191,17 +198,13 @@ class Engine:
 
     @torch.no_grad()
     def _profile_activations(self) -> int:
-        """Peak bytes the largest mixed and uniform forwards allocate beyond what is held now."""
+        """Peak bytes the largest forward allocates beyond what is held now."""
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.cfg.scheduler.max_num_batched_tokens, self.M)
-        rows = self.row_sizes[-1]
-        trash = [0] * -(-n // self.cfg.cache.block_size)           # every position in the trash block
         for r in self.runners:
-            r.mixed(MixedBatch([MixedRow(trash, 0, [0] * n, n, "last")], n_pad=n))
-            r.uniform(rows, max(r.t_values))
+            r.forward(self.row_sizes[-1], self.T_chunk, graphs=False)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
         torch.cuda.empty_cache()
@@ -243,17 +246,34 @@ class Engine:
         return self.faults.drafter_forwards(self.dp.rank, has_draft, wanted)
 
     def agree(self, fields: list[list[int]], step: int) -> StepSizes:
-        """Every rank's [rows, drafter forwards, T, drafter-mixed flag, its tokens, prefill tokens]
-        -> the step's sizes, computed alike on every rank."""
+        """Every rank's [rows, drafter forwards, verification window, wide] -> the step's sizes,
+        computed alike on every rank ("wide": prompt chunks ride in the step's forwards)."""
         Ks = [f[1] for f in fields]
         if len(set(Ks)) > 1:
             self.dp.out_of_step([f"step {step}, start of step: {K} drafter forward{'' if K == 1 else 's'} planned"
                                  for K in Ks])
-        T = max(f[2] for f in fields)
-        return StepSizes(
-            R_pad=pad_rows(max(max(f[0] for f in fields), 1), self.row_sizes), K=Ks[0], T=T,
-            draft_mixed=max(max(f[4] for f in fields), 1) if any(f[3] for f in fields) else 0,
-            target_mixed=max(max(f[0] * T + f[5] for f in fields), 1) if any(f[5] for f in fields) else 0)
+        T_dec = max(f[2] for f in fields)
+        wide = any(f[3] for f in fields)
+        return StepSizes(R_pad=pad_rows(max(max(f[0] for f in fields), 1), self.row_sizes), K=Ks[0], T_dec=T_dec,
+                         T=self.T_chunk if wide else T_dec, T1=self.T_chunk if wide else 2)
+
+    def _rows(self, plan, drafts: Drafts) -> list[RowSpec]:
+        """The step's rows: each decode row (its last token and drafts), then each prompt chunk cut
+        into rows of T_chunk tokens."""
+        rows = []
+        for i, ((s, _), n) in enumerate(zip(plan.decode, drafts.n)):
+            toks = [s.tokens[-1]] + (drafts.host[i] if drafts.host is not None else [])
+            d_start, d_toks = self.drafter.catch_up(s) if n else (0, [])
+            rows.append(RowSpec(s, s.L - 1, toks, 1 + n, 0, s.L, n, d_start, tuple(d_toks)))
+        W = self.T_chunk
+        for s, start, end in plan.prefill:
+            pre = self.drafter.prefills(s)
+            for a in range(start, end, W):
+                b = min(end, a + W)
+                toks = s.tokens[a:b]
+                done = b == end == s.prefill_len and s.samples_after_prefill
+                rows.append(RowSpec(s, a, toks, b - a, b - a - 1, b, 0, a, tuple(toks) if pre else (), done))
+        return rows
 
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
@@ -268,91 +288,79 @@ class Engine:
 
         plan = self.scheduler.schedule()
         c.preemptions += plan.preempted
-        rows = plan.decode
-        drafting = [(s, ke) for s, ke in rows if ke >= 1]
+        drafting = [(s, ke) for s, ke in plan.decode if ke >= 1]
         K = self.drafter_forwards(drafting)
         if self.drafter.has_forward and not drafting and K == 0:
             c.skipped_drafter_steps += 1
-        drafts = self.drafter.host_drafts(rows, K)
-        d_mixed, d_tokens = self.drafter.mixed_fields(rows, plan.prefill, drafts, K)
-        T = 1 + self.k if (K or any(drafts.n)) else 1
-        fields = [len(rows), K, T, d_mixed, d_tokens, sum(e - s for _, s, e in plan.prefill)]
+        drafts = self.drafter.host_drafts(plan.decode, K)
+        rows = self._rows(plan, drafts)
+        wide = bool(plan.prefill) or any(len(r.d_tokens) > 2 for r in rows)
+        fields = [len(rows), K, 1 + self.k if (K or any(drafts.n)) else 1, int(wide)]
         sizes = self.agree(self.dp.sync_step(fields, step), step)
 
-        self.inputs.stage(rows, drafts, sizes.R_pad)
-        params = [s.req.params for s, _ in rows]
-        ctx = StepContext(step, rows, plan.prefill, sizes, self.inputs,
-                          row_tensors(params, self.device, pad_to=sizes.R_pad),
-                          lambda what: self.dp.publish(step, what))
-        self.drafter.propose(ctx, drafts)
+        self.inputs.stage(rows, sizes.R_pad)
+        ctx = StepContext(step, rows, sizes, self.inputs,
+                          row_tensors([r.seq.req.params for r in rows], self.device, pad_to=sizes.R_pad),
+                          lambda what: self.dp.publish(step, what), graphs=not self.cfg.enforce_eager)
+        result = self._to_host(*self._run_device_step(ctx), len(rows))
+        if not rows or self._drafter_runs(ctx) and (not any(r.d_tokens for r in rows)
+                                                     or sizes.K > max(drafts.n, default=0)):
+            c.padding_steps += 1                  # some forward of the step ran over padding rows only
+        self.drafter.after_step(ctx)
 
-        self.dp.publish(step, "target forward")
-        ctx.padding.append(not rows and not plan.prefill)
-        if sizes.target_mixed:
-            done, result = self._target_mixed(ctx, drafts)
-        else:
-            done, result = [], self._target_uniform(ctx, drafts)
-        n_drafts = drafts.n + [0] * len(done)
-        outputs = [self._accept(s, n, list(r[:r[-1]]))
-                   for s, n, r in zip([s for s, _ in rows] + done, n_drafts, result)]
+        for s, _start, end in plan.prefill:
+            s.target_len = end
+        n_decode = len(plan.decode)
+        outputs = [self._accept(row.seq, row.n_drafts, [int(t) for t in res[:res[-1]]])
+                   for i, (row, res) in enumerate(zip(rows, result)) if i < n_decode or row.done]
         for out in outputs:
             if out.finished:
                 c.spec.merge(out.seq.stats)
                 self.scheduler.remove(out.seq)
-
         c.steps += 1
-        if any(ctx.padding):
-            c.padding_steps += 1
         c.last_step_t = time.time()
         return outputs
 
-    def _target_uniform(self, ctx: StepContext, drafts: Drafts):
-        R, T = ctx.sizes.R_pad, ctx.sizes.T
-        t, inp = self.target, self.inputs
-        ids = t.ids[:R * T].view(R, T)
-        ids[:, 0] = inp.col(LAST, R)
-        if T > 1:
-            ids[:, 1:] = drafts.tokens if drafts.tokens is not None else inp.dev[:R, DRAFTS:DRAFTS + T - 1]
-        torch.sub(inp.col(LEN, R), 1, out=t.start[:R])
-        torch.add(inp.col(NDRAFT, R), 1, out=t.n_real[:R])
-        logits = t.uniform(R, T).view(R, T, -1)
-        out, n_out = verify(logits, ids[:, 1:], inp.col(NDRAFT, R), drafts.probs, ctx.rt, inp.col(LEN, R))
-        return self._to_host(out, n_out, len(ctx.rows))
+    def _run_device_step(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """An all-greedy step replays one CUDA graph of its whole device work (captured the first
+        time its sizes occur); a step with sampled rows runs its forwards' graphs one by one."""
+        if not (ctx.graphs and self.device.type == "cuda" and ctx.rt["all_greedy"]):
+            return self._device_step(ctx)
+        sz = ctx.sizes
+        key = (sz.R_pad, sz.K, sz.T_dec, sz.T, sz.T1, self._drafter_runs(ctx))
+        graph = self.step_graphs.get(key)
+        if graph is not None:
+            graph[0].replay()
+            return graph[1]
+        plain = replace(ctx, graphs=False, publish=lambda what: None)
+        result = self._device_step(plain)         # this step's result; also compiles what the capture needs
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.graph_pool):
+            outputs = self._device_step(plain)
+        self.step_graphs[key] = (g, outputs)
+        self.graphs += 1
+        return result
 
-    def _target_mixed(self, ctx: StepContext, drafts: Drafts):
-        """A step with prompt chunks: the decode rows (T tokens each) and the chunks in one eager
-        forward; rows whose prompt is complete draw their first token."""
-        T, inp, dev = ctx.sizes.T, self.inputs, self.device
-        R = len(ctx.rows)
-        batch = MixedBatch(n_pad=ctx.sizes.target_mixed)
-        for i, (s, _) in enumerate(ctx.rows):
-            toks = [s.tokens[-1]] + (drafts.host[i] if drafts.host is not None else [0] * drafts.n[i])
-            batch.rows.append(MixedRow(s.blocks, s.L - 1, toks + [0] * (T - len(toks)), len(toks), "all"))
-        if drafts.tokens is not None:
-            batch.fill = (R, T, T - 1, drafts.tokens)
-        done = []
-        for s, start, end in ctx.prefill:
-            last = end == s.prefill_len and s.samples_after_prefill
-            batch.rows.append(MixedRow(s.blocks, start, s.tokens[start:end], end - start, "last" if last else "none"))
-            s.target_len = end
-            if last:
-                done.append(s)
-        logits = self.target.mixed(batch)
-        n = R + len(done)
-        if not n:
-            return done, []
-        V = logits.shape[-1]
-        grid = torch.cat([logits[:R * T].view(R, T, V), logits[R * T:].view(-1, 1, V).expand(-1, T, -1)])
-        tail = torch.tensor([[0] * (T - 1) + [0, s.L] for s in done], dtype=torch.long).view(-1, T + 1).to(dev)
-        head = torch.cat([drafts.tokens[:R] if drafts.tokens is not None else inp.dev[:R, DRAFTS:DRAFTS + T - 1],
-                          inp.col(NDRAFT, R).view(R, 1), inp.col(LEN, R).view(R, 1)], 1)
-        rows_in = torch.cat([head, tail])
-        q = drafts.probs
-        if q is not None:
-            q = torch.cat([q[:R], q.new_zeros((len(done),) + q.shape[1:])])
-        rt = row_tensors([s.req.params for s, _ in ctx.rows] + [s.req.params for s in done], dev)
-        out, n_out = verify(grid, rows_in[:, :T - 1], rows_in[:, T - 1], q, rt, rows_in[:, T])
-        return done, self._to_host(out, n_out, n)
+    def _device_step(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step on the device: the drafter's forwards, the target's, verification. Reads only the
+        staged inputs; returns (tokens [R_pad, T_dec], how many of them each row emits [R_pad])."""
+        sz, inp, t = ctx.sizes, ctx.inputs, self.target
+        R, T, W = sz.R_pad, sz.T, sz.T_dec
+        drafts = probs = None
+        if self._drafter_runs(ctx):
+            drafts, probs = self.drafter.propose(ctx)
+        ctx.publish("target forward")
+        n = inp.col(NDRAFT, R)
+        t.set_rows(R, inp.target_ids(R, T), inp.col(START, R), inp.col(NREAL, R), inp.col(OUT, R))
+        ids = t.ids[:R * T].view(R, T)
+        if drafts is not None and W > 1:
+            ids[:, 1:W] = torch.where(n.view(R, 1) > 0, drafts, ids[:, 1:W])
+        logits = t.forward(R, T, ctx.graphs)
+        return verify(logits[:, :W], ids[:, 1:W], n, probs, ctx.rt, inp.col(FIRST, R))
+
+    def _drafter_runs(self, ctx: StepContext) -> bool:
+        """The drafter phase runs when it drafts (K forwards) or its cache takes prompt chunks."""
+        return self.drafter.has_forward and bool(ctx.sizes.K or any(r.d_tokens for r in ctx.rows))
 
     @staticmethod
     def _to_host(out: torch.Tensor, n_out: torch.Tensor, n: int):
@@ -364,10 +372,9 @@ class Engine:
         accepted = len(new) - 1
         if n_drafts:
             s.stats.add(n_drafts, accepted)
-        if not s.in_prefill:
-            s.target_len = old_len + accepted
-            if n_drafts:
-                self.drafter.on_accept(s, old_len, accepted)
-        emitted = self.output.append(s, [int(t) for t in new])
+        s.target_len = old_len + accepted
+        if n_drafts:
+            self.drafter.on_accept(s, old_len, accepted)
+        emitted = self.output.append(s, new)
         self.counters.generated_tokens += len(emitted)
         return StepOutput(s, emitted, s.finish_reason is not None)

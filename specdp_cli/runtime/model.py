@@ -90,7 +90,7 @@ class CausalLM:
         ops.rope_and_store(qkv, self.cos, self.sin, meta, k_cache, v_cache, H, KV, D)
         q = qkv[:, :H * D].view(N, H, D)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window)
-        return F.linear(out.view(N, -1), layer.o, layer.o_bias)
+        return F.linear(out.reshape(N, -1), layer.o, layer.o_bias)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head)

@@ -4,10 +4,9 @@ Each has a plain-torch version (what CPU runs, written to round where Hugging Fa
 so float32 outputs match transformers') and, on CUDA, a Triton kernel (`triton_kernels.py`) that
 the GPU tests compare with it. `AttnMeta` describes one forward's token layout to attention.
 
-Token layout of a forward: N tokens, grouped in rows (a sequence's tokens of this forward, at
-rising positions). A *uniform* forward has R rows of exactly T tokens (decoding: row r owns tokens
-[r*T, (r+1)*T)); its attention needs nothing but tensors, so it can be captured in a CUDA graph.
-A *mixed* forward (prompt chunks beside decode rows) lists its rows explicitly.
+Token layout of a forward: R rows of T tokens (row r owns tokens [r*T, (r+1)*T)); a row is a run
+of one sequence's tokens at rising positions. Attention needs nothing but tensors, so a forward
+can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -22,16 +21,7 @@ class AttnMeta:
     positions: torch.Tensor          # [N] long: position of each token in its sequence
     slot_mapping: torch.Tensor       # [N] long: flat cache slot each token's k, v go to (block * BS + offset)
     block_table: torch.Tensor        # [R, max_blocks] int32: row r's blocks (0, the trash block, past its end)
-    uniform_t: int = 0               # T of a uniform forward, else 0
-    row_start: list[int] | None = None   # mixed forwards: each row's first token and token count
-    row_len: list[int] | None = None
-    tiles: tuple | None = None       # mixed forwards on CUDA: (tile_row, tile_start, tile_len, block_q)
-
-    def rows(self) -> tuple[list[int], list[int]]:
-        if self.uniform_t:
-            T = self.uniform_t
-            return [r * T for r in range(self.block_table.shape[0])], [T] * self.block_table.shape[0]
-        return self.row_start, self.row_len
+    T: int = 1                       # tokens per row (N = R * T)
 
 
 def _triton():
@@ -89,8 +79,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     DV = v_cache.shape[-1]
     if q.is_cuda:
         out = torch.empty((N, H, DV), dtype=q.dtype, device=q.device)
-        _triton().paged_attention(q, k_cache, v_cache, out, meta.positions, meta.block_table, meta.tiles,
-                                  meta.uniform_t, scale, window or 0)
+        _triton().paged_attention(q, k_cache, v_cache, out, meta.positions, meta.block_table, meta.T, scale, window)
         return out
     return _attention_reference(q, k_cache, v_cache, meta, scale, window)
 
@@ -99,48 +88,22 @@ def _attention_reference(q, k_cache, v_cache, meta: AttnMeta, scale, window) -> 
     N, H, D = q.shape
     _, BS, KV, DV = v_cache.shape
     G = H // KV
-    out = torch.zeros((N, H, DV), dtype=q.dtype, device=q.device)
-    starts, lens = meta.rows()
-    R = len(starts)
+    R, T = meta.block_table.shape[0], meta.T
     if R == 0 or N == 0:
-        return out
-    Tq = max(lens)
-    dev = q.device
-    start_t = torch.tensor(starts, device=dev).view(R, 1)
-    len_t = torch.tensor(lens, device=dev).view(R, 1)
-    t = torch.arange(Tq, device=dev).view(1, Tq)
-    cell_ok = t < len_t                                              # [R, Tq]
-    idx = start_t + torch.minimum(t, (len_t - 1).clamp(min=0))       # token of each cell
-    qpos = meta.positions[idx]                                       # [R, Tq]
+        return torch.zeros((N, H, DV), dtype=q.dtype, device=q.device)
+    qpos = meta.positions.view(R, T)
     S = int(qpos.max()) + 1
-    kpos = torch.arange(S, device=dev)
-    bt = meta.block_table[:R].long()
+    kpos = torch.arange(S, device=q.device)
+    bt = meta.block_table.long()
     col = (kpos // BS).clamp(max=bt.shape[1] - 1)
     slots = bt[:, col] * BS + kpos % BS                              # [R, S]
     keys = k_cache.view(-1, KV, D)[slots].permute(0, 2, 1, 3)        # [R, KV, S, D]
     vals = v_cache.view(-1, KV, DV)[slots].permute(0, 2, 1, 3)
     # the G query heads sharing a KV head fold into the query length: no KV copies for GQA
-    qg = q[idx].view(R, Tq, KV, G, D).permute(0, 2, 3, 1, 4).reshape(R, KV, G * Tq, D)
-    visible = kpos.view(1, 1, S) <= qpos.unsqueeze(-1)               # [R, Tq, S]
+    qg = q.reshape(R, T, KV, G, D).permute(0, 2, 3, 1, 4).reshape(R, KV, G * T, D)
+    visible = kpos.view(1, 1, S) <= qpos.unsqueeze(-1)               # [R, T, S]
     if window:
         visible = visible & (qpos.unsqueeze(-1) - kpos.view(1, 1, S) < window)
-    mask = visible.unsqueeze(1).expand(R, G, Tq, S).reshape(R, 1, G * Tq, S)
+    mask = visible.unsqueeze(1).expand(R, G, T, S).reshape(R, 1, G * T, S)
     o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale)
-    o = o.view(R, KV, G, Tq, DV).permute(0, 3, 1, 2, 4).reshape(R, Tq, H, DV)
-    out[idx[cell_ok]] = o[cell_ok]
-    return out
-
-
-def mixed_tiles(row_start: list[int], row_len: list[int], G: int, device) -> tuple:
-    """The CUDA attention's work list for a mixed forward: each row cut into runs of block_q tokens."""
-    from .triton_kernels import tile_block_q
-
-    bq = tile_block_q(G, max(row_len, default=1))
-    rows, starts, lens = [], [], []
-    for r, (s, n) in enumerate(zip(row_start, row_len)):
-        for off in range(0, n, bq):
-            rows.append(r)
-            starts.append(s + off)
-            lens.append(min(bq, n - off))
-    t = torch.tensor([rows, starts, lens], dtype=torch.int32).to(device, non_blocking=True)
-    return t[0], t[1], t[2], bq
+    return o.view(R, KV, G, T, DV).permute(0, 3, 1, 2, 4).reshape(N, H, DV)

@@ -109,10 +109,13 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_batched_tokens: int, k: int,
-                 max_model_len: int, D: int):
+                 max_model_len: int, D: int, max_rows: int | None = None, row_tokens: int = 16):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        # a step's forwards hold at most max_rows rows; a prompt chunk takes one per row_tokens tokens
+        self.max_rows = max_rows or max_num_seqs + 32
+        self.row_tokens = row_tokens
         self.k, self.M, self.D = k, max_model_len, D
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # admission order: the last is the newest
@@ -136,12 +139,14 @@ class Scheduler:
             self.running.append(seq)
         decode = [(s, s.k_eff(self.k, self.D)) for s in self.running if not s.in_prefill]
         budget = self.max_batched_tokens - sum(1 + ke for _, ke in decode)
+        rows = self.max_rows - len(decode)
         prefill = []
         for s in self.running:
-            if s.in_prefill and budget > 0:
-                end = min(s.prefill_len, s.target_len + budget)
+            if s.in_prefill and budget > 0 and rows > 0:
+                end = min(s.prefill_len, s.target_len + budget, s.target_len + rows * self.row_tokens)
                 prefill.append((s, s.target_len, end))
                 budget -= end - s.target_len
+                rows -= -(-(end - s.target_len) // self.row_tokens)
         return StepPlan(decode, prefill, preempted)
 
     def _grow_running(self) -> int:

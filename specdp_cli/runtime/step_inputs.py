@@ -1,23 +1,43 @@
-"""The per-row integers of one step, staged in (pinned) host memory and sent to the device in one
-copy, plus the block table both models read (a second copy). Everything else a step's forwards
-need is derived from these on the device.
+"""The rows of one step, staged in (pinned) host memory and sent to the device in one copy, plus
+the block table both models read (a second copy). Everything else a step's forwards need is
+derived from these on the device, so the step's device work needs no host sync until its result.
 
-Row i is the step's i-th decode row; rows past the real ones, up to the padded count, are zeros
-(padding rows: no real token, block table all trash).
+A row (`RowSpec`) is one decode row (a sequence's last token and its drafts) or one piece of a
+prompt chunk; rows past the real ones, up to the padded count, are zeros (padding rows: no real
+token, block table all trash).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-LAST, LEN, NDRAFT, DSTART, NCATCH, CATCH = 0, 1, 2, 3, 4, 5     # CATCH: two columns
-DRAFTS = CATCH + 2                                              # k columns: drafts made on the host
+from .scheduler import Sequence
+
+# columns: target token ids [T_MAX], drafter token ids [T_MAX], then one integer each
+START, NREAL, OUT, DSTART, DNREAL, DOUT, LEN, NDRAFT, FIRST = range(9)
+
+
+@dataclass
+class RowSpec:
+    seq: Sequence
+    start: int                    # position of tokens[0]
+    tokens: list[int]             # target token ids (decode: the last token and any host-made drafts)
+    n_real: int                   # real target tokens (decode: 1 + drafts, drafts may come from the device)
+    out_start: int = 0            # first token of the verification window (a prompt's last row: its last token)
+    first_pos: int = 0            # position of the first token this row may produce
+    n_drafts: int = 0
+    d_start: int = 0              # the drafter's first forward: its tokens and their first position
+    d_tokens: tuple = ()
+    done: bool = False            # a row ending a prompt: it draws the sequence's next token
 
 
 class StepInputs:
-    def __init__(self, max_rows: int, k: int, max_blocks: int, device: torch.device):
+    def __init__(self, max_rows: int, t_max: int, max_blocks: int, device: torch.device):
         pin = device.type == "cuda"
-        self.k = k
-        cols = DRAFTS + max(k, 1)
+        self.t_max = t_max
+        self.tids, self.dids, self.ints = 0, t_max, 2 * t_max
+        cols = 2 * t_max + 9
         self.host = torch.zeros((max_rows, cols), dtype=torch.long, pin_memory=pin)
         self.dev = torch.zeros((max_rows, cols), dtype=torch.long, device=device)
         self.bt_host = torch.zeros((max_rows, max_blocks), dtype=torch.int32, pin_memory=pin)
@@ -25,27 +45,25 @@ class StepInputs:
         self._h = self.host.numpy()
         self._bt = self.bt_host.numpy()
 
-    def stage(self, rows, drafts, R_pad: int) -> None:
-        """rows: the step's decode rows (sequence, k_eff); drafts: their `Drafts` (counts, host drafts)."""
-        h, bt = self._h, self._bt
+    def stage(self, rows: list[RowSpec], R_pad: int) -> None:
+        h, bt, o = self._h, self._bt, self.ints
         h[:R_pad] = 0
         bt[:R_pad] = 0
-        for i, ((s, _), n) in enumerate(zip(rows, drafts.n)):
-            L = s.L
-            h[i, LAST] = s.tokens[-1]
-            h[i, LEN] = L
-            h[i, NDRAFT] = n
-            if n:
-                catch = s.tokens[s.draft_len:]
-                h[i, DSTART] = s.draft_len
-                h[i, NCATCH] = len(catch)
-                if len(catch) <= 2:
-                    h[i, CATCH:CATCH + len(catch)] = catch
-            if drafts.host is not None and n:
-                h[i, DRAFTS:DRAFTS + n] = drafts.host[i]
-            bt[i, :len(s.blocks)] = s.blocks
+        for i, r in enumerate(rows):
+            h[i, :len(r.tokens)] = r.tokens
+            if r.d_tokens:
+                h[i, self.dids:self.dids + len(r.d_tokens)] = r.d_tokens
+            h[i, o:o + 9] = (r.start, r.n_real, r.out_start, r.d_start, len(r.d_tokens), max(len(r.d_tokens) - 1, 0),
+                             r.seq.L, r.n_drafts, r.first_pos)
+            bt[i, :len(r.seq.blocks)] = r.seq.blocks
         self.dev[:R_pad].copy_(self.host[:R_pad], non_blocking=True)
         self.block_table[:R_pad].copy_(self.bt_host[:R_pad], non_blocking=True)
 
     def col(self, c: int, R: int) -> torch.Tensor:
-        return self.dev[:R, c]
+        return self.dev[:R, self.ints + c]
+
+    def target_ids(self, R: int, T: int) -> torch.Tensor:
+        return self.dev[:R, self.tids:self.tids + T]
+
+    def drafter_ids(self, R: int, T: int) -> torch.Tensor:
+        return self.dev[:R, self.dids:self.dids + T]

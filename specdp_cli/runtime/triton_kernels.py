@@ -1,12 +1,11 @@
 """Triton kernels of the CUDA execution path (imported only on CUDA; `ops.py` holds the torch
 reference of each, which CPU runs and the GPU tests compare against).
 
-- `paged_attention`: causal attention of a flat batch of query tokens over a paged KV cache.
-  Work is split into tiles (a run of query tokens of one row) x KV heads; a tile's queries and the
-  G query heads sharing its KV head form one [BLOCK_M, D] block, so GQA costs no KV copies. Keys
-  are read through the row's block table up to the tile's last query position, with an online
-  softmax (flash attention). Uniform batches (every row T tokens: decoding) need no tile arrays:
-  tile = row, so a CUDA graph's attention depends on nothing but the tensors it reads.
+- `paged_attention`: causal attention of R rows of T query tokens over a paged KV cache, one
+  program per (row, KV head): the row's T queries and the G query heads sharing the KV head form
+  one [BLOCK_M, D] block, so GQA costs no KV copies. Keys are read through the row's block table
+  up to the row's last query position, with an online softmax (flash attention). Nothing but the
+  tensors it reads decides its work, so a CUDA graph can hold it.
 - `rope_and_store`: rotary embedding of q and k (in place, HF's rotate-half convention) and the
   store of k and v into their cache slots, one program per token.
 - `add_rms_norm` / `rms_norm` and `silu_and_mul`: the fused elementwise steps of a decoder layer,
@@ -29,23 +28,15 @@ def _pow2(n: int) -> int:
 @triton.jit
 def _paged_attention_kernel(
         q_ptr, k_cache, v_cache, out_ptr, pos_ptr, bt_ptr,
-        tile_row_ptr, tile_start_ptr, tile_len_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        uniform_t, scale, window,
+        qn, scale, window,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        BS: tl.constexpr, UNIFORM: tl.constexpr, PREC: tl.constexpr):
-    tile = tl.program_id(0)
+        BS: tl.constexpr, PREC: tl.constexpr):
+    row = tl.program_id(0)
     kvh = tl.program_id(1)
-    if UNIFORM:
-        row = tile
-        q0 = tile * uniform_t
-        qn = uniform_t
-    else:
-        row = tl.load(tile_row_ptr + tile)
-        q0 = tl.load(tile_start_ptr + tile)
-        qn = tl.load(tile_len_ptr + tile)
+    q0 = row * qn
     BLOCK_M: tl.constexpr = BLOCK_Q * G_PAD
     m = tl.arange(0, BLOCK_M)
     tq = m // G_PAD
@@ -58,9 +49,9 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                 mask=m_ok[:, None] & (d[None, :] < D), other=0.0)
     qpos = tl.load(pos_ptr + tok, mask=m_ok, other=0)
-    last = tl.load(pos_ptr + q0 + qn - 1)            # positions rise within a row: the tile's last is its max
+    last = tl.load(pos_ptr + q0 + qn - 1)            # positions rise within a row: the last is its max
     first = tl.load(pos_ptr + q0)
-    lo = 0
+    lo = first * 0                                    # the type of `first` (int64) in both branches
     if window > 0:
         lo = tl.maximum(first - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
@@ -93,40 +84,25 @@ def _paged_attention_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < DV))
 
 
-def paged_attention(q, k_cache, v_cache, out, positions, block_table, tiles, uniform_t: int,
-                    scale: float, window: int) -> None:
+def paged_attention(q, k_cache, v_cache, out, positions, block_table, T: int, scale: float, window: int) -> None:
     """q [N, H, D] (any token/head strides, unit last stride), caches [blocks, BS, KV, D(V)],
-    out [N, H, DV]. `tiles` = (tile_row, tile_start, tile_len, BLOCK_Q) int32 tensors, or None with
-    `uniform_t` = T when row r owns tokens [r*T, (r+1)*T) (the number of rows is block_table's)."""
+    out [N, H, DV]; row r (of block_table's rows) owns tokens [r*T, (r+1)*T)."""
     H, D = q.shape[1], q.shape[2]
     BS, KV, DV = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     G = H // KV
     G_PAD = _pow2(G)
-    if tiles is None:
-        n_tiles = block_table.shape[0]
-        block_q = max(_pow2(uniform_t), 16 // min(G_PAD, 16))
-        t_row = t_start = t_len = block_table          # unused
-    else:
-        t_row, t_start, t_len, block_q = tiles
-        n_tiles = t_row.shape[0]
-    if n_tiles == 0:
+    R = block_table.shape[0]
+    if R == 0:
         return
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    _paged_attention_kernel[(n_tiles, KV)](
-        q, k_cache, v_cache, out, positions, block_table, t_row, t_start, t_len,
+    _paged_attention_kernel[(R, KV)](
+        q, k_cache, v_cache, out, positions, block_table,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        uniform_t, scale, window or 0,
-        G=G, G_PAD=G_PAD, D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV), BLOCK_Q=block_q,
-        BLOCK_N=64 if _pow2(D) <= 128 else 32, BS=BS, UNIFORM=tiles is None, PREC=prec,
-        num_warps=4)
-
-
-def tile_block_q(G: int, longest: int) -> int:
-    """Query tokens per tile of a mixed batch: a [BLOCK_Q * G, D] block of about 64 rows."""
-    g = _pow2(G)
-    return max(min(_pow2(longest), max(64 // g, 1)), 16 // min(g, 16))
+        T, scale, window or 0,
+        G=G, G_PAD=G_PAD, D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
+        BLOCK_Q=max(_pow2(T), 16 // min(G_PAD, 16)), BLOCK_N=64 if _pow2(D) <= 128 else 32, BS=BS,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------

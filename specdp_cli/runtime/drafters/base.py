@@ -4,8 +4,8 @@ A step asks a drafter twice. `host_drafts` runs before the step's inputs go to t
 says how many tokens each row drafts (and, for a drafter that works on the host such as n-gram
 lookup, which ones). `propose` runs the drafter's model forwards on the device and leaves the
 drafts there for the target's verification — no host sync between them. A drafter with a model
-forward also reports, through `mixed_fields`, what its first forward needs (see the engine's
-step sync).
+forward also keeps its own KV cache up to date: `catch_up` names the tokens its first forward
+feeds for a decode row, `prefills` whether it prefills a sequence's prompt beside the target.
 """
 from __future__ import annotations
 
@@ -20,8 +20,6 @@ from ..scheduler import Sequence
 class Drafts:
     n: list[int]                              # drafts of each decode row
     host: list[list[int]] | None = None       # the drafts, when made on the host (n-gram)
-    tokens: torch.Tensor | None = None        # [R_pad, T - 1] long on the device (model drafters)
-    probs: torch.Tensor | None = None         # [R_pad, T - 1, V] the distributions drawn from; None = one-hot
 
 
 class Drafter:
@@ -31,12 +29,20 @@ class Drafter:
         """rows: (sequence, k_eff) of every decode row; n_forwards: the drafter forwards of this step."""
         return Drafts([0] * len(rows))
 
-    def mixed_fields(self, rows, prefill, drafts: Drafts, n_forwards: int) -> tuple[int, int]:
-        """(1 if the first drafter forward cannot be a uniform one, its token count)."""
-        return 0, 0
+    def catch_up(self, seq: Sequence) -> tuple[int, list[int]]:
+        """(first position, tokens) the first drafter forward feeds for a drafting decode row."""
+        return 0, []
 
-    def propose(self, ctx, drafts: Drafts) -> None:
-        """Fill drafts.tokens / drafts.probs on the device (drafters with a model forward)."""
+    def prefills(self, seq: Sequence) -> bool:
+        """Whether the drafter's cache takes this sequence's prompt chunks beside the target's."""
+        return False
+
+    def propose(self, ctx) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """On the device: (drafts [R_pad, T_dec - 1], the distributions drawn from or None)."""
+        return None, None
+
+    def after_step(self, ctx) -> None:
+        """Host bookkeeping once the step's forwards are issued."""
 
     def on_accept(self, seq: Sequence, old_len: int, accepted: int) -> None:
         """After verification: `seq` had length old_len and `accepted` drafts were kept."""
