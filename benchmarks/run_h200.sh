@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve OUT_DIR
 # Needs .bench/codepair (a copy of ../shared/models/codepair) and .bench/{hf_baselines,widen,graph_floor}.py
 # (copies of ../shared/bench/); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -86,6 +86,10 @@ memory)
   CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --target $W/target --requests 256 --batches 256 \
     --methods none --max-model-len 4096 --label widened-memory --json "$out/offline_memory.json" > "$out/offline_memory.log" 2>&1
   tail -4 "$out/offline_memory.log"
+  ;;
+serve)
+  python3 benchmarks/serve_bench.py --pair $P --work /tmp/servework --json "$out/serve.json" 2>&1 | tail -8
+  cp /tmp/servework/server.log "$out/" 2>/dev/null
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

@@ -11,10 +11,10 @@ One step, whatever the rank holds:
   5. one target forward verifies every row's drafts and prefills the prompt chunks;
   6. the rejection sampler accepts drafts and draws one more token per row, on the device;
   7. one device-to-host copy brings the new tokens back for bookkeeping (stops, frees).
-Decode forwards are uniform (padded rows x T tokens) and replay CUDA graphs; a step with prompt
-chunks runs its forwards as mixed batches, eagerly. A rank with nothing to do runs the very same
-code with no rows: each forward then carries only padding. That is the "dummy" step — there is no
-second code path to keep in step.
+Every forward is uniform (padded rows x T tokens; a prompt chunk takes several rows) and replays a
+CUDA graph; an all-greedy step replays one graph of all its device work. A rank with nothing to do
+runs the very same code with no rows: each forward then carries only padding. That is the "dummy"
+step — there is no second code path to keep in step.
 """
 from __future__ import annotations
 
@@ -264,15 +264,17 @@ class Engine:
         for i, ((s, _), n) in enumerate(zip(plan.decode, drafts.n)):
             toks = [s.tokens[-1]] + (drafts.host[i] if drafts.host is not None else [])
             d_start, d_toks = self.drafter.catch_up(s) if n else (0, [])
-            rows.append(RowSpec(s, s.L - 1, toks, 1 + n, 0, s.L, n, d_start, tuple(d_toks)))
+            rows.append(RowSpec(s, start=s.L - 1, tokens=toks, n_real=1 + n, first_pos=s.L, n_drafts=n,
+                                d_start=d_start, d_tokens=tuple(d_toks)))
         W = self.T_chunk
         for s, start, end in plan.prefill:
             pre = self.drafter.prefills(s)
             for a in range(start, end, W):
                 b = min(end, a + W)
                 toks = s.tokens[a:b]
-                done = b == end == s.prefill_len and s.samples_after_prefill
-                rows.append(RowSpec(s, a, toks, b - a, b - a - 1, b, 0, a, tuple(toks) if pre else (), done))
+                rows.append(RowSpec(s, start=a, tokens=toks, n_real=b - a, out_start=b - a - 1, first_pos=b,
+                                    d_start=a, d_tokens=tuple(toks) if pre else (),
+                                    done=b == end == s.prefill_len and s.samples_after_prefill))
         return rows
 
     @torch.no_grad()
@@ -303,8 +305,9 @@ class Engine:
                           row_tensors([r.seq.req.params for r in rows], self.device, pad_to=sizes.R_pad),
                           lambda what: self.dp.publish(step, what), graphs=not self.cfg.enforce_eager)
         result = self._to_host(*self._run_device_step(ctx), len(rows))
-        if not rows or self._drafter_runs(ctx) and (not any(r.d_tokens for r in rows)
-                                                     or sizes.K > max(drafts.n, default=0)):
+        drafter_padding = self._drafter_runs(ctx) and (not any(r.d_tokens for r in rows)
+                                                       or sizes.K > max(drafts.n, default=0))
+        if not rows or drafter_padding:
             c.padding_steps += 1                  # some forward of the step ran over padding rows only
         self.drafter.after_step(ctx)
 

@@ -50,6 +50,9 @@ class StepInputs:
         h[:R_pad] = 0
         bt[:R_pad] = 0
         for i, r in enumerate(rows):
+            if max(len(r.tokens), len(r.d_tokens)) > self.t_max:
+                raise RuntimeError(f"internal error: a row of {len(r.tokens)} / {len(r.d_tokens)} tokens is wider "
+                                   f"than a step's rows ({self.t_max})")
             h[i, :len(r.tokens)] = r.tokens
             if r.d_tokens:
                 h[i, self.dids:self.dids + len(r.d_tokens)] = r.d_tokens
