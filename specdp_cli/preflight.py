@@ -30,6 +30,7 @@ class Plan:
     no_draft_window: Optional[list[int]] = None   # [D - k + 1, M - 1]
     ranks_per_machine: int = 1
     model_name: str = ""
+    num_blocks: Optional[int] = None              # KV blocks: cache.num_blocks, the CPU default, or None (a GPU sizes it)
 
     @property
     def lockstep(self) -> bool:
@@ -358,8 +359,10 @@ def _memory(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None,
     mem = device_memory(plan.device)
     if c.num_blocks:
         blocks, how = c.num_blocks, "cache.num_blocks"
+        plan.num_blocks = blocks
     elif mem is None:
         blocks, how = n * per_seq, f"max_num_seqs ({n}) full-length sequences"
+        plan.num_blocks = blocks
     else:
         free, total = mem
         # what gpu_memory_utilization leaves after this device's current use, the weights and a

@@ -100,11 +100,6 @@ def request_seed(global_seed: int, req_id) -> int:
     return zlib.crc32(f"{global_seed}:{req_id!r}".encode()) & 0x7FFFFFFF
 
 
-def default_num_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
-    """Enough blocks for max_num_seqs full-length sequences (the CPU default)."""
-    return max_num_seqs * -(-max_model_len // block_size)
-
-
 class Engine:
     def __init__(self, cfg: Config, plan: Plan, dp, device: torch.device, faults: Faults | None = None,
                  on_fault_exit=None, started_at: float | None = None):
@@ -174,15 +169,15 @@ class Engine:
         self.step_no = 0
 
     def _num_blocks(self, models) -> int:
-        """KV blocks: `cache.num_blocks` when set; on CPU enough for max_num_seqs full-length
-        sequences; on a GPU what `gpu_memory_utilization` leaves after the weights and the peak
-        activations of the largest forwards (measured by running them, as vLLM does)."""
+        """KV blocks: what preflight resolved (`cache.num_blocks`, or on CPU enough for max_num_seqs
+        full-length sequences); on a GPU what `gpu_memory_utilization` leaves after the weights and
+        the peak activations of the largest forward (measured by running it, as vLLM does)."""
         c = self.cfg.cache
         per_block = sum(kv_bytes_per_token(m) for m in models) * c.block_size
-        if c.num_blocks:
-            n = c.num_blocks
+        if self.plan.num_blocks:
+            n = self.plan.num_blocks
         elif self.device.type != "cuda":
-            n = default_num_blocks(self.cfg.scheduler.max_num_seqs, self.M, c.block_size)
+            raise RuntimeError("internal error: preflight sizes the KV cache of a CPU run")
         else:
             peak = self._profile_activations()
             free, total = torch.cuda.mem_get_info(self.device)
