@@ -48,15 +48,20 @@ class ModelDrafter(Drafter):
         L, n = inp.col(LEN, R), inp.col(NDRAFT, R)
         tokens = torch.zeros((R, sz.T_dec - 1), dtype=torch.long, device=r.device)
         probs = []
-        for j in range(1, K + 1):
-            if j > 1:
-                ctx.publish(f"drafter forward {j}/{K}")
-                r.set_rows(R, d.view(R, 1), L + (j - 2), n >= j)
-                logits = r.forward(R, 1, ctx.graphs)[:, 0]
+
+        def take(j: int, logits: torch.Tensor) -> torch.Tensor:
+            """Draw draft j (at position L + j - 1) of every row."""
             d, p = draw(logits, ctx.rt, L + (j - 1), STREAM_DRAFT)
             tokens[:, j - 1] = d
             if p is not None:
                 probs.append(p)
+            return d
+
+        d = take(1, logits)
+        for j in range(2, K + 1):
+            ctx.publish(f"drafter forward {j}/{K}")
+            r.set_rows(R, d.view(R, 1), L + (j - 2), n >= j)      # feed draft j - 1 at its position
+            d = take(j, r.forward(R, 1, ctx.graphs)[:, 0])
         if not probs:
             return tokens, None
         q = torch.zeros((R, sz.T_dec - 1, probs[0].shape[-1]), device=r.device)

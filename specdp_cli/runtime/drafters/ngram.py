@@ -25,6 +25,6 @@ class NgramDrafter(Drafter):
     def __init__(self, n_min: int, n_max: int):
         self.n_min, self.n_max = n_min, n_max
 
-    def host_drafts(self, rows, n_forwards) -> Drafts:  # noqa: ARG002 - no forward
+    def host_drafts(self, rows, n_forwards) -> Drafts:
         host = [lookup(seq.tokens, self.n_min, self.n_max, ke) if ke >= 1 else [] for seq, ke in rows]
         return Drafts([len(d) for d in host], host=host)
