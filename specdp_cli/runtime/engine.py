@@ -71,6 +71,7 @@ class StepContext:
     rt: dict                                      # sampling settings of the R_pad rows
     publish: Callable[[str], None]
     graphs: bool                                  # replay CUDA graphs (where captured)
+    drafter_runs: bool                            # the drafter phase runs: it drafts or takes prompt chunks
 
 
 class RankCounters:
@@ -296,12 +297,13 @@ class Engine:
         sizes = self.agree(self.dp.sync_step(fields, step), step)
 
         self.inputs.stage(rows, sizes.R_pad)
+        drafter_fed = any(r.d_tokens for r in rows)
         ctx = StepContext(step, rows, sizes, self.inputs,
                           row_tensors([r.seq.req.params for r in rows], self.device, pad_to=sizes.R_pad),
-                          lambda what: self.dp.publish(step, what), graphs=not self.cfg.enforce_eager)
+                          lambda what: self.dp.publish(step, what), graphs=not self.cfg.enforce_eager,
+                          drafter_runs=self.drafter.has_forward and bool(sizes.K or drafter_fed))
         result = self._to_host(*self._run_device_step(ctx), len(rows))
-        drafter_padding = self._drafter_runs(ctx) and (not any(r.d_tokens for r in rows)
-                                                       or sizes.K > max(drafts.n, default=0))
+        drafter_padding = ctx.drafter_runs and (not drafter_fed or sizes.K > max(drafts.n, default=0))
         if not rows or drafter_padding:
             c.padding_steps += 1                  # some forward of the step ran over padding rows only
         self.drafter.after_step(ctx)
@@ -325,7 +327,7 @@ class Engine:
         if not (ctx.graphs and self.device.type == "cuda" and ctx.rt["all_greedy"]):
             return self._device_step(ctx)
         sz = ctx.sizes
-        key = (sz.R_pad, sz.K, sz.T_dec, sz.T, sz.T1, self._drafter_runs(ctx))
+        key = (sz.R_pad, sz.K, sz.T_dec, sz.T, sz.T1, ctx.drafter_runs)
         graph = self.step_graphs.get(key)
         if graph is not None:
             graph[0].replay()
@@ -345,7 +347,7 @@ class Engine:
         sz, inp, t = ctx.sizes, ctx.inputs, self.target
         R, T, W = sz.R_pad, sz.T, sz.T_dec
         drafts = probs = None
-        if self._drafter_runs(ctx):
+        if ctx.drafter_runs:
             drafts, probs = self.drafter.propose(ctx)
         ctx.publish("target forward")
         n = inp.col(NDRAFT, R)
@@ -355,10 +357,6 @@ class Engine:
             ids[:, 1:W] = torch.where(n.view(R, 1) > 0, drafts, ids[:, 1:W])
         logits = t.forward(R, T, ctx.graphs)
         return verify(logits[:, :W], ids[:, 1:W], n, probs, ctx.rt, inp.col(FIRST, R))
-
-    def _drafter_runs(self, ctx: StepContext) -> bool:
-        """The drafter phase runs when it drafts (K forwards) or its cache takes prompt chunks."""
-        return self.drafter.has_forward and bool(ctx.sizes.K or any(r.d_tokens for r in ctx.rows))
 
     @staticmethod
     def _to_host(out: torch.Tensor, n_out: torch.Tensor, n: int):

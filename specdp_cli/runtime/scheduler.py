@@ -109,12 +109,13 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_batched_tokens: int, k: int,
-                 max_model_len: int, D: int, max_rows: int | None = None, row_tokens: int = 16):
+                 max_model_len: int, D: int, max_rows: int | None = None, row_tokens: int = 1):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
-        # a step's forwards hold at most max_rows rows; a prompt chunk takes one per row_tokens tokens
-        self.max_rows = max_rows or max_num_seqs + 32
+        # a step's forwards hold at most max_rows rows (None: no limit); a prompt chunk takes one row
+        # per row_tokens tokens (the engine passes both)
+        self.max_rows = max_rows if max_rows is not None else max_num_seqs + max_batched_tokens
         self.row_tokens = row_tokens
         self.k, self.M, self.D = k, max_model_len, D
         self.waiting: deque[Sequence] = deque()
@@ -170,9 +171,7 @@ class Scheduler:
         return preempted
 
     def _preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.pool.free(seq.blocks)
-        seq.blocks = []
+        self.remove(seq)
         seq.target_len = seq.draft_len = 0
         seq.prefill_len = seq.L - 1 if seq.L > seq.num_prompt else seq.num_prompt
         seq.preemptions += 1

@@ -70,10 +70,11 @@ class ModelDrafter(Drafter):
 
     def after_step(self, ctx) -> None:
         for row in ctx.rows:
-            if row.d_tokens:
-                s = row.seq
-                # decode rows: the cache now holds everything up to the last draft it was fed
-                s.draft_len = s.L + row.n_drafts - 1 if row.n_drafts else max(s.draft_len, row.d_start + len(row.d_tokens))
+            s = row.seq
+            if row.n_drafts:       # a decode row: the cache holds everything up to the last draft it was fed
+                s.draft_len = s.L + row.n_drafts - 1
+            elif row.d_tokens:     # a piece of a prompt chunk
+                s.draft_len = max(s.draft_len, row.d_start + len(row.d_tokens))
 
     def on_accept(self, seq: Sequence, old_len: int, accepted: int) -> None:
         # valid drafter positions: the old tokens plus the accepted drafts it was fed
