@@ -77,7 +77,10 @@ def main() -> None:
         row = {"run": name, "attempt": seen[name], "dp": dp, "dp_sync": mode, "requests": s["requests"],
                "generated": s["generated_tokens"], "engine_tok_s": s["tok_s"],
                "with_load_tok_s": s["generated_tokens"] / wall, "wall_s": wall, "engine_s": s["engine_s"],
-               "startup_s": wall - s["engine_s"], "startup": s["startup"], "acceptance_rate": s["acceptance_rate"],
+               "startup_s": wall - s["engine_s"], "startup": s["startup"], "launch_phases": s["launch_phases"],
+               # after the engine: waiting for the other ranks, writing the output, the processes' exit
+               "after_engine_s": wall - s["engine_s"] - sum(s["startup"].values()),
+               "acceptance_rate": s["acceptance_rate"],
                "padding_share": sum(x["padding_steps"] for x in s["ranks"]) / steps if steps else 0.0,
                "ranks": s["ranks"]}
         rows.append(row)
@@ -92,6 +95,10 @@ def main() -> None:
     for r in rows:
         print(f"{r['run']:<14}{r['attempt']:>2}{r['engine_tok_s']:>14.1f}{(r['speedup_vs_dp1'] or 0):>8.2f}"
               f"{r['with_load_tok_s']:>11.1f}{r['startup_s']:>11.2f}{r['padding_share']:>9.2f}")
+    print("start-up, s: " + " ".join(f"{p:>8}" for p in ("cli", "spawn", "imports", "join", "load", "kv", "capture", "after")))
+    for r in rows:
+        ph = [*r["launch_phases"].values(), *list(r["startup"].values())[1:], r["after_engine_s"]]
+        print(f"{r['run']:<12}{r['attempt']:>1} " + " ".join(f"{v:>8.2f}" for v in ph))
 
 
 if __name__ == "__main__":

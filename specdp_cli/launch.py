@@ -28,6 +28,9 @@ from .runtime.status import read_states
 GRACE_S = 10.0
 
 
+LAUNCH_PHASES = ("cli_s", "spawn_s", "imports_s", "join_s")
+
+
 def process_start_time() -> float:
     """Wall-clock time this process started (Linux: from /proc; elsewhere: now), so a command's
     figures include its own interpreter and import time."""
@@ -51,8 +54,10 @@ class RunDir:
         return os.path.join(self.path, name)
 
     def write_job(self, cfg: Config, plan: Plan, mode: str, threads: int, **extra) -> None:
+        # "ranks_started_at": when the CLI starts the ranks, i.e. right after this
         job = {"config": cfg.model_dump(), "plan": asdict(plan), "mode": mode, "threads": threads,
-               "parent_pid": os.getpid(), "started_at": process_start_time(), **extra}
+               "parent_pid": os.getpid(), "started_at": process_start_time(), "ranks_started_at": time.time(),
+               **extra}
         with open(self.file("job.json"), "w") as fh:
             json.dump(job, fh)
 
@@ -62,6 +67,14 @@ class RunDir:
 
     def cleanup(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+def launch_phases(started_at: float, ranks_started_at: float, rank_started_at: float, imported_at: float,
+                  joined_at: float) -> dict[str, float]:
+    """Where the time before a rank's engine went: the CLI's own checks until it started the ranks,
+    the launcher until the rank's process started, the rank's imports, joining the process group."""
+    marks = [started_at, ranks_started_at, max(ranks_started_at, rank_started_at), imported_at, joined_at]
+    return {name: max(0.0, b - a) for name, a, b in zip(LAUNCH_PHASES, marks, marks[1:])}
 
 
 def threads_per_rank(plan: Plan) -> int:
@@ -86,7 +99,7 @@ def accelerate_command(cfg: Config, plan: Plan, run_dir: RunDir, port: int) -> l
             "--multi_gpu", "--num_processes", str(world), "--num_machines", str(par.num_machines),
             "--machine_rank", str(par.machine_rank), "--main_process_ip", par.main_process_ip,
             "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
-            "--rdzv_backend", "static", "--same_network", "--monitor_interval", "0.2",
+            "--rdzv_backend", "static", "--same_network", "--monitor_interval", "0.1",
             "--num_cpu_threads_per_process", str(threads_per_rank(plan)),
             "-m", "specdp_cli.runtime.rank_main", run_dir.path]
 
@@ -151,7 +164,7 @@ class Ranks:
                 except ProcessLookupError:
                     pass
 
-    def wait(self, on_tick=None, tick_s: float = 0.25) -> int:
+    def wait(self, on_tick=None, tick_s: float = 0.1) -> int:
         """Wait for the launcher; returns its status. Ctrl-C / SIGTERM stop everything.
         Once one rank has failed, the rest get `collective_timeout_s` + 20 s to end by themselves."""
         def handler(signum, _frame):

@@ -131,7 +131,19 @@ class ModelDir:
 
 
 def load_tokenizer(path: str):
-    """The tokenizer of a local directory (no network: the path must be a directory)."""
+    """The tokenizer of a local directory (no network: the path must be a directory). Loaded once
+    per process and directory: preflight, reading the inputs and a rank in the CLI's own process
+    share it (loading one takes seconds on slow file systems); nothing here changes a tokenizer."""
+    key = os.path.realpath(path)
+    if key not in _TOKENIZERS:
+        _TOKENIZERS[key] = _load_tokenizer(path)
+    return _TOKENIZERS[key]
+
+
+_TOKENIZERS: dict = {}
+
+
+def _load_tokenizer(path: str):
     if not os.path.isdir(path):
         raise ModelDirError(f"tokenizer directory not found: {path}")
     from transformers import AutoTokenizer

@@ -12,7 +12,7 @@ from specdp_cli.cli import app
 runner = CliRunner()
 SUMMARY_KEYS = {"requests", "errors", "prompt_tokens", "generated_tokens", "wall_s", "engine_s", "tok_s", "num_drafts",
                 "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
-                "accepted_per_position", "preemptions", "startup", "ranks"}
+                "accepted_per_position", "preemptions", "startup", "launch_phases", "ranks"}
 RESULT_KEYS = {"id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "spec"}
 
 
@@ -87,6 +87,8 @@ def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
     assert set(s["startup"]) == {"launch_s", "load_s", "kv_alloc_s", "capture_s"}
     assert all(v >= 0 for v in s["startup"].values()) and s["startup"]["load_s"] > 0
     assert s["wall_s"] >= s["engine_s"] + s["startup"]["load_s"]
+    assert set(s["launch_phases"]) == {"cli_s", "spawn_s", "imports_s", "join_s"}
+    assert abs(sum(s["launch_phases"].values()) - s["startup"]["launch_s"]) < 0.05   # the phases add up
     assert "acceptance" in res.stdout
 
 

@@ -108,3 +108,32 @@ def test_top_k_top_p():
     assert (p > 0).sum() == 2          # the first token alone is short of top_p: two are kept
     params = [SamplingParams(temperature=1.0, top_p=float(probs[0] - 1e-3))]
     assert (probabilities(logits, row_tensors(params, "cpu"))[0, 0] > 0).sum() == 1
+
+
+def test_ngram_lookup_matches_a_plain_scan():
+    """The packed-bytes search finds what a plain scan finds: the latest earlier occurrence of the
+    longest suffix n-gram (n_max down to n_min), and the tokens that followed it."""
+    import random
+
+    from specdp_cli.runtime.drafters.ngram import lookup
+
+    def scan(tokens, n_min, n_max, k):
+        L = len(tokens)
+        for n in range(min(n_max, L - 1), n_min - 1, -1):
+            suffix = tokens[L - n:]
+            for i in range(L - 1 - n, -1, -1):
+                if tokens[i:i + n] == suffix:
+                    return tokens[i + n:i + n + k]
+        return []
+
+    rng = random.Random(0)
+    for trial in range(3000):
+        vocab = rng.choice([3, 5, 50, 70000, 2**31 - 1])     # large ids: bytes that can match off-boundary
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(0, 60))]
+        if vocab > 1000 and tokens and trial % 2:              # plant repeats of big ids
+            tokens += tokens[rng.randrange(len(tokens)):][:rng.randrange(1, 6)]
+        n_min = rng.randrange(1, 4)
+        n_max = n_min + rng.randrange(0, 4)
+        k = rng.randrange(1, 6)
+        assert lookup(tokens, n_min, n_max, k) == scan(tokens, n_min, n_max, k), (tokens, n_min, n_max, k)
+    assert lookup([256, 0, 1], 1, 1, 2) == []       # bytes 01 00 00 00 straddle 256 and 0: no token 1 there

@@ -75,7 +75,7 @@ def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequ
         writer.close()
     if not dp.lockstep:
         dp.wait_for_all("waiting for the other ranks to finish")
-    report = {**engine.counters.report(dp.rank, len(mine)), "startup": engine.startup}
+    report = {**engine.counters.report(dp.rank, len(mine)), "startup": engine.startup, "launch": engine.launch}
     gathered = dp.gather_objects((records, report), "gathering results")
 
     summary = None

@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any
 
+from ..launch import LAUNCH_PHASES
 from ..runtime.scheduler import Sequence, SpecStats
 from .inputs import JobRequest, id_key
 
@@ -118,6 +119,7 @@ def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float |
     errors = sum(1 for r in new_records if "error" in r)
     nd = stats.num_drafts
     startup = {k: max(r["startup"][k] for r in rank_reports) for k in STARTUP_PHASES} if rank_reports else {}
+    launch = {k: max(r["launch"].get(k, 0.0) for r in rank_reports) for k in LAUNCH_PHASES} if rank_reports else {}
     return {
         "requests": len(new_records),
         "errors": errors,
@@ -134,6 +136,7 @@ def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float |
         "accepted_per_position": [a / nd for a in stats.accepted_per_pos] if nd else [],
         "preemptions": sum(r["preemptions"] for r in rank_reports),
         "startup": startup,
+        "launch_phases": launch,
         "ranks": [{k: r[k] for k in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps",
                                      "generated_tokens", "preemptions")} for r in rank_reports],
     }

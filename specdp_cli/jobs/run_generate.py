@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from ..config import Config
-from ..launch import Ranks, RunDir, process_start_time, threads_per_rank
+from ..launch import Ranks, RunDir, launch_phases, process_start_time, threads_per_rank
 from ..modeldir import load_tokenizer
 from ..preflight import Plan
 from ..prompts import PromptEncoder
@@ -96,6 +97,7 @@ def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, r
 
 
 def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result, console: Console) -> dict:
+    started_ranks_at = time.time()
     import torch
 
     from ..runtime.dist import DPGroup
@@ -110,8 +112,9 @@ def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result, co
 
     torch.set_num_threads(threads_per_rank(plan))
     device = torch.device("cuda", 0) if plan.device == "cuda" else torch.device("cpu")
-    engine = Engine(cfg, plan, DPGroup.solo(), device, faults, on_fault_exit=fault_exit,
-                    started_at=process_start_time())
+    t0 = process_start_time()
+    launch = launch_phases(t0, started_ranks_at, started_ranks_at, time.time(), time.time())
+    engine = Engine(cfg, plan, DPGroup.solo(), device, faults, on_fault_exit=fault_exit, started_at=t0, launch=launch)
     console.print(engine.ready_line, markup=False, highlight=False)
     try:
         return run_rank(engine, engine.dp, output, retry_errors, requests, True, on_result)

@@ -252,8 +252,10 @@ class DPGroup:
         store = dist.distributed_c10d._get_default_store()
         key = f"specdp/arrived/{what}"
         store.add(key, 1)
+        pause = 0.001
         while store.add(key, 0) < self.world:
-            time.sleep(0.2)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.1)
 
 
 def _alive(pid: int) -> bool:

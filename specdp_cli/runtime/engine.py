@@ -103,7 +103,7 @@ def request_seed(global_seed: int, req_id) -> int:
 
 class Engine:
     def __init__(self, cfg: Config, plan: Plan, dp, device: torch.device, faults: Faults | None = None,
-                 on_fault_exit=None, started_at: float | None = None):
+                 on_fault_exit=None, started_at: float | None = None, launch: dict[str, float] | None = None):
         t_begin = time.time()
         self.cfg, self.plan, self.dp, self.device = cfg, plan, dp, device
         self.faults = faults or Faults()
@@ -156,14 +156,19 @@ class Engine:
             with torch.no_grad():
                 self.graphs = sum(r.capture({T: self.row_sizes if T == self.T_chunk else self.decode_sizes
                                              for T in r.t_values}, self.graph_pool) for r in self.runners)
+                self._capture_steps()
+            self.graphs += len(self.step_graphs)
         t_captured = time.time()
         self.startup = {"launch_s": max(0.0, t_begin - started_at) if started_at else 0.0,
                         "load_s": t_loaded - t_begin, "kv_alloc_s": t_kv - t_loaded,
                         "capture_s": t_captured - t_kv}
         self.scheduler = Scheduler(self.pool, n_seqs, cfg.scheduler.max_num_batched_tokens, self.k, self.M, self.D,
                                    max_rows=max_rows, row_tokens=self.T_chunk)
+        self.launch = launch or {}
         self.ready_line = (f"rank {dp.rank} ready in {t_captured - (started_at or t_begin):.1f} s: "
                            + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in self.startup.items())
+                           + (" (launch: " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in self.launch.items()) + ")"
+                              if self.launch else "")
                            + f"; KV cache {num_blocks} blocks x {bs} tokens; {self.graphs} CUDA graphs"
                            + (" (enforce_eager)" if cfg.enforce_eager and device.type == "cuda" else ""))
         self.counters = RankCounters()
@@ -322,24 +327,47 @@ class Engine:
         return outputs
 
     def _run_device_step(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """An all-greedy step replays one CUDA graph of its whole device work (captured the first
-        time its sizes occur); a step with sampled rows runs its forwards' graphs one by one."""
-        if not (ctx.graphs and self.device.type == "cuda" and ctx.rt["all_greedy"]):
-            return self._device_step(ctx)
+        """An all-greedy step of a kind captured at start-up replays one CUDA graph of its whole
+        device work; any other step runs its forwards' graphs one by one."""
         sz = ctx.sizes
         key = (sz.R_pad, sz.K, sz.T_dec, sz.T, sz.T1, ctx.drafter_runs)
-        graph = self.step_graphs.get(key)
-        if graph is not None:
-            graph[0].replay()
-            return graph[1]
-        plain = replace(ctx, graphs=False, publish=lambda what: None)
-        result = self._device_step(plain)         # this step's result; also compiles what the capture needs
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.graph_pool):
-            outputs = self._device_step(plain)
-        self.step_graphs[key] = (g, outputs)
-        self.graphs += 1
-        return result
+        graph = self.step_graphs.get(key) if ctx.graphs and ctx.rt["all_greedy"] else None
+        if graph is None:
+            return self._device_step(ctx)
+        graph[0].replay()
+        return graph[1]
+
+    def _step_kinds(self) -> list[tuple[list[int], StepSizes, bool]]:
+        """The steps captured whole: (row counts, sizes with R_pad unset, drafter phase runs) of a
+        decode step and of a step with prompt chunks, as this job's method and policy run them. Rarer
+        kinds (fewer drafts near the drafter's limit, a fault's drafter count) are not captured."""
+        k, Tc = self.k, self.T_chunk
+        dec, wide = self.decode_sizes, self.row_sizes
+        if self.drafter.has_forward:
+            kinds = [(dec, StepSizes(0, k, k + 1, k + 1, 2), True), (wide, StepSizes(0, k, k + 1, Tc, Tc), True)]
+            if not self.plan.lockstep and self.plan.policy == "skip":    # prompt chunks with nothing to draft
+                kinds.append((wide, StepSizes(0, 0, 1, Tc, Tc), True))
+            return kinds
+        windows = [1, k + 1] if k else [1]         # ngram: a step drafts or it does not
+        return ([(dec, StepSizes(0, 0, W, W, 2), False) for W in windows]
+                + [(wide, StepSizes(0, 0, W, Tc, Tc), False) for W in windows])
+
+    def _capture_steps(self) -> None:
+        """Capture the whole device work of each step kind over a padding batch (every row padding:
+        the staged inputs are zeros, so the capture writes only the trash block)."""
+        for sizes, kind, runs in self._step_kinds():
+            for i, R in enumerate(sorted(sizes, reverse=True)):
+                sz = replace(kind, R_pad=R)
+                self.inputs.stage([], R)
+                ctx = StepContext(0, [], sz, self.inputs, row_tensors([], self.device, pad_to=R), lambda what: None,
+                                  graphs=False, drafter_runs=runs)
+                if i == 0:
+                    self._device_step(ctx)         # once eagerly per kind: library workspaces, first-call set-up
+                    torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.graph_pool):
+                    outputs = self._device_step(ctx)
+                self.step_graphs[(R, sz.K, sz.T_dec, sz.T, sz.T1, runs)] = (g, outputs)
 
     def _device_step(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The step on the device: the drafter's forwards, the target's, verification. Reads only the

@@ -114,15 +114,30 @@ def _read_weights(files: list[str], device: torch.device) -> dict[str, torch.Ten
 
 
 def rotary_tables(hf_config, model_type: str, arch: str, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_len, head_dim // 2] float32, computed by the family's own transformers module
-    (so every rope type it knows — linear, llama3, yarn… — comes out as transformers computes it)."""
-    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-    rotary = getattr(module, arch.replace("ForCausalLM", "RotaryEmbedding"))(config=hf_config)
-    pos = torch.arange(max_len).view(1, -1)
-    with torch.no_grad():
-        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
-    half = cos.shape[-1] // 2
-    return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
+    """cos, sin [max_len, head_dim // 2] float32, as transformers computes them: the inverse
+    frequencies of every rope type come from transformers' own functions (linear, llama3, yarn…).
+    Only the types that depend on the sequence length (dynamic, longrope) run the family's rotary
+    module itself — importing a modeling module costs seconds of start-up."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = rope.get("rope_type", "default")
+    pos = torch.arange(max_len, dtype=torch.float32)
+    if rope_type in ("dynamic", "longrope"):
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        rotary = getattr(module, arch.replace("ForCausalLM", "RotaryEmbedding"))(config=hf_config)
+        with torch.no_grad():
+            cos, sin = rotary(torch.zeros(1, dtype=torch.float32), pos.long().view(1, -1))
+        half = cos.shape[-1] // 2
+        return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
+    if rope_type == "default":
+        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+    freqs = pos.view(-1, 1) * inv_freq.float().view(1, -1)
+    return (freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous()
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int) -> CausalLM:

@@ -26,6 +26,10 @@ def _silence_libraries() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    import time
+
+    from ..launch import launch_phases, process_start_time
+
     argv = sys.argv[1:] if argv is None else argv
     run_dir = argv[0]
     rank = int(os.environ["RANK"])
@@ -52,6 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         from .engine import Engine
         from .faults import Faults
 
+        imported_at = time.time()
         with open(os.path.join(run_dir, "job.json")) as fh:
             job = json.load(fh)
         cfg = Config.model_validate(job["config"])
@@ -69,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
             dp = DPGroup.from_env(plan.backend, plan.lockstep, cfg.parallel.collective_timeout_s,
                                   cfg.parallel.check_collectives, device, status)
         dp.start_watchdog(job.get("parent_pid"))
+        launch = launch_phases(job["started_at"], job["ranks_started_at"], process_start_time(), imported_at,
+                               time.time())
         status.set(0, "loading models")
 
         def fault_exit(exit_code: int, message: str) -> None:
@@ -76,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
             os._exit(exit_code)
 
         engine = Engine(cfg, plan, dp, device, Faults.from_env(world), on_fault_exit=fault_exit,
-                        started_at=job.get("started_at"))
+                        started_at=job["started_at"], launch=launch)
         print(engine.ready_line, file=sys.stderr, flush=True)
         if job["mode"] == "generate":
             from ..jobs.generate import run_rank

@@ -46,19 +46,25 @@ class StepInputs:
         self._bt = self.bt_host.numpy()
 
     def stage(self, rows: list[RowSpec], R_pad: int) -> None:
-        h, bt, o = self._h, self._bt, self.ints
+        """Fill the first R_pad rows (one numpy assignment per field, not per row: a step's host
+        time matters as much as its device time) and send them to the device."""
+        h, bt, o, n = self._h, self._bt, self.ints, len(rows)
         h[:R_pad] = 0
         bt[:R_pad] = 0
-        for i, r in enumerate(rows):
-            if max(len(r.tokens), len(r.d_tokens)) > self.t_max:
-                raise RuntimeError(f"internal error: a row of {len(r.tokens)} / {len(r.d_tokens)} tokens is wider "
-                                   f"than a step's rows ({self.t_max})")
-            h[i, :len(r.tokens)] = r.tokens
-            if r.d_tokens:
-                h[i, self.dids:self.dids + len(r.d_tokens)] = r.d_tokens
-            h[i, o:o + 9] = (r.start, r.n_real, r.out_start, r.d_start, len(r.d_tokens), max(len(r.d_tokens) - 1, 0),
-                             r.seq.L, r.n_drafts, r.first_pos)
-            bt[i, :len(r.seq.blocks)] = r.seq.blocks
+        if n:
+            width = max(max(len(r.tokens), len(r.d_tokens)) for r in rows)
+            if width > self.t_max:
+                raise RuntimeError(f"internal error: a row of {width} tokens is wider than a step's rows ({self.t_max})")
+            h[:n, :width] = _padded([r.tokens for r in rows], width)
+            d_width = max(len(r.d_tokens) for r in rows)
+            if d_width:
+                h[:n, self.dids:self.dids + d_width] = _padded([r.d_tokens for r in rows], d_width)
+            h[:n, o:o + 9] = [(r.start, r.n_real, r.out_start, r.d_start, len(r.d_tokens), max(len(r.d_tokens) - 1, 0),
+                               r.seq.L, r.n_drafts, r.first_pos) for r in rows]
+            blocks = [r.seq.blocks for r in rows]
+            nb = max(map(len, blocks))
+            if nb:
+                bt[:n, :nb] = _padded(blocks, nb)
         self.dev[:R_pad].copy_(self.host[:R_pad], non_blocking=True)
         self.block_table[:R_pad].copy_(self.bt_host[:R_pad], non_blocking=True)
 
@@ -70,3 +76,7 @@ class StepInputs:
 
     def drafter_ids(self, R: int, T: int) -> torch.Tensor:
         return self.dev[:R, self.dids:self.dids + T]
+
+
+def _padded(lists, width: int) -> list[list[int]]:
+    return [list(x) + [0] * (width - len(x)) if len(x) < width else x for x in lists]
