@@ -77,6 +77,16 @@ def launch_phases(started_at: float, ranks_started_at: float, rank_started_at: f
     return {name: max(0.0, b - a) for name, a, b in zip(LAUNCH_PHASES, marks, marks[1:])}
 
 
+def process_state(pid: int) -> str | None:
+    """A live process's state letter from /proc (R, S, D, T stopped, Z zombie…); None when it is gone
+    or the system has no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def threads_per_rank(plan: Plan) -> int:
     if plan.device == "cuda":
         return 1 if plan.ranks_per_machine > 1 else 4
@@ -126,6 +136,7 @@ class Ranks:
         self.log_path = run_dir.file("ranks.log")
         self.port = par.main_process_port or 0
         self.interrupted: int | None = None
+        self.states_when_ended: dict[int, str | None] = {}   # process states of silent ranks before we ended them
 
     def start(self) -> None:
         env = rank_env(self.cfg, self.plan)
@@ -193,6 +204,7 @@ class Ranks:
                 signal.signal(s, h)
 
     def _terminate(self) -> None:
+        self.states_when_ended = {s.rank: process_state(s.pid) for s in self.states() if s.exit is None and s.pid}
         self.stop(signal.SIGTERM)
         deadline = time.monotonic() + GRACE_S
         while self.poll() is None and time.monotonic() < deadline:
@@ -214,8 +226,16 @@ class Ranks:
         for s in states:
             rec = s.exit
             if rec is None:
+                state = self.states_when_ended.get(s.rank) if s.rank in self.states_when_ended else (
+                    process_state(s.pid) if s.pid is not None else None)
                 if s.pid is None:
                     lines.append(f"rank {s.rank} did not start (see the log below)")
+                elif state in ("T", "t"):
+                    lines.append(f"rank {s.rank} is unresponsive at {s.where}: its process {s.pid} is stopped "
+                                 f"(SIGSTOP, a debugger?) and was ended")
+                elif state is not None and state not in ("Z", "X"):
+                    lines.append(f"rank {s.rank} is unresponsive at {s.where}: its process {s.pid} is alive but "
+                                 f"stopped answering, and was ended")
                 else:
                     lines.append(f"rank {s.rank} died during {s.where} without an exit record "
                                  f"(killed by a signal, e.g. out of memory?)")

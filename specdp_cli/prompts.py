@@ -30,7 +30,7 @@ class PromptEncoder:
             return list(text)
         if not isinstance(text, str):
             raise PromptError("prompt must be a string or a list of token ids")
-        return list(self.tokenizer(text)["input_ids"])
+        return list(self.tokenizer(_unicode(text, "prompt"))["input_ids"])
 
     def encode_chat(self, messages) -> list[int]:
         if not isinstance(messages, list) or not messages or not all(
@@ -44,4 +44,15 @@ class PromptEncoder:
                                                       add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - a template error is about the user's template or messages
             raise PromptError(f"the chat template failed on these messages: {e}") from None
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(_unicode(text, "chat messages"), add_special_tokens=False)["input_ids"])
+
+
+def _unicode(text: str, what: str) -> str:
+    """Text a tokenizer can take: JSON can carry lone surrogates ("\\ud800"), which are no Unicode
+    characters and which tokenizers reject with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PromptError(f"the {what} contain{'s' if what == 'prompt' else ''} a lone surrogate "
+                          f"({text[e.start]!r} at character {e.start}), which is not valid Unicode") from None
+    return text

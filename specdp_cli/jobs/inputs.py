@@ -13,8 +13,7 @@ from typing import Any
 
 from ..config import Config
 from ..prompts import PromptEncoder, PromptError
-
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+from ..request_params import check_sampling
 
 
 class InputError(ValueError):
@@ -41,38 +40,6 @@ class JobRequest:
 def id_key(value: Any) -> str:
     """A hashable, type-preserving key for an id (1 and "1" stay different)."""
     return json.dumps(value)
-
-
-def check_params(raw: dict, defaults: dict) -> dict:
-    """Per-request sampling values over the config's defaults; raises ValueError with a sentence."""
-    p = dict(defaults)
-    p.setdefault("seed", None)
-    p.setdefault("stop", [])
-    for key in SAMPLING_KEYS:
-        if key not in raw or raw[key] is None:
-            continue
-        v = raw[key]
-        if key in ("max_tokens", "top_k", "seed"):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ValueError(f"{key} must be an integer (got {v!r})")
-            if key == "max_tokens" and v < 1:
-                raise ValueError(f"max_tokens must be >= 1 (got {v})")
-            if key == "top_k" and v < 0:
-                raise ValueError(f"top_k must be >= 0 (got {v})")
-        elif key in ("temperature", "top_p"):
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ValueError(f"{key} must be a number (got {v!r})")
-            v = float(v)
-            if key == "temperature" and v < 0:
-                raise ValueError(f"temperature must be >= 0 (got {v})")
-            if key == "top_p" and not 0 < v <= 1:
-                raise ValueError(f"top_p must be in (0, 1] (got {v})")
-        elif key == "stop":
-            v = [v] if isinstance(v, str) else v
-            if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
-                raise ValueError("stop must be a non-empty string or a list of them")
-        p[key] = v
-    return p
 
 
 def sampling_defaults(cfg: Config) -> dict:
@@ -120,6 +87,8 @@ def _parse_line(text: str, n: int, jsonl: bool, defaults: dict, encoder: PromptE
         obj = json.loads(text)
     except ValueError as e:
         return JobRequest(id=n, line=n, error=f"line {n} is not valid JSON: {e}")
+    except RecursionError:
+        return JobRequest(id=n, line=n, error=f"line {n} is nested too deeply")
     if not isinstance(obj, dict):
         return JobRequest(id=n, line=n, error=f"line {n} must be a JSON object with \"prompt\" or \"messages\"")
     rid = obj.get("id", n)
@@ -127,7 +96,7 @@ def _parse_line(text: str, n: int, jsonl: bool, defaults: dict, encoder: PromptE
         return JobRequest(id=n, line=n, error=f"line {n}: id must be a string or an integer (got {rid!r})")
     req = JobRequest(id=rid, line=n)
     try:
-        req.params = check_params(obj, defaults)
+        req.params = check_sampling(obj, defaults)         # the server's checks too
         if "prompt" in obj:
             req.prompt_ids = encoder.encode_text(obj["prompt"])
         elif "messages" in obj:

@@ -147,12 +147,16 @@ class DPGroup:
         flat = self._sync(fields, step, "step sync")
         return [flat[r * F:(r + 1) * F] for r in range(self.world)]
 
-    def vote(self, has_work: bool, step: int) -> bool:
-        """End of a lockstep step: does any rank have work left?"""
+    def vote(self, has_work: bool, step: int, received: int = 0) -> bool:
+        """End of a lockstep step: does any rank have work left, or has some rank received fewer
+        messages than another (`received`: a server rank's count of frontend messages; the frontend
+        sends every rank one message per event, so a rank behind has one in flight and every rank
+        must step until it arrives)?"""
         self.publish(step, "vote")
         if not self.lockstep:
             return has_work
-        return max(self._sync([int(has_work)], step, "vote")) > 0
+        flat = self._sync([int(has_work), received], step, "vote")
+        return any(flat[0::2]) or len(set(flat[1::2])) > 1
 
     def _sync(self, fields: list[int], step: int, what: str) -> list[int]:
         import torch.distributed as dist

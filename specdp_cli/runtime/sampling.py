@@ -84,11 +84,14 @@ def row_tensors(params: list[SamplingParams], device, pad_to: int = 0) -> dict:
     rows = _host_flags(params)
     if rows["all_greedy"]:
         return rows
-    cells = [[float(p.greedy), max(p.temperature, 1e-5), p.top_p, p.top_k, p.seed] for p in params]
-    cells += [[1.0, 1.0, 1.0, 0, 0]] * (pad_to - len(params))
-    packed = torch.tensor(cells, dtype=torch.float64).to(device)
-    rows.update(greedy=packed[:, 0] > 0.5, temperature=packed[:, 1].float(), top_p=packed[:, 2].float(),
-                top_k=packed[:, 3].long(), seed=packed[:, 4].long())
+    # integers (top_k, seed: any int64) in one int64 tensor, numbers in one float64 tensor
+    pad = pad_to - len(params)
+    ints = torch.tensor([[int(p.greedy), min(p.top_k, 2 ** 31), p.seed] for p in params] + [[1, 0, 0]] * pad,
+                        dtype=torch.long).to(device)
+    nums = torch.tensor([[max(p.temperature, 1e-5), p.top_p] for p in params] + [[1.0, 1.0]] * pad,
+                        dtype=torch.float64).to(device)
+    rows.update(greedy=ints[:, 0] > 0, temperature=nums[:, 0].float(), top_p=nums[:, 1].float(),
+                top_k=ints[:, 1], seed=ints[:, 2])
     return rows
 
 

@@ -1,10 +1,12 @@
 """The OpenAI-compatible HTTP API: /v1/models, /v1/completions, /v1/chat/completions, /health,
-/metrics. Responses and streams follow the OpenAI schema; every client mistake is a 4xx with an
-OpenAI-style error body."""
+/metrics, and the OpenAPI schema at /openapi.json. Responses and streams follow the OpenAI schema;
+every client mistake is a 4xx with an OpenAI-style error body, and so is every other failure of
+the HTTP layer: a bug is a 500 with that body (logged with its traceback) and the server goes on."""
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 
@@ -13,11 +15,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from .frontend import Event, Frontend, IncrementalText, Inflight
 from .protocol import APIError, GenRequest, parse_json, parse_request
+from .schema import request_body
+
+log = logging.getLogger("specdp.server")
 
 
 def build_app(frontend: Frontend, encoder, tokenizer, model_name: str, max_model_len: int, defaults,
               api_key: str | None) -> FastAPI:
-    app = FastAPI(title="specdp", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="specdp", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     api_key = api_key or os.environ.get("SPECDP_API_KEY") or None
 
     @app.exception_handler(APIError)
@@ -31,6 +36,12 @@ def build_app(frontend: Frontend, encoder, tokenizer, model_name: str, max_model
     @app.exception_handler(405)
     async def _bad_method(_request: Request, _e):
         return JSONResponse(APIError(405, "method not allowed").body(), status_code=405)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        log.error("internal error on %s %s", request.method, request.url.path, exc_info=e)
+        return JSONResponse(APIError(500, f"internal server error ({type(e).__name__}); the server goes on "
+                                          f"serving").body(), status_code=500)
 
     def check_auth(request: Request) -> None:
         if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
@@ -66,11 +77,11 @@ def build_app(frontend: Frontend, encoder, tokenizer, model_name: str, max_model
                                      headers={"Cache-Control": "no-cache"})
         return await _collect(frontend, request, inf, req)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body("completion"))
     async def completions(request: Request):
         return await generate(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body("chat"))
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
 

@@ -131,13 +131,19 @@ class Frontend:
         self.rank_cost[rank] += cost
         params = {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
                   "top_k": max(req.top_k, 0), "stop": req.stop}
-        if not self.link.send(rank, ("add", rid, req.prompt_ids, params, req.seed)):
+        if not self._send_waking_all(rank, ("add", rid, req.prompt_ids, params, req.seed)):
             self.release(inf)
             raise APIError(503, f"rank {rank} is not reachable")
-        for r in range(self.world):            # lockstep ranks wake together (see server/rank.py)
+        return inf
+
+    def _send_waking_all(self, rank: int, msg) -> bool:
+        """Send msg to one rank and a wake to every other: a lockstep rank that gets any message
+        steps once, and all of them must (see server/rank.py), or one would step alone."""
+        ok = self.link.send(rank, msg)
+        for r in range(self.world):
             if r != rank:
                 self.link.send(r, ("wake",))
-        return inf
+        return ok
 
     def note_tokens(self, inf: Inflight, n: int) -> None:
         now = time.monotonic()
@@ -160,7 +166,7 @@ class Frontend:
 
     def abort(self, inf: Inflight) -> None:
         if not inf.done and self.link is not None:
-            self.link.send(inf.rank, ("abort", inf.id))
+            self._send_waking_all(inf.rank, ("abort", inf.id))
         self.release(inf, "abort")
 
     def queue_sizes(self) -> tuple[int, int]:

@@ -10,6 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from ..prompts import PromptEncoder, PromptError
+from ..request_params import ParamError, check_sampling
 
 
 class APIError(Exception):
@@ -17,8 +18,9 @@ class APIError(Exception):
                  kind: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+        self.kind = kind or {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
+                             503: "service_unavailable"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error")
         self.headers = headers or {}
 
     def body(self) -> dict:
@@ -50,22 +52,11 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     return body
-
-
-def _number(body: dict, key: str, default, kind=float, lo=None, hi=None, lo_open=False):
-    v = body.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
-        raise bad(f"'{key}' must be {'an integer' if kind is int else 'a number'}", key)
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise bad(f"'{key}' must be {'>' if lo_open else '>='} {lo} (got {v})", key)
-    if hi is not None and v > hi:
-        raise bad(f"'{key}' must be <= {hi} (got {v})", key)
-    return kind(v)
 
 
 def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: str, max_model_len: int,
@@ -106,25 +97,18 @@ def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: st
     if P >= max_model_len:
         raise bad(f"this model's maximum context length is {max_model_len} tokens; the prompt has {P} tokens",
                   "messages" if chat else "prompt")
-    key = "max_tokens"
-    max_tokens = body.get("max_tokens")
-    if chat and body.get("max_completion_tokens") is not None:
-        key, max_tokens = "max_completion_tokens", body.get("max_completion_tokens")
+    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    try:
+        p = check_sampling(body, {"max_tokens": None, "temperature": defaults.temperature, "top_p": defaults.top_p,
+                                  "top_k": defaults.top_k}, max_tokens_key=key)
+    except ParamError as e:
+        raise bad(str(e), e.param) from None
+    max_tokens = p["max_tokens"]
     if max_tokens is None:
         max_tokens = min(defaults.max_tokens, max_model_len - P)
-    else:
-        max_tokens = _number({key: max_tokens}, key, None, int, lo=1)
-        if P + max_tokens > max_model_len:
-            raise bad(f"this model's maximum context length is {max_model_len} tokens; you asked for {P} prompt "
-                      f"tokens + {max_tokens} completion tokens = {P + max_tokens}: lower {key}", key)
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise bad("'stop' must be a string or a list of strings", "stop")
-    stop = [s for s in stop if s]
+    elif P + max_tokens > max_model_len:
+        raise bad(f"this model's maximum context length is {max_model_len} tokens; you asked for {P} prompt "
+                  f"tokens + {max_tokens} completion tokens = {P + max_tokens}: lower {key}", key)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")
@@ -132,11 +116,8 @@ def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: st
     if not isinstance(stream, bool):
         raise bad("'stream' must be a boolean", "stream")
     return GenRequest(
-        prompt_ids=prompt_ids, max_tokens=max_tokens,
-        temperature=_number(body, "temperature", defaults.temperature, lo=0, hi=2),
-        top_p=_number(body, "top_p", defaults.top_p, lo=0, hi=1, lo_open=True),
-        top_k=_number(body, "top_k", defaults.top_k if defaults.top_k else 0, int, lo=-1),
-        seed=_number(body, "seed", None, int), stop=stop, stream=stream,
+        prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=p["temperature"], top_p=p["top_p"],
+        top_k=p["top_k"], seed=p["seed"], stop=p["stop"], stream=stream,
         include_usage=bool((opts or {}).get("include_usage")), chat=chat, echo_model=model_name)
 
 

@@ -4,8 +4,10 @@ after every step.
 Waiting for work is a blocking read of this rank's inbox — no collective, no timeout, no spinning.
 With `dp_sync: always` the ranks step together while any of them has work: each step ends with the
 vote, and when it says nobody has work every rank goes back to waiting. The frontend sends every
-other rank a "wake" with each new request, and a rank that saw any message since the last vote
-votes "work", so no rank can miss a wake-up and leave the others alone in a collective.
+rank one message per event (the request or abort to its rank, a "wake" to the others), so every
+rank receives the same number of messages. The vote carries each rank's count, and the ranks go
+back to waiting only when the counts agree: a message that is late to one rank (its partners
+already consumed theirs) is then stepped for by everyone, never by its rank alone.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def serve_rank(engine, dp, job: dict) -> None:
             while True:
                 inbox.put(conn.recv())
         except (EOFError, OSError):
-            inbox.put(("shutdown",))     # the frontend is gone
+            inbox.put(("shutdown", "link lost"))     # the frontend is gone (not one of its messages)
 
     threading.Thread(target=reader, daemon=True, name="specdp-link").start()
 
@@ -39,6 +41,7 @@ def serve_rank(engine, dp, job: dict) -> None:
 
     shutting_down = False
     active = False            # lockstep: stepping together until the vote says stop
+    received = 0              # messages from the frontend (see the module docstring)
     while True:
         if not active and not engine.has_work:
             if shutting_down:
@@ -52,6 +55,7 @@ def serve_rank(engine, dp, job: dict) -> None:
                 msgs.append(inbox.get_nowait())
             except queue.Empty:
                 break
+        received += sum(1 for m in msgs if m != ("shutdown", "link lost"))
         for msg in msgs:
             kind = msg[0]
             if kind == "add":
@@ -77,7 +81,7 @@ def serve_rank(engine, dp, job: dict) -> None:
         if events:
             send(("out", events))
         if dp.lockstep:
-            active = dp.vote(engine.has_work or bool(msgs), engine.step_no)
+            active = dp.vote(engine.has_work or bool(msgs), engine.step_no, received)
     send(("bye", dp.rank))
 
 

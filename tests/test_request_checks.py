@@ -1,0 +1,127 @@
+"""Hostile numbers and bodies, checked where they enter: the one request check shared by `generate`
+and the server, body parsing, prompts, the sampling tensors, the launcher's account of a silent
+rank. (The same inputs against a live dp = 2 server are in test_serve_robust.py.)"""
+import json
+import math
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dp_util import write_jsonl
+from helpers import write_config
+from specdp_cli.cli import app
+from specdp_cli.launch import Ranks, RunDir
+from specdp_cli.prompts import PromptEncoder, PromptError
+from specdp_cli.request_params import ParamError, check_sampling
+from specdp_cli.runtime.sampling import SamplingParams, row_tensors, uniforms
+from specdp_cli.runtime.status import StatusBoard
+from specdp_cli.server.protocol import APIError, parse_json
+
+DEFAULTS = {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+
+
+@pytest.mark.parametrize("raw,param", [
+    ({"seed": 2 ** 64}, "seed"), ({"seed": -(2 ** 63) - 1}, "seed"), ({"seed": 1.5}, "seed"),
+    ({"temperature": math.nan}, "temperature"), ({"temperature": math.inf}, "temperature"),
+    ({"temperature": 10 ** 400}, "temperature"), ({"temperature": -0.1}, "temperature"),
+    ({"top_p": math.nan}, "top_p"), ({"top_p": 0}, "top_p"), ({"top_p": 1.01}, "top_p"),
+    ({"top_k": -2}, "top_k"), ({"top_k": 2 ** 70}, "top_k"), ({"top_k": True}, "top_k"),
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2 ** 64}, "max_tokens"), ({"max_tokens": "5"}, "max_tokens"),
+    ({"stop": [1]}, "stop"), ({"stop": {"a": 1}}, "stop"),
+])
+def test_bad_values_name_their_field(raw, param):
+    with pytest.raises(ParamError) as e:
+        check_sampling(raw, DEFAULTS)
+    assert e.value.param == param and param in str(e.value)
+
+
+def test_good_values_and_defaults():
+    p = check_sampling({"seed": 2 ** 63 - 1, "top_k": -1, "stop": ["", "\n"], "temperature": 2.5, "max_tokens": None},
+                       DEFAULTS)
+    assert p == {"max_tokens": 16, "temperature": 2.5, "top_p": 1.0, "top_k": 0, "seed": 2 ** 63 - 1, "stop": ["\n"]}
+    assert check_sampling({"max_completion_tokens": 3}, DEFAULTS, "max_completion_tokens")["max_tokens"] == 3
+
+
+def test_extreme_seeds_sample_exactly():
+    """Seeds anywhere in int64 reach the device unchanged (they were once packed through float64)."""
+    seeds = [2 ** 63 - 1, -(2 ** 63), 2 ** 53 + 1, 7]
+    rt = row_tensors([SamplingParams(temperature=0.8, seed=s) for s in seeds], torch.device("cpu"), pad_to=6)
+    assert rt["seed"].tolist() == seeds + [0, 0]
+    pos = torch.arange(6).view(6, 1)
+    assert torch.equal(uniforms(rt["seed"], pos, 1), uniforms(torch.tensor(seeds + [0, 0]), pos, 1))
+    u = uniforms(torch.tensor([2 ** 53, 2 ** 53 + 1]), torch.zeros(2, 1, dtype=torch.long), 1)
+    assert u[0] != u[1]                       # neighbouring seeds are different streams
+
+
+def test_bodies_that_used_to_give_plain_500s():
+    with pytest.raises(APIError) as e:
+        parse_json(b"[" * 100_000)
+    assert e.value.status == 400 and "nested" in e.value.message
+    with pytest.raises(APIError) as e:
+        parse_json(b'{"prompt": 1')
+    assert e.value.status == 400
+    assert APIError(405, "x").body()["error"]["type"] == "invalid_request_error"
+    assert APIError(500, "x").body()["error"]["type"] == "server_error"
+
+
+def test_lone_surrogates_are_prompt_errors(models):
+    from specdp_cli.modeldir import load_tokenizer
+
+    enc = PromptEncoder(load_tokenizer(str(models["tokenizer"])), "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    for bad in (lambda: enc.encode_text(json.loads('"abc\\ud800"')),
+                lambda: enc.encode_chat([{"role": "user", "content": json.loads('"x\\udfff y"')}])):
+        with pytest.raises(PromptError, match="lone surrogate"):
+            bad()
+    assert enc.encode_text("abc")
+
+
+def test_generate_turns_hostile_lines_into_error_lines(models, tmp_path):
+    cfg = write_config(tmp_path / "c.yaml", {
+        "model": str(models["target"]), "max_model_len": 96, "device": "cpu",
+        "speculative": {"model": str(models["draft"]), "num_speculative_tokens": 3}})
+    lines = [{"id": "ok1", "prompt": "def add(a, b):", "max_tokens": 6},
+             {"id": "seed", "prompt": "x", "temperature": 0.7, "seed": 2 ** 64},
+             {"id": "ok2", "prompt": "for i in", "max_tokens": 6, "temperature": 0.7, "seed": 2 ** 63 - 1}]
+    inp = write_jsonl(tmp_path / "in.jsonl", lines)
+    with open(inp, "a") as fh:                   # what json.dumps will not write: NaN, a lone surrogate
+        fh.write('{"id": "nan", "prompt": "x", "temperature": NaN}\n')
+        fh.write('{"id": "top_p", "prompt": "x", "top_p": NaN}\n')
+        fh.write('{"id": "surrogate", "prompt": "abc\\ud800"}\n')
+        fh.write("[" * 100_000 + "\n")                                   # line 7
+    out = tmp_path / "out.jsonl"
+    res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(inp), "--output", str(out)])
+    assert res.exit_code == 0, res.output
+    by = {r["id"]: r for r in map(json.loads, open(out))}
+    assert set(by) == {"ok1", "seed", "ok2", "nan", "top_p", "surrogate", 7}
+    assert "nested too deeply" in by[7]["error"]
+    assert "error" not in by["ok1"] and "error" not in by["ok2"] and by["ok2"]["completion_tokens"] == 6
+    for rid, word in (("seed", "seed"), ("nan", "temperature"), ("top_p", "top_p"), ("surrogate", "surrogate")):
+        assert word in by[rid]["error"], by[rid]
+
+
+def test_a_stopped_rank_is_reported_unresponsive(tmp_path):
+    """A rank frozen by SIGSTOP leaves no exit record but is alive: it is 'unresponsive', not 'killed'."""
+    from specdp_cli.config import validate
+    from specdp_cli.preflight import Plan
+
+    frozen = subprocess.Popen(["sleep", "60"])
+    try:
+        os.kill(frozen.pid, signal.SIGSTOP)
+        run_dir = RunDir(str(tmp_path))
+        with open(run_dir.file("rank1.status"), "wb") as fh:        # rank 1's record names the frozen process
+            fh.write(f"{frozen.pid}\t7\ttarget forward".encode().ljust(191) + b"\n")
+        StatusBoard(run_dir.path, 0).exit("peer-lost", "rank 1 stopped responding", 1)
+        cfg = validate({"model": "x", "parallel": {"data_parallel_size": 2}})
+        ranks = Ranks(cfg, Plan(ranks_per_machine=2), run_dir)
+        msg = ranks.failure_message()
+        assert "rank 1 is unresponsive at step 7, target forward" in msg and "stopped" in msg, msg
+        assert "killed" not in msg
+    finally:
+        frozen.kill()
+        frozen.wait()
+    ranks.states_when_ended = {}
+    assert "died during step 7" in ranks.failure_message()      # once the process is gone, it died
