@@ -95,7 +95,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['run']:<14}{r['attempt']:>2}{r['engine_tok_s']:>14.1f}{(r['speedup_vs_dp1'] or 0):>8.2f}"
               f"{r['with_load_tok_s']:>11.1f}{r['startup_s']:>11.2f}{r['padding_share']:>9.2f}")
-    print("start-up, s: " + " ".join(f"{p:>8}" for p in ("cli", "spawn", "imports", "join", "load", "kv", "capture", "after")))
+    print("start-up, s: " + " ".join(f"{p:>8}" for p in ("cli", "spawn", "imports", "job wait", "join", "load", "kv",
+                                                          "capture", "after")))
     for r in rows:
         ph = [*r["launch_phases"].values(), *list(r["startup"].values())[1:], r["after_engine_s"]]
         print(f"{r['run']:<12}{r['attempt']:>1} " + " ".join(f"{v:>8.2f}" for v in ph))

@@ -5,7 +5,9 @@ Exit status everywhere: 0 success, 1 the configuration or the job failed, 2 usag
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -47,11 +49,10 @@ def fail_usage(msg: str) -> None:
     raise typer.Exit(2)
 
 
-def preflight_or_exit(config_path: Path, items: list[str], as_json: bool = False,
-                      quiet_ok: bool = False) -> tuple[Config, Report]:
-    """Load + preflight; on errors print them and exit 1 (usage problems exit 2)."""
+def load_or_exit(config_path: Path, items: list[str], as_json: bool = False) -> Config:
+    """The configuration, or its errors printed and exit 1 (usage problems exit 2)."""
     try:
-        cfg = load_config(config_path, items)
+        return load_config(config_path, items)
     except UsageError as e:
         fail_usage(str(e))
     except ConfigError as e:
@@ -63,6 +64,10 @@ def preflight_or_exit(config_path: Path, items: list[str], as_json: bool = False
             for p in e.problems:
                 stderr.print(f"  - {p}", markup=False, highlight=False)
         raise typer.Exit(1) from None
+
+
+def preflight_or_exit(cfg: Config, as_json: bool = False, quiet_ok: bool = False) -> Report:
+    """Preflight; on errors print them and exit 1."""
     report = run_preflight(cfg)
     if as_json:
         print(report_json(report))
@@ -72,7 +77,27 @@ def preflight_or_exit(config_path: Path, items: list[str], as_json: bool = False
         if quiet_ok:
             stderr.print("[bold red]refusing to start[/]: fix the errors above (`specdp validate config` shows them).")
         raise typer.Exit(1)
-    return cfg, report
+    return report
+
+
+@contextlib.contextmanager
+def early_ranks(cfg: Config, launched: bool):
+    """Start this machine's ranks before preflight when the job runs in launched ranks: they spend
+    seconds on imports before they need the job (launch.py). Whatever ends the command before the
+    job is written — refused checks, bad inputs, Ctrl-C — stops them."""
+    if not launched:
+        yield None
+        return
+    from .launch import Ranks
+
+    ranks = Ranks(cfg)
+    ranks.start()
+    try:
+        yield ranks
+    except BaseException:
+        if not os.path.exists(ranks.run_dir.file("job.json")):
+            ranks.abandon()
+        raise
 
 
 @validate_app.command("config")
@@ -84,7 +109,7 @@ def validate_config(
     as_json: bool = typer.Option(False, "--json", help="Print exactly one JSON object on stdout."),
 ) -> None:
     """Check a configuration and its model directories without loading weights."""
-    preflight_or_exit(config, overrides(set_, dp, device), as_json=as_json)
+    preflight_or_exit(load_or_exit(config, overrides(set_, dp, device), as_json), as_json=as_json)
 
 
 @app.command("generate")
@@ -104,21 +129,26 @@ def generate(
     from .launch import process_start_time
 
     t0 = process_start_time()
-    cfg, report = preflight_or_exit(config, overrides(set_, dp, device), quiet_ok=True)
-    if cfg.parallel.machine_rank == 0:
-        if input is None:
-            fail_usage("--input is required (on machine 0)")
-        if not input.is_file():
-            fail_usage(f"input file not found: {input}")
+    cfg = load_or_exit(config, overrides(set_, dp, device))
     out = output.expanduser().resolve()
-    if not out.parent.is_dir():
-        fail_usage(f"the output's folder does not exist: {out.parent}")
-    if summary_json is not None and not summary_json.expanduser().resolve().parent.is_dir():
-        fail_usage(f"the summary's folder does not exist: {summary_json.parent}")
-    from .jobs.run_generate import JobFailed, print_summary, run_generate
+    from .jobs import JobFailed
 
     try:
-        summary = run_generate(cfg, report.plan, str(input) if input else None, str(out), retry_errors, stderr)
+        with early_ranks(cfg, launched=cfg.parallel.data_parallel_size > 1) as ranks:
+            from .jobs.run_generate import print_summary, run_generate    # imports torch: after the ranks start
+
+            report = preflight_or_exit(cfg, quiet_ok=True)
+            if cfg.parallel.machine_rank == 0:
+                if input is None:
+                    fail_usage("--input is required (on machine 0)")
+                if not input.is_file():
+                    fail_usage(f"input file not found: {input}")
+            if not out.parent.is_dir():
+                fail_usage(f"the output's folder does not exist: {out.parent}")
+            if summary_json is not None and not summary_json.expanduser().resolve().parent.is_dir():
+                fail_usage(f"the summary's folder does not exist: {summary_json.parent}")
+            summary = run_generate(cfg, report.plan, str(input) if input else None, str(out), retry_errors, stderr,
+                                   ranks)
     except JobFailed as e:
         stderr.print("[bold red]job failed[/]: ", end="")
         stderr.print(str(e), markup=False, highlight=False)
@@ -148,7 +178,7 @@ def serve(
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     items = overrides(set_, dp, device, **{"server.host": host, "server.port": port})
-    cfg, report = preflight_or_exit(config, items, quiet_ok=True)
+    cfg = load_or_exit(config, items)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -156,7 +186,10 @@ def serve(
         fail_usage("specdp serve needs fastapi and uvicorn: pip install 'specdp-cli[serve]'")
     from .server.run import run_server
 
-    raise typer.Exit(run_server(cfg, report.plan, stderr))
+    with early_ranks(cfg, launched=True) as ranks:
+        report = preflight_or_exit(cfg, quiet_ok=True)
+        code = run_server(cfg, report.plan, stderr, ranks)
+    raise typer.Exit(code)
 
 
 @app.command("bench")

@@ -1,9 +1,12 @@
 """Starting the ranks of this machine with `accelerate launch`, watching them, and turning a
 failure into a sentence that names the rank and the phase.
 
-The CLI process is the parent. It writes the job into a run directory, starts accelerate (which
-starts one process per rank), follows the ranks' status files, and on Ctrl-C / SIGTERM stops them
-all. accelerate exits 1 whatever went wrong in a rank, so each rank leaves its own exit record
+The CLI process is the parent. It starts accelerate (which starts one process per rank) as soon as
+the configuration has loaded, before its own checks: a rank spends seconds importing torch and
+transformers before it needs its job, and the launcher as many, so that overlaps the checks and
+the reading of the inputs. The ranks then wait for the job the CLI writes into the run directory
+(or are stopped, when the checks refuse the configuration). The CLI follows the ranks' status
+files, and on Ctrl-C / SIGTERM stops them all. accelerate exits 1 whatever went wrong in a rank, so each rank leaves its own exit record
 (runtime/status.py) and this module reads those to explain what happened.
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ from .runtime.status import read_states
 GRACE_S = 10.0
 
 
-LAUNCH_PHASES = ("cli_s", "spawn_s", "imports_s", "join_s")
+LAUNCH_PHASES = ("cli_s", "spawn_s", "imports_s", "job_wait_s", "join_s")
 
 
 def process_start_time() -> float:
@@ -53,13 +56,14 @@ class RunDir:
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
 
-    def write_job(self, cfg: Config, plan: Plan, mode: str, threads: int, **extra) -> None:
-        # "ranks_started_at": when the CLI starts the ranks, i.e. right after this
-        job = {"config": cfg.model_dump(), "plan": asdict(plan), "mode": mode, "threads": threads,
-               "parent_pid": os.getpid(), "started_at": process_start_time(), "ranks_started_at": time.time(),
-               **extra}
-        with open(self.file("job.json"), "w") as fh:
+    def write_job(self, cfg: Config, plan: Plan, mode: str, ranks_started_at: float, **extra) -> None:
+        """The job the ranks wait for; written whole (a rename), after any payload."""
+        job = {"config": cfg.model_dump(), "plan": asdict(plan), "mode": mode,
+               "threads": threads_per_rank(plan.device, plan.ranks_per_machine), "parent_pid": os.getpid(),
+               "started_at": process_start_time(), "ranks_started_at": ranks_started_at, **extra}
+        with open(self.file("job.json.tmp"), "w") as fh:
             json.dump(job, fh)
+        os.replace(self.file("job.json.tmp"), self.file("job.json"))
 
     def write_payload(self, obj) -> None:
         with open(self.file("payload.pkl"), "wb") as fh:
@@ -70,10 +74,12 @@ class RunDir:
 
 
 def launch_phases(started_at: float, ranks_started_at: float, rank_started_at: float, imported_at: float,
-                  joined_at: float) -> dict[str, float]:
-    """Where the time before a rank's engine went: the CLI's own checks until it started the ranks,
-    the launcher until the rank's process started, the rank's imports, joining the process group."""
-    marks = [started_at, ranks_started_at, max(ranks_started_at, rank_started_at), imported_at, joined_at]
+                  job_at: float, joined_at: float) -> dict[str, float]:
+    """Where the time before a rank's engine went, as consecutive spans that add up to `launch_s`:
+    the CLI until it started the ranks, the launcher until the rank's process started, the rank's
+    imports, waiting for the job (the CLI's checks and input reading, when they take longer than the
+    imports), joining the process group."""
+    marks = [started_at, ranks_started_at, max(ranks_started_at, rank_started_at), imported_at, job_at, joined_at]
     return {name: max(0.0, b - a) for name, a, b in zip(LAUNCH_PHASES, marks, marks[1:])}
 
 
@@ -87,13 +93,18 @@ def process_state(pid: int) -> str | None:
         return None
 
 
-def threads_per_rank(plan: Plan) -> int:
-    if plan.device == "cuda":
-        return 1 if plan.ranks_per_machine > 1 else 4
-    return max(1, (os.cpu_count() or 1) // plan.ranks_per_machine)
+def threads_per_rank(device: str, ranks_per_machine: int) -> int:
+    if device == "cuda":
+        return 1 if ranks_per_machine > 1 else 4
+    return max(1, (os.cpu_count() or 1) // ranks_per_machine)
 
 
-def accelerate_command(cfg: Config, plan: Plan, run_dir: RunDir, port: int) -> list[str]:
+def ranks_per_machine(cfg: Config) -> int:
+    par = cfg.parallel
+    return max(1, par.data_parallel_size // max(1, par.num_machines))
+
+
+def accelerate_command(cfg: Config, run_dir: RunDir, port: int, threads: int) -> list[str]:
     par = cfg.parallel
     world = par.data_parallel_size
     # every option is given, in a config file of our own too, so a default accelerate config in
@@ -110,16 +121,17 @@ def accelerate_command(cfg: Config, plan: Plan, run_dir: RunDir, port: int) -> l
             "--machine_rank", str(par.machine_rank), "--main_process_ip", par.main_process_ip,
             "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
             "--rdzv_backend", "static", "--same_network", "--monitor_interval", "0.1",
-            "--num_cpu_threads_per_process", str(threads_per_rank(plan)),
+            "--num_cpu_threads_per_process", str(threads),
             "-m", "specdp_cli.runtime.rank_main", run_dir.path]
 
 
-def rank_env(cfg: Config, plan: Plan) -> dict[str, str]:
+def rank_env(cfg: Config) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-                "TOKENIZERS_PARALLELISM": "false", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"})
+                "TOKENIZERS_PARALLELISM": "false", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                "SPECDP_PARENT_PID": str(os.getpid())})      # a rank waiting for its job leaves if we are gone
     ip = cfg.parallel.main_process_ip
-    if plan.backend == "gloo" and (ip.startswith("127.") or ip == "localhost"):
+    if ip.startswith("127.") or ip == "localhost":            # only gloo reads it
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     return env
 
@@ -127,26 +139,33 @@ def rank_env(cfg: Config, plan: Plan) -> dict[str, str]:
 class Ranks:
     """The ranks of this machine, started through accelerate, watched by the parent."""
 
-    def __init__(self, cfg: Config, plan: Plan, run_dir: RunDir):
-        self.cfg, self.plan, self.run_dir = cfg, plan, run_dir
+    def __init__(self, cfg: Config, run_dir: RunDir | None = None):
+        self.cfg = cfg
+        self.run_dir = run_dir or RunDir()
         par = cfg.parallel
-        first = par.machine_rank * plan.ranks_per_machine
-        self.local_ranks = range(first, first + plan.ranks_per_machine)
+        n = ranks_per_machine(cfg)
+        first = par.machine_rank * n
+        self.local_ranks = range(first, first + n)
         self.proc: subprocess.Popen | None = None
-        self.log_path = run_dir.file("ranks.log")
+        self.log_path = self.run_dir.file("ranks.log")
+        self.started_at: float | None = None
         self.port = par.main_process_port or 0
         self.interrupted: int | None = None
         self.states_when_ended: dict[int, str | None] = {}   # process states of silent ranks before we ended them
 
     def start(self) -> None:
-        env = rank_env(self.cfg, self.plan)
+        """Start the ranks; they import, then wait for `run_dir/job.json` (see `write_job`). Before
+        preflight has run, the device is not known yet: OpenMP threads are set for CPU ranks here and
+        each rank applies the job's thread count once it has it."""
+        env = rank_env(self.cfg)
+        threads = threads_per_rank(self.cfg.device if self.cfg.device != "auto" else "cpu", len(self.local_ranks))
         if self.cfg.parallel.data_parallel_size == 1:
             # one rank needs no launcher (accelerate's --multi_gpu refuses a single process)
             cmd = [sys.executable, "-m", "specdp_cli.runtime.rank_main", self.run_dir.path]
-            env.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                        "OMP_NUM_THREADS": str(threads_per_rank(self.plan))})
+            env.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "OMP_NUM_THREADS": str(threads)})
         else:
-            cmd = accelerate_command(self.cfg, self.plan, self.run_dir, self.port)
+            cmd = accelerate_command(self.cfg, self.run_dir, self.port, threads)
+        self.started_at = time.time()
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
@@ -202,6 +221,18 @@ class Ranks:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+
+    def abandon(self) -> None:
+        """The job will not come (the checks refused it, the inputs are unusable, Ctrl-C): kill the
+        ranks — they hold nothing yet but imports — and remove the run directory. A rank too young
+        to have said its pid finds this process gone and leaves by itself."""
+        if self.proc is not None:
+            self.stop(signal.SIGKILL)
+            try:
+                self.proc.wait(timeout=GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        self.run_dir.cleanup()
 
     def _terminate(self) -> None:
         self.states_when_ended = {s.rank: process_state(s.pid) for s in self.states() if s.exit is None and s.pid}

@@ -87,7 +87,7 @@ def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
     assert set(s["startup"]) == {"launch_s", "load_s", "kv_alloc_s", "capture_s"}
     assert all(v >= 0 for v in s["startup"].values()) and s["startup"]["load_s"] > 0
     assert s["wall_s"] >= s["engine_s"] + s["startup"]["load_s"]
-    assert set(s["launch_phases"]) == {"cli_s", "spawn_s", "imports_s", "join_s"}
+    assert set(s["launch_phases"]) == {"cli_s", "spawn_s", "imports_s", "job_wait_s", "join_s"}
     assert abs(sum(s["launch_phases"].values()) - s["startup"]["launch_s"]) < 0.05   # the phases add up
     assert "acceptance" in res.stdout
 
@@ -169,3 +169,36 @@ def test_demo_pair_runs_and_reports_acceptance(tmp_path):
     assert s["requests"] == len(lines(REPO / "demo" / "prompts.jsonl"))
     assert s["acceptance_rate"] is not None and s["acceptance_rate"] > 0.2
     assert "acceptance rate" in res.stdout
+
+
+def test_ranks_started_early_are_stopped_when_the_job_is_refused(cfg, tmp_path):
+    """With dp 2 the ranks start before preflight (they import while it runs); a refused config, a
+    missing input, bad input lines that refuse the job: each ends them and removes their run directory."""
+    import glob
+    import tempfile
+    import time
+
+    import psutil
+
+    pattern = f"{tempfile.gettempdir()}/specdp-run-*"
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a"}])
+    dup = write_jsonl(tmp_path / "dup.jsonl", [{"prompt": "a", "id": 2}, {"prompt": "b"}])
+    for inp, extra, code in ((ok, ["--set", "model=/nonexistent"], 1), (tmp_path / "missing.jsonl", [], 2),
+                             (dup, [], 1)):
+        runs_before = set(glob.glob(pattern))
+        res = generate(cfg, inp, tmp_path / "o.jsonl", "--dp", "2", *extra)
+        assert res.exit_code == code, res.output
+        assert set(glob.glob(pattern)) <= runs_before                 # the run directory is gone
+
+        def ranks_of_this_run():
+            out = []
+            for p in psutil.process_iter(["cmdline"]):
+                cmd = " ".join(p.info["cmdline"] or [])
+                if "specdp-run-" in cmd and not any(d in cmd for d in runs_before):
+                    out.append(cmd)
+            return out
+
+        deadline = time.monotonic() + 15                              # killed, or leaving by themselves
+        while ranks_of_this_run():
+            assert time.monotonic() < deadline, ranks_of_this_run()
+            time.sleep(0.1)

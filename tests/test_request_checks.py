@@ -106,7 +106,6 @@ def test_generate_turns_hostile_lines_into_error_lines(models, tmp_path):
 def test_a_stopped_rank_is_reported_unresponsive(tmp_path):
     """A rank frozen by SIGSTOP leaves no exit record but is alive: it is 'unresponsive', not 'killed'."""
     from specdp_cli.config import validate
-    from specdp_cli.preflight import Plan
 
     frozen = subprocess.Popen(["sleep", "60"])
     try:
@@ -116,7 +115,7 @@ def test_a_stopped_rank_is_reported_unresponsive(tmp_path):
             fh.write(f"{frozen.pid}\t7\ttarget forward".encode().ljust(191) + b"\n")
         StatusBoard(run_dir.path, 0).exit("peer-lost", "rank 1 stopped responding", 1)
         cfg = validate({"model": "x", "parallel": {"data_parallel_size": 2}})
-        ranks = Ranks(cfg, Plan(ranks_per_machine=2), run_dir)
+        ranks = Ranks(cfg, run_dir)
         msg = ranks.failure_message()
         assert "rank 1 is unresponsive at step 7, target forward" in msg and "stopped" in msg, msg
         assert "killed" not in msg

@@ -239,3 +239,26 @@ def test_a_bug_in_a_handler_is_an_openai_500_and_serving_goes_on(models):
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "server_error" and "RuntimeError" in r.json()["error"]["message"]
     assert client.get("/v1/models").status_code == 200
+
+
+def test_a_frozen_rank_is_reported_unresponsive(tmp_path, models):
+    """SIGSTOP on a rank: the other rank stops hearing its heartbeat within collective_timeout_s, the
+    server answers 503 and exits 1, and the message says the frozen rank is unresponsive, not killed."""
+    import signal as sig
+
+    port = free_port()
+    s = Server(server_config(tmp_path, models, port, parallel={"dp_sync": "never", "collective_timeout_s": 3}), port)
+    try:
+        frozen = [p for p in s.ranks() if "specdp_cli.runtime.rank_main" in " ".join(p.cmdline())]
+        assert len(frozen) == 2
+        frozen = sorted(frozen, key=lambda p: p.pid)[1]
+        frozen.send_signal(sig.SIGSTOP)
+        assert s.proc.wait(60) == 1
+        err = s.proc.stderr.read()
+        assert "is unresponsive" in err and "stopped (SIGSTOP" in err, err[-2000:]
+    finally:
+        try:
+            frozen.send_signal(sig.SIGCONT)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+        s.stop()

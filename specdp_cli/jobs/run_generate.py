@@ -11,17 +11,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..config import Config
-from ..launch import Ranks, RunDir, launch_phases, process_start_time, threads_per_rank
+from ..launch import Ranks, launch_phases, process_start_time, threads_per_rank
 from ..modeldir import load_tokenizer
 from ..preflight import Plan
 from ..prompts import PromptEncoder
 from ..runtime.faults import FaultSpecError, Faults
+from . import JobFailed
 from .inputs import InputError, JobRequest, id_key, read_inputs
 from .results import load_prior, part_files
-
-
-class JobFailed(Exception):
-    pass
 
 
 class PartFollower:
@@ -56,8 +53,9 @@ def make_progress(console: Console) -> Progress:
 
 
 def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, retry_errors: bool,
-                 err: Console) -> dict | None:
-    """Run the job; returns the summary (on machine 0), raises JobFailed with a sentence."""
+                 err: Console, ranks: Ranks | None = None) -> dict | None:
+    """Run the job, in this process for one rank, else in `ranks` (started, waiting for the job);
+    returns the summary (on machine 0), raises JobFailed with a sentence."""
     world = cfg.parallel.data_parallel_size
     try:
         faults = Faults.from_env(world)
@@ -90,7 +88,7 @@ def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, r
             follower.poll()
             progress.update(task, completed=len(follower.done & keys) if leader else len(follower.done))
 
-        summary = _launched(cfg, plan, output, retry_errors, requests, tick)
+        summary = _launched(cfg, plan, output, retry_errors, requests, tick, ranks)
         if leader:
             progress.update(task, completed=len(requests))   # the part files are merged away by now
         return summary
@@ -110,10 +108,11 @@ def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result, co
     def fault_exit(code: int, message: str) -> None:
         raise FaultExit(f"rank 0 exited with status {code} during step {engine.step_no} ({message})")
 
-    torch.set_num_threads(threads_per_rank(plan))
+    torch.set_num_threads(threads_per_rank(plan.device, plan.ranks_per_machine))
     device = torch.device("cuda", 0) if plan.device == "cuda" else torch.device("cpu")
     t0 = process_start_time()
-    launch = launch_phases(t0, started_ranks_at, started_ranks_at, time.time(), time.time())
+    now = time.time()
+    launch = launch_phases(t0, started_ranks_at, started_ranks_at, now, now, now)
     engine = Engine(cfg, plan, DPGroup.solo(), device, faults, on_fault_exit=fault_exit, started_at=t0, launch=launch)
     console.print(engine.ready_line, markup=False, highlight=False)
     try:
@@ -122,13 +121,11 @@ def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result, co
         raise JobFailed(f"{e}; finished results are kept in {output}.rank0.part — rerun to resume") from None
 
 
-def _launched(cfg, plan, output, retry_errors, requests, on_tick) -> dict | None:
-    run_dir = RunDir()
-    run_dir.write_job(cfg, plan, "generate", threads_per_rank(plan), output=output, retry_errors=retry_errors)
+def _launched(cfg, plan, output, retry_errors, requests, on_tick, ranks: Ranks) -> dict | None:
+    run_dir = ranks.run_dir
     if cfg.parallel.machine_rank == 0:
         run_dir.write_payload(requests)
-    ranks = Ranks(cfg, plan, run_dir)
-    ranks.start()
+    run_dir.write_job(cfg, plan, "generate", ranks.started_at, output=output, retry_errors=retry_errors)
     rc = ranks.wait(on_tick)
     on_tick()
     if rc in (130, 143):

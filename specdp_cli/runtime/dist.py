@@ -94,7 +94,7 @@ class DPGroup:
                                   timeout=datetime.timedelta(seconds=30))
         seen: dict[int, tuple[int, float]] = {}
         while not self._stop.wait(1.0):
-            if parent_pid and not _alive(parent_pid):
+            if parent_pid and not alive(parent_pid):
                 self._die("terminated", "the specdp command that started this rank is gone", 1)
             if store is None:
                 continue
@@ -262,7 +262,7 @@ class DPGroup:
             pause = min(pause * 2, 0.1)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
         return True

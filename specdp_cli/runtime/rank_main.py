@@ -1,7 +1,9 @@
 """What `accelerate launch` runs in each rank: `python -m specdp_cli.runtime.rank_main RUN_DIR`.
 
-Reads the job the CLI wrote into RUN_DIR, joins the process group, builds the engine and runs the
-job (generate or serve). However it ends, it leaves an exit record for the CLI to explain.
+Imports what it needs (seconds: torch, transformers), waits for the job the CLI writes into RUN_DIR
+(the CLI starts the ranks before its own checks, so both happen at once), joins the process group,
+builds the engine and runs the job (generate or serve). However it ends, it leaves an exit record
+for the CLI to explain.
 """
 from __future__ import annotations
 
@@ -23,6 +25,26 @@ def _silence_libraries() -> None:
         hf_logging.set_verbosity_error()
     except Exception:  # noqa: BLE001 - cosmetic only
         pass
+
+
+def wait_for_job(run_dir: str, status) -> dict:
+    """The job, once the CLI has written it. The CLI stops the ranks if its checks fail; should the
+    CLI itself be gone, or its run directory, the rank leaves."""
+    import time
+
+    from .dist import alive
+
+    path = os.path.join(run_dir, "job.json")
+    parent = int(os.environ.get("SPECDP_PARENT_PID", "0"))
+    status.set(0, "waiting for the job")
+    pause = 0.002
+    while not os.path.exists(path):
+        if (parent and not alive(parent)) or not os.path.isdir(run_dir):
+            raise RuntimeError("the specdp command that started this rank is gone or gave up the job")
+        time.sleep(pause)                 # a file in a local directory: polling is the simple, portable wait
+        pause = min(pause * 2, 0.05)
+    with open(path) as fh:
+        return json.load(fh)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,9 +78,11 @@ def main(argv: list[str] | None = None) -> None:
         from .engine import Engine
         from .faults import Faults
 
+        from transformers import AutoConfig, AutoTokenizer  # noqa: F401 - the engine's, imported while waiting
+
         imported_at = time.time()
-        with open(os.path.join(run_dir, "job.json")) as fh:
-            job = json.load(fh)
+        job = wait_for_job(run_dir, status)
+        job_at = time.time()
         cfg = Config.model_validate(job["config"])
         plan = Plan(**job["plan"])
         torch.set_num_threads(int(job["threads"]))
@@ -75,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
                                   cfg.parallel.check_collectives, device, status)
         dp.start_watchdog(job.get("parent_pid"))
         launch = launch_phases(job["started_at"], job["ranks_started_at"], process_start_time(), imported_at,
-                               time.time())
+                               job_at, time.time())
         status.set(0, "loading models")
 
         def fault_exit(exit_code: int, message: str) -> None:

@@ -16,7 +16,7 @@ import time
 from rich.console import Console
 
 from ..config import Config
-from ..launch import Ranks, RunDir, threads_per_rank
+from ..launch import Ranks
 from ..modeldir import load_tokenizer
 from ..preflight import Plan
 from ..prompts import PromptEncoder
@@ -36,7 +36,8 @@ def link_spec(cfg: Config) -> dict:
     return {"host": par.main_process_ip, "port": par.main_process_port + 1, "authkey": key}
 
 
-def run_server(cfg: Config, plan: Plan, console: Console) -> int:
+def run_server(cfg: Config, plan: Plan, console: Console, ranks: Ranks) -> int:
+    """Serve until stopped; `ranks` are this machine's ranks, started and waiting for the job."""
     from .app import build_app
     from .frontend import Frontend
     from .metrics import Metrics
@@ -51,10 +52,8 @@ def run_server(cfg: Config, plan: Plan, console: Console) -> int:
                         frontend.on_message, frontend.on_lost)
         spec = {**spec, "port": link.spec["port"]}
         frontend.link = link
-    run_dir = RunDir()
-    run_dir.write_job(cfg, plan, "serve", threads_per_rank(plan), link=spec)
-    ranks = Ranks(cfg, plan, run_dir)
-    ranks.start()
+    run_dir = ranks.run_dir
+    run_dir.write_job(cfg, plan, "serve", ranks.started_at, link=spec)
     try:
         if not frontend_here:
             rc = ranks.wait()
