@@ -51,9 +51,10 @@ def main() -> None:
     results = []
     for c in (int(x) for x in a.concurrency.split(",")):
         out = os.path.join(a.work, f"bench_c{c}.json")
-        subprocess.run([sys.executable, "-m", "specdp_cli", "bench", "serve", "--url", url, "--input",
-                        os.path.join(a.pair, "heldout_prompts.jsonl"), "--concurrency", str(c),
-                        "--num-requests", str(max(16, 4 * c)), "--max-tokens", str(a.max_tokens), "--json", out],
+        subprocess.run([sys.executable, "-m", "specdp_cli", "bench", "serve", "--base-url", url, "--dataset-path",
+                        os.path.join(a.pair, "heldout_prompts.jsonl"), "--max-concurrency", str(c),
+                        "--num-prompts", str(max(16, 4 * c)), "--max-tokens", str(a.max_tokens),
+                        "--result-filename", out],
                        check=True)
         results.append(json.load(open(out)))
     server.send_signal(signal.SIGTERM)
@@ -62,7 +63,7 @@ def main() -> None:
         json.dump({"meta": {"date": time.strftime("%Y-%m-%d"), "dp": a.dp, "server_exit": rc}, "rows": results}, fh, indent=1)
     print(f"{'conc':>5}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}{'accept':>8}")
     for r in results:
-        print(f"{r['concurrency']:>5}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}"
+        print(f"{r['max_concurrency']:>5}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}"
               f"{r['ttft_ms']['median']:>10.1f}{r['tpot_ms']['median']:>10.2f}{r['itl_ms']['median']:>9.2f}"
               f"{(r['acceptance_rate'] or 0):>8.3f}")
     print(f"server exit status after SIGTERM: {rc}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import statistics
 import threading
 import time
@@ -154,8 +155,10 @@ def _spec_counters(client: _Client) -> dict | None:
     return out
 
 
-def run_bench(url: str, input_path: str | None, concurrency: int, num_requests: int, max_tokens: int,
-              model: str | None, api_key: str | None) -> dict:
+def run_bench(url: str, input_path: str | None, concurrency: int | None, num_requests: int, max_tokens: int,
+              model: str | None, api_key: str | None, request_rate: float = float("inf"), seed: int = 0) -> dict:
+    """Send num_requests requests as `vllm bench serve` does: arrivals a Poisson process of
+    `request_rate` per second (inf: all at once), at most `concurrency` in flight (None: no limit)."""
     client = _Client(url, api_key)
     try:
         status, text = client.get("/v1/models")
@@ -178,9 +181,16 @@ def run_bench(url: str, input_path: str | None, concurrency: int, num_requests: 
         with lock:
             results.append(r)
 
+    rng = random.Random(seed)
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        list(pool.map(task, range(num_requests)))
+    with ThreadPoolExecutor(max_workers=concurrency or num_requests) as pool:
+        futures = []
+        for i in range(num_requests):
+            futures.append(pool.submit(task, i))
+            if request_rate != float("inf") and i + 1 < num_requests:
+                time.sleep(rng.expovariate(request_rate))      # the arrival process itself
+        for f in futures:
+            f.result()
     duration = time.perf_counter() - t0
     after = _spec_counters(client)
     ok = [r for r in results if r["ok"]]
@@ -189,7 +199,8 @@ def run_bench(url: str, input_path: str | None, concurrency: int, num_requests: 
     tpot = [(r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok
             if r["ttft"] is not None and r["output_tokens"] > 1]
     res = {
-        "url": url, "model": model, "concurrency": concurrency, "num_requests": num_requests, "max_tokens": max_tokens,
+        "url": url, "model": model, "max_concurrency": concurrency, "request_rate": request_rate,
+        "num_prompts": num_requests, "max_tokens": max_tokens,
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
@@ -217,7 +228,8 @@ def print_results(res: dict, console: Console) -> None:
         return "-" if v is None else fmt.format(v)
 
     rows = [("successful requests", str(res["completed"])), ("failed requests", str(res["failed"])),
-            ("concurrency", str(res["concurrency"])), ("benchmark duration (s)", f(res["duration_s"])),
+            ("maximum request concurrency", str(res["max_concurrency"] or "-")),
+            ("request rate (req/s)", str(res["request_rate"])), ("benchmark duration (s)", f(res["duration_s"])),
             ("total input tokens", str(res["total_input_tokens"])), ("total generated tokens", str(res["total_output_tokens"])),
             ("request throughput (req/s)", f(res["request_throughput"])),
             ("output token throughput (tok/s)", f(res["output_throughput"])),

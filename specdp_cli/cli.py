@@ -1,7 +1,7 @@
 """The `specdp` command line: thin wrappers that parse, call and print.
 
-Exit status everywhere: 0 success, 1 the configuration or the job failed, 2 usage errors,
-130 interrupted.
+Exit status everywhere: 0 success, 1 the configuration or the job failed (or the server cannot run),
+2 usage errors (found before any work), 130 interrupted, 143 stopped by SIGTERM.
 """
 from __future__ import annotations
 
@@ -33,11 +33,16 @@ DpOpt = typer.Option(None, "--dp", min=1, help="Shortcut for --set parallel.data
 DeviceOpt = typer.Option(None, "--device", help="Shortcut for --set device=cpu|cuda|auto.")
 
 
+DEVICES = ("cpu", "cuda", "auto")
+
+
 def overrides(sets: Optional[List[str]], dp: Optional[int] = None, device: Optional[str] = None, **extra) -> list[str]:
     items = list(sets or [])
     if dp is not None:
         items.append(f"parallel.data_parallel_size={dp}")
     if device is not None:
+        if device not in DEVICES:
+            fail_usage(f"--device must be one of {', '.join(DEVICES)} (got {device!r})")
         items.append(f"device={device}")
     items += [f"{k}={v}" for k, v in extra.items() if v is not None]
     return items
@@ -78,6 +83,24 @@ def preflight_or_exit(cfg: Config, as_json: bool = False, quiet_ok: bool = False
             stderr.print("[bold red]refusing to start[/]: fix the errors above (`specdp validate config` shows them).")
         raise typer.Exit(1)
     return report
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """SIGTERM raises Terminated in the main thread while a job runs (Python's default would end the
+    process at once, silently, leaving part files and ranks behind)."""
+    import signal
+
+    from .launch import Terminated
+
+    def on_term(_signum, _frame):
+        raise Terminated()
+
+    old = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 @contextlib.contextmanager
@@ -131,31 +154,40 @@ def generate(
     t0 = process_start_time()
     cfg = load_or_exit(config, overrides(set_, dp, device))
     out = output.expanduser().resolve()
+    # usage errors before any work: before preflight, before a rank starts
+    if cfg.parallel.machine_rank == 0:
+        if input is None:
+            fail_usage("--input is required (on machine 0)")
+        if not input.is_file():
+            fail_usage(f"input file not found: {input}" + (" (it is a folder)" if input.is_dir() else ""))
+    if out.is_dir():
+        fail_usage(f"--output names a folder: {out}; give a file path, e.g. {out / 'out.jsonl'}")
+    if not out.parent.is_dir():
+        fail_usage(f"the output's folder does not exist: {out.parent}")
+    if summary_json is not None:
+        sj = summary_json.expanduser().resolve()
+        if sj.is_dir() or not sj.parent.is_dir():
+            fail_usage(f"--summary-json must be a file in an existing folder (got {summary_json})")
     from .jobs import JobFailed
 
     try:
-        with early_ranks(cfg, launched=cfg.parallel.data_parallel_size > 1) as ranks:
+        with stop_signals(), early_ranks(cfg, launched=cfg.parallel.data_parallel_size > 1) as ranks:
             from .jobs.run_generate import print_summary, run_generate    # imports torch: after the ranks start
 
             report = preflight_or_exit(cfg, quiet_ok=True)
-            if cfg.parallel.machine_rank == 0:
-                if input is None:
-                    fail_usage("--input is required (on machine 0)")
-                if not input.is_file():
-                    fail_usage(f"input file not found: {input}")
-            if not out.parent.is_dir():
-                fail_usage(f"the output's folder does not exist: {out.parent}")
-            if summary_json is not None and not summary_json.expanduser().resolve().parent.is_dir():
-                fail_usage(f"the summary's folder does not exist: {summary_json.parent}")
             summary = run_generate(cfg, report.plan, str(input) if input else None, str(out), retry_errors, stderr,
                                    ranks)
     except JobFailed as e:
         stderr.print("[bold red]job failed[/]: ", end="")
         stderr.print(str(e), markup=False, highlight=False)
         raise typer.Exit(1) from None
-    except KeyboardInterrupt:
-        stderr.print(f"interrupted; finished results are kept beside {out} — rerun the same command to resume")
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as e:
+        from .launch import Terminated
+
+        term = isinstance(e, Terminated)
+        stderr.print(f"{'stopped by SIGTERM' if term else 'interrupted'}; finished results are kept beside {out} "
+                     f"— rerun the same command to resume")
+        raise typer.Exit(143 if term else 130) from None
     if summary is None:
         stderr.print("done (this machine's ranks finished; machine 0 writes the output and summary)")
         return
@@ -184,7 +216,13 @@ def serve(
         import uvicorn  # noqa: F401
     except ImportError:
         fail_usage("specdp serve needs fastapi and uvicorn: pip install 'specdp-cli[serve]'")
-    from .server.run import run_server
+    from .server.run import port_problem, run_server
+
+    if cfg.parallel.machine_rank == 0:            # the server cannot run: say so before any work
+        problem = port_problem(cfg.server.host, cfg.server.port)
+        if problem:
+            stderr.print(f"[bold red]cannot serve[/]: {problem}", highlight=False)
+            raise typer.Exit(1)
 
     with early_ranks(cfg, launched=True) as ranks:
         report = preflight_or_exit(cfg, quiet_ok=True)
@@ -192,35 +230,58 @@ def serve(
     raise typer.Exit(code)
 
 
-@app.command("bench")
-def bench(
-    what: str = typer.Argument(..., help="What to benchmark: serve."),
-    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="Base URL of an OpenAI-compatible server."),
-    input: Optional[Path] = typer.Option(None, "--input", "-i", help="Prompts (.jsonl with \"prompt\", or text lines); default: a built-in set."),
-    concurrency: int = typer.Option(8, "--concurrency", min=1, help="Requests in flight at once."),
-    num_requests: int = typer.Option(64, "--num-requests", min=1, help="Requests to send in all."),
+bench_app = typer.Typer(add_completion=False, no_args_is_help=True, help="Benchmarks against a running server.")
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("serve")
+def bench_serve(
+    base_url: str = typer.Option("http://127.0.0.1:8000", "--base-url", "--url",
+                                 help="Base URL of an OpenAI-compatible server."),
+    dataset_path: Optional[Path] = typer.Option(None, "--dataset-path", "--input", "-i",
+                                                help="Prompts (.jsonl with \"prompt\", or text lines); default: a built-in set."),
+    num_prompts: int = typer.Option(64, "--num-prompts", "--num-requests", min=1, help="Requests to send in all."),
+    max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", "--concurrency", min=1,
+                                                  help="Requests in flight at most (default: no limit)."),
+    request_rate: float = typer.Option(float("inf"), "--request-rate", min=0.0,
+                                       help="Requests per second, Poisson arrivals (default inf: all at once)."),
     max_tokens: int = typer.Option(128, "--max-tokens", min=1, help="max_tokens of every request."),
     model: Optional[str] = typer.Option(None, "--model", help="Model name (default: the server's first)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDP_API_KEY", help="Bearer token."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Also write the results as JSON here."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the arrival times."),
+    save_result: bool = typer.Option(False, "--save-result", help="Write the results as JSON (see --result-filename)."),
+    result_filename: Optional[Path] = typer.Option(None, "--result-filename", "--json",
+                                                   help="Where --save-result writes (implies it); default: "
+                                                        "specdp-bench-<rate>qps-<concurrency>-<time>.json."),
 ) -> None:
-    """Load-test a server the way `vllm bench serve` does (TTFT, TPOT, ITL, throughput, acceptance)."""
-    if what != "serve":
-        fail_usage(f"unknown benchmark {what!r}; try: specdp bench serve --url ...")
-    if input is not None and not input.is_file():
-        fail_usage(f"input file not found: {input}")
+    """Load-test a server as `vllm bench serve` does (same flag names and metrics: TTFT, TPOT, ITL,
+    throughput; plus acceptance from a specdp server's /metrics)."""
+    import time
+
+    if request_rate <= 0:
+        fail_usage("--request-rate must be > 0 (inf: all at once)")
+    if dataset_path is not None and not dataset_path.is_file():
+        fail_usage(f"dataset file not found: {dataset_path}")
+    if result_filename is not None:
+        save_result = True
+        if not result_filename.expanduser().resolve().parent.is_dir():
+            fail_usage(f"the folder of --result-filename does not exist: {result_filename.parent}")
     from .bench_serve import BenchError, print_results, run_bench
 
     try:
-        res = run_bench(url, str(input) if input else None, concurrency, num_requests, max_tokens, model, api_key)
+        res = run_bench(base_url, str(dataset_path) if dataset_path else None, max_concurrency, num_prompts,
+                        max_tokens, model, api_key, request_rate, seed)
     except BenchError as e:
         stderr.print("[bold red]bench failed[/]: ", end="")
         stderr.print(str(e), markup=False)
         raise typer.Exit(1) from None
     print_results(res, stdout)
-    if json_path is not None:
-        with open(json_path, "w") as fh:
+    if save_result:
+        path = result_filename or Path(f"specdp-bench-{request_rate}qps-{max_concurrency or 'all'}-"
+                                       f"{time.strftime('%Y%m%d-%H%M%S')}.json")
+        with open(path, "w") as fh:
             json.dump(res, fh, indent=1)
+        stdout.print(f"results: {path}")
 
 
 def main() -> None:

@@ -31,6 +31,10 @@ from .runtime.status import read_states
 GRACE_S = 10.0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled like Ctrl-C (stop, keep what is finished, say how to resume) but exit 143."""
+
+
 LAUNCH_PHASES = ("cli_s", "spawn_s", "imports_s", "job_wait_s", "join_s")
 
 

@@ -1,5 +1,6 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,23 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from helpers import build_tokenizer, make_model_dir  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temp_dir_inside_pytests(tmp_path_factory):
+    """Run directories (kept with their logs when a job fails) and whatever else the commands under
+    test put in the temporary directory land in pytest's own temp tree, which pytest prunes: the
+    tests leave nothing behind in /tmp."""
+    d = tmp_path_factory.mktemp("tmpdir")
+    old = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(d)
+    tempfile.tempdir = None                 # gettempdir() reads TMPDIR again
+    yield d
+    if old is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = old
+    tempfile.tempdir = None
 
 
 @pytest.fixture(scope="session")

@@ -202,3 +202,58 @@ def test_ranks_started_early_are_stopped_when_the_job_is_refused(cfg, tmp_path):
         while ranks_of_this_run():
             assert time.monotonic() < deadline, ranks_of_this_run()
             time.sleep(0.1)
+
+
+def test_progress_lines_when_stderr_is_no_terminal():
+    """A log file or CI sees a progress line every interval (done/total, tok/s, elapsed, ETA)."""
+    import io
+    import time
+
+    from rich.console import Console
+
+    from specdp_cli.jobs.run_generate import ProgressLines
+
+    buf = io.StringIO()
+    with ProgressLines(Console(file=buf, force_terminal=False, width=200), 200, 10, every=0.05) as pl:
+        pl.done, pl.tokens = 60, 3200
+        deadline = time.monotonic() + 10
+        while buf.getvalue().count("\n") < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    first = buf.getvalue().splitlines()[0]
+    assert first.startswith("generate: 60/200 done, ") and "tok/s" in first and "elapsed" in first and "eta" in first
+
+
+def test_usage_errors_come_before_any_work(cfg, tmp_path):
+    ok = write_jsonl(tmp_path / "ok.jsonl", [{"prompt": "a"}])
+    res = generate(cfg, ok, tmp_path / "o.jsonl", "--device", "foo")
+    assert res.exit_code == 2 and "--device must be one of cpu, cuda, auto" in res.output
+    res = generate(cfg, ok, tmp_path)                                   # --output names a folder
+    assert res.exit_code == 2 and "--output names a folder" in res.output
+    res = generate(cfg, tmp_path / "missing.jsonl", tmp_path / "o.jsonl", "--set", "model=/nonexistent")
+    assert res.exit_code == 2 and "input file not found" in res.output  # before preflight's complaint
+    assert not list(tmp_path.glob("o.jsonl*")) and not list(tmp_path.glob("*.part"))
+
+
+def test_sigterm_stops_with_a_sentence_and_143(cfg, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    inp = write_jsonl(tmp_path / "many.jsonl", [{"prompt": f"def f{i}(x):", "max_tokens": 12} for i in range(400)])
+    out = tmp_path / "o.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "specdp_cli", "generate", str(cfg), "--input", str(inp),
+                             "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    part = tmp_path / "o.jsonl.rank0.part"
+    deadline = time.monotonic() + 120
+    while not (part.exists() and part.stat().st_size > 0):             # the job is running
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM; finished results are kept" in err and "rerun the same command to resume" in err
+    assert part.exists()

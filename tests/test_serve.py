@@ -256,15 +256,21 @@ def test_queue_limit_gives_429(server):
 
 
 def test_bench_serve(server, tmp_path):
+    """vLLM's flag names (and specdp's older ones as aliases)."""
     out = tmp_path / "bench.json"
-    res = CliRunner().invoke(app, ["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "4",
-                                   "--num-requests", "8", "--max-tokens", "12", "--api-key", KEY, "--json", str(out)])
+    res = CliRunner().invoke(app, ["bench", "serve", "--base-url", f"http://127.0.0.1:{server.port}",
+                                   "--max-concurrency", "4", "--num-prompts", "8", "--request-rate", "50",
+                                   "--max-tokens", "12", "--api-key", KEY, "--save-result", "--result-filename", str(out)])
     assert res.exit_code == 0, res.output
     for label in ("request throughput", "TTFT", "TPOT", "ITL", "acceptance rate", "mean acceptance length"):
         assert label in res.output
     data = json.load(open(out))
     assert data["completed"] == 8 and data["failed"] == 0 and data["ttft_ms"]["median"] > 0
-    assert data["acceptance_rate"] is not None
+    assert data["acceptance_rate"] is not None and data["request_rate"] == 50 and data["max_concurrency"] == 4
+    old = tmp_path / "old.json"
+    res = CliRunner().invoke(app, ["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "2",
+                                   "--num-requests", "2", "--max-tokens", "4", "--api-key", KEY, "--json", str(old)])
+    assert res.exit_code == 0 and json.load(open(old))["completed"] == 2
 
 
 def test_sigterm_drains_and_exits_0(server, client):

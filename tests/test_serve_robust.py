@@ -28,6 +28,7 @@ def server(request, tmp_path_factory, models):
     port = free_port()
     cfg = server_config(tmp, models, port, parallel={"dp_sync": request.param, "collective_timeout_s": TIMEOUT_S})
     s = Server(cfg, port)
+    s.models = models
     inp = write_jsonl(tmp / "in.jsonl", [{"prompt": p, "max_tokens": 12} for p in PROMPTS])
     res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(inp), "--output", str(tmp / "o.jsonl"),
                                    "--dp", "1"])
@@ -262,3 +263,36 @@ def test_a_frozen_rank_is_reported_unresponsive(tmp_path, models):
         except Exception:  # noqa: BLE001 - already gone
             pass
         s.stop()
+
+
+def test_one_schema_same_error_text_from_generate_and_serve(server, tmp_path):
+    """The server and a `generate` job check requests with the same code: the same bad request gets
+    the same sentence (generate prefixes the line number)."""
+    bad = [{"prompt": "x", "temperature": 0.7, "seed": 2 ** 64}, {"prompt": "x", "top_k": -2},
+           {"prompt": "x", "top_p": 1.5}, {"prompt": "x", "max_tokens": 0}, {"prompt": "x", "stop": [1]}]
+    inp = write_jsonl(tmp_path / "bad.jsonl", bad)
+    out = tmp_path / "o.jsonl"
+    cfg = server_config(tmp_path, server.models, free_port())
+    res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(inp), "--output", str(out), "--dp", "1"])
+    assert res.exit_code == 0, res.output
+    job_errors = [json.loads(x)["error"] for x in open(out)]
+    for i, body in enumerate(bad):
+        code, text, _ = server.http("POST", "/v1/completions", body)
+        assert code == 400
+        assert job_errors[i] == f"line {i + 1}: " + json.loads(text)["error"]["message"]
+
+
+def test_a_busy_port_is_refused_before_any_work(tmp_path, models):
+    import subprocess
+    import sys
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        cfg = server_config(tmp_path, models, port)
+        t = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "specdp_cli", "serve", str(cfg)], capture_output=True, text=True,
+                           timeout=60)
+    assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+    assert "serving" not in r.stderr and time.monotonic() - t < 30

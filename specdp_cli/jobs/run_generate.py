@@ -2,8 +2,10 @@
 one rank, through accelerate for several), show progress, print and write the summary."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import time
 
 from rich.console import Console
@@ -11,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from ..config import Config
-from ..launch import Ranks, launch_phases, process_start_time, threads_per_rank
+from ..launch import Ranks, Terminated, launch_phases, process_start_time, threads_per_rank
 from ..modeldir import load_tokenizer
 from ..preflight import Plan
 from ..prompts import PromptEncoder
@@ -27,6 +29,7 @@ class PartFollower:
     def __init__(self, output: str, known: set[str]):
         self.output = output
         self.done = set(known)
+        self.tokens = 0                 # completion tokens of the results seen
         self.offsets: dict[str, int] = {}
 
     def poll(self) -> int:
@@ -41,10 +44,50 @@ class PartFollower:
             self.offsets[path] = self.offsets.get(path, 0) + end
             for line in data[:end].splitlines():
                 try:
-                    self.done.add(id_key(json.loads(line)["id"]))
+                    rec = json.loads(line)
+                    self.done.add(id_key(rec["id"]))
+                    self.tokens += int(rec.get("completion_tokens") or 0)
                 except (ValueError, KeyError, TypeError):
                     pass
         return len(self.done)
+
+
+class ProgressLines:
+    """Progress for a stderr that is not a terminal (a log file, CI, nohup), where the bar shows
+    nothing until the end: one line every `every` seconds, from a thread of its own."""
+
+    def __init__(self, console: Console, total: int | None, done: int, every: float = 10.0):
+        self.console, self.total, self.done, self.every = console, total, done, every
+        self.tokens = 0
+        self.t0 = time.monotonic()
+        self._start_done = done
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="specdp-progress")
+
+    def __enter__(self) -> "ProgressLines":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.console.print(self.line(), markup=False, highlight=False)
+
+    def line(self) -> str:
+        secs = time.monotonic() - self.t0
+        new = self.done - self._start_done
+        parts = [f"generate: {self.done}/{self.total if self.total is not None else '?'} done",
+                 f"{self.tokens / secs:,.0f} tok/s" if secs > 0 else "", f"{_clock(secs)} elapsed"]
+        if self.total and new > 0:
+            parts.append(f"eta {_clock(secs / new * (self.total - self.done))}")
+        return ", ".join(p for p in parts if p)
+
+
+def _clock(secs: float) -> str:
+    secs = int(secs)
+    return f"{secs // 3600}:{secs // 60 % 60:02d}:{secs % 60:02d}"
 
 
 def make_progress(console: Console) -> Progress:
@@ -77,16 +120,25 @@ def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, r
     if already:
         err.print(f"resuming: {len(already)} of {len(requests)} inputs are already done in {output} or its part files")
 
-    with make_progress(err) as progress:
+    lines = ProgressLines(err, len(requests) if leader else None, len(already)) if not err.is_terminal else None
+    with make_progress(err) as progress, (lines or contextlib.nullcontext()):
         task = progress.add_task("generate", total=len(requests) if leader else None, completed=len(already))
         if world == 1:
-            return _in_process(cfg, plan, faults, output, retry_errors, requests,
-                               lambda rec: progress.advance(task), progress.console)
+            def on_result(rec: dict) -> None:
+                progress.advance(task)
+                if lines:
+                    lines.done += 1
+                    lines.tokens += int(rec.get("completion_tokens") or 0)
+
+            return _in_process(cfg, plan, faults, output, retry_errors, requests, on_result, progress.console)
         follower = PartFollower(output, already)
 
         def tick() -> None:
             follower.poll()
-            progress.update(task, completed=len(follower.done & keys) if leader else len(follower.done))
+            done = len(follower.done & keys) if leader else len(follower.done)
+            progress.update(task, completed=done)
+            if lines:
+                lines.done, lines.tokens = done, follower.tokens
 
         summary = _launched(cfg, plan, output, retry_errors, requests, tick, ranks)
         if leader:
@@ -128,7 +180,9 @@ def _launched(cfg, plan, output, retry_errors, requests, on_tick, ranks: Ranks) 
     run_dir.write_job(cfg, plan, "generate", ranks.started_at, output=output, retry_errors=retry_errors)
     rc = ranks.wait(on_tick)
     on_tick()
-    if rc in (130, 143):
+    if rc == 143:
+        raise Terminated()
+    if rc == 130:
         raise KeyboardInterrupt
     if rc != 0:
         msg = ranks.failure_message()

@@ -26,6 +26,22 @@ DRAIN_S = 30.0          # SIGTERM: how long in-flight requests may take to finis
 FAILED_GRACE_S = 3.0    # after a rank failure /health answers 503 this long before the exit
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why the HTTP server could not listen on host:port (in use, no such address), or None."""
+    import socket
+
+    if port == 0:
+        return None
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as uvicorn binds
+            sock.bind((host, port))
+    except OSError as e:
+        return (f"cannot listen on {host}:{port}: {e.strerror or e} — stop what uses the port or pick another "
+                f"(--port)")
+    return None
+
+
 def link_spec(cfg: Config) -> dict:
     par = cfg.parallel
     if par.num_machines == 1:
@@ -102,6 +118,9 @@ async def _serve(app, frontend, ranks: Ranks, cfg: Config, plan: Plan, console: 
     def on_signal() -> None:
         if not frontend.draining:
             frontend.draining = True
+            n = len(frontend.inflight)
+            console.print(f"stopping: draining {n} in-flight request{'' if n == 1 else 's'} (up to {DRAIN_S:.0f} s), "
+                          f"refusing new ones…")
             stop.set()
 
     loop = asyncio.get_running_loop()
@@ -137,14 +156,26 @@ async def _serve(app, frontend, ranks: Ranks, cfg: Config, plan: Plan, console: 
                 frontend.abort(inf)
         server.should_exit = True
 
-    console.print(f"serving [bold]{frontend.metrics.model}[/] on http://{cfg.server.host}:{cfg.server.port}/v1 "
-                  f"({frontend.world} rank(s), dp_sync {plan.dp_sync})")
-    tasks = [asyncio.create_task(watch()), asyncio.create_task(drain())]
+    async def announce() -> None:         # once the socket is listening, not before
+        while not server.started:
+            await asyncio.sleep(0.05)
+        console.print(f"serving [bold]{frontend.metrics.model}[/] on http://{cfg.server.host}:{cfg.server.port}/v1 "
+                      f"({frontend.world} rank(s), dp_sync {plan.dp_sync})")
+
+    tasks = [asyncio.create_task(watch()), asyncio.create_task(drain()), asyncio.create_task(announce())]
     try:
         await server.serve()
+    except SystemExit:          # uvicorn gives up this way when it cannot bind
+        pass
     finally:
         for t in tasks:
             t.cancel()
+    if not server.started:
+        console.print(f"[bold red]cannot serve[/]: the HTTP server could not start on {cfg.server.host}:"
+                      f"{cfg.server.port} (see the message above)")
+        return 1
     if exit_code["code"] == 1:
         console.print(ranks.failure_message(), markup=False)
+    elif frontend.draining:
+        console.print("stopped")
     return exit_code["code"]
