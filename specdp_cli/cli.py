@@ -145,6 +145,7 @@ def generate(
     device: Optional[str] = DeviceOpt,
     summary_json: Optional[Path] = typer.Option(None, "--summary-json", help="Also write the summary as JSON here."),
     retry_errors: bool = typer.Option(False, "--retry-errors", help="On resume, serve again inputs whose earlier result was an error."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start afresh: drop earlier results in --output and its part files."),
 ) -> None:
     """Run an offline batch job over the data-parallel ranks (resumable: rerun the same command)."""
     import time
@@ -176,7 +177,7 @@ def generate(
 
             report = preflight_or_exit(cfg, quiet_ok=True)
             summary = run_generate(cfg, report.plan, str(input) if input else None, str(out), retry_errors, stderr,
-                                   ranks)
+                                   ranks, overwrite)
     except JobFailed as e:
         stderr.print("[bold red]job failed[/]: ", end="")
         stderr.print(str(e), markup=False, highlight=False)

@@ -12,8 +12,9 @@ from specdp_cli.cli import app
 runner = CliRunner()
 SUMMARY_KEYS = {"requests", "errors", "prompt_tokens", "generated_tokens", "wall_s", "engine_s", "tok_s", "num_drafts",
                 "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
-                "accepted_per_position", "preemptions", "startup", "launch_phases", "ranks"}
-RESULT_KEYS = {"id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "spec"}
+                "accepted_per_position", "preemptions", "startup", "launch_phases", "ranks", "resumed"}
+RESULT_KEYS = {"id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "spec",
+               "fingerprint"}
 
 
 @pytest.fixture
@@ -60,7 +61,7 @@ def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
     assert [r["id"] for r in rows] == [1, "point", 3, 5, 6, 7, 8, 9, 10]
     by = {r["id"]: r for r in rows}
     for bad in (3, 5, 6, 7, 9):
-        assert set(by[bad]) == {"id", "error"}, by[bad]
+        assert set(by[bad]) == {"id", "error", "fingerprint"}, by[bad]
     assert "JSON" in by[3]["error"] and "max_model_len" in by[5]["error"] and "chat template" in by[6]["error"]
     assert "top_p" in by[7]["error"] and "prompt" in by[9]["error"]
     for good in (1, "point", 8, 10):
@@ -100,9 +101,10 @@ def test_plain_text_input_and_chat_template(cfg, tmp_path):
     assert [r["id"] for r in lines(out)] == [1, 3]
     tmpl = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     inp2 = write_jsonl(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
-    res = generate(cfg, inp2, out, "--set", f"chat_template={json.dumps(tmpl)}")
+    out2 = tmp_path / "chat-out.jsonl"
+    res = generate(cfg, inp2, out2, "--set", f"chat_template={json.dumps(tmpl)}")
     assert res.exit_code == 0, res.output
-    assert "text" in lines(out)[0]
+    assert "text" in lines(out2)[0]
 
 
 def test_nothing_drafted_gives_nulls_not_nan(cfg, tmp_path):
@@ -152,10 +154,14 @@ def test_fault_exit_then_resume(cfg, tmp_path):
 def test_torn_part_line_is_ignored(cfg, tmp_path):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
     out = tmp_path / "out.jsonl"
-    (tmp_path / "out.jsonl.rank0.part").write_text(json.dumps({"id": 1, "error": "old"}) + "\n{\"id\": 2, \"te")
+    assert generate(cfg, inp, out).exit_code == 0
+    fp = lines(out)[0]["fingerprint"]                 # what this job stamps on line 1
+    out.unlink()
+    old = {"id": 1, "error": "old", "fingerprint": fp}
+    (tmp_path / "out.jsonl.rank0.part").write_text(json.dumps(old) + "\n{\"id\": 2, \"te")
     assert generate(cfg, inp, out).exit_code == 0
     rows = lines(out)
-    assert rows[0] == {"id": 1, "error": "old"} and "text" in rows[1]
+    assert rows[0] == old and "text" in rows[1]
     assert generate(cfg, inp, out, "--retry-errors").exit_code == 0
     assert "text" in lines(out)[0]
 
@@ -257,3 +263,41 @@ def test_sigterm_stops_with_a_sentence_and_143(cfg, tmp_path):
     assert proc.returncode == 143, err
     assert "stopped by SIGTERM; finished results are kept" in err and "rerun the same command to resume" in err
     assert part.exists()
+
+
+def test_resume_reuses_only_what_the_same_job_made(cfg, tmp_path):
+    """A finished line is reused only when its fingerprint matches; a changed job or line stops the run
+    before any work with what changed; --overwrite starts afresh; the data-parallel size is no change."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "def add(a, b):", "max_tokens": 6},
+                                              {"prompt": "class Point:", "max_tokens": 6}])
+    out = tmp_path / "out.jsonl"
+    assert generate(cfg, inp, out).exit_code == 0
+    first = out.read_bytes()
+
+    res = generate(cfg, inp, out, "--summary-json", str(tmp_path / "s.json"))          # the same job: all reused
+    assert res.exit_code == 0 and "resuming: 2 of 2" in res.output
+    s = json.load(open(tmp_path / "s.json"))
+    assert s["resumed"] == 2 and s["requests"] == 0 and out.read_bytes() == first
+
+    for extra, what in ((["--set", "speculative.method=none"], "decoding settings"),
+                        (["--set", "sampling.temperature=1.0"], "line 1 (id 1) changed"),
+                        (["--set", "seed=7"], "decoding settings")):
+        res = generate(cfg, inp, out, *extra)
+        assert res.exit_code == 1 and what in res.output and "--overwrite" in res.output, res.output
+        assert out.read_bytes() == first and not list(tmp_path.glob("out.jsonl.rank*.part"))   # no work done
+
+    changed = write_jsonl(tmp_path / "in2.jsonl", [{"prompt": "def add(a, b):", "max_tokens": 6},
+                                                   {"prompt": "class Circle:", "max_tokens": 6}])
+    res = generate(cfg, changed, out)
+    assert res.exit_code == 1 and "line 2 (id 2) changed since its result" in res.output
+
+    res = generate(cfg, inp, out, "--set", "speculative.method=none", "--overwrite",
+                   "--summary-json", str(tmp_path / "s2.json"))
+    assert res.exit_code == 0, res.output
+    assert json.load(open(tmp_path / "s2.json"))["resumed"] == 0
+    assert all(r["spec"]["num_drafts"] == 0 for r in lines(out))
+
+    res = generate(cfg, inp, out, "--set", "speculative.method=none", "--dp", "2",
+                   "--summary-json", str(tmp_path / "s3.json"))                       # dp size is not in it
+    assert res.exit_code == 0, res.output
+    assert json.load(open(tmp_path / "s3.json"))["resumed"] == 2

@@ -34,10 +34,12 @@ def serve_requests(engine, dp, requests: list[JobRequest], writer: PartWriter, o
     for r in requests:
         engine.add_request(engine.make_request(r.id, r.prompt_ids, SamplingParams.from_dict(r.params), r.params.get("seed")))
     records: list[dict] = []
+    fingerprints = {id_key(r.id): r.fingerprint for r in requests}
     while dp.lockstep or engine.has_work:
         for out in engine.step():
             if out.finished:
                 rec = success_record(out.seq, engine.output.text(out.seq))
+                rec["fingerprint"] = fingerprints[id_key(out.seq.req.id)]
                 writer.write(rec)
                 records.append(rec)
                 if on_result:
@@ -54,9 +56,12 @@ def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequ
     priors = dp.gather_objects(prior, "gathering earlier results")
     shards = errors_now = done = None
     if dp.rank == 0:
+        # earlier results count only when the same job made them (the CLI refuses a changed job on
+        # machine 0; this also guards the part files of the other machines)
+        wanted = {r.key: r.fingerprint for r in requests}
         done = {}
         for p in priors:
-            done.update(p)
+            done.update({k: rec for k, rec in p.items() if k in wanted and rec.get("fingerprint") == wanted[k]})
         errors_now = [r for r in requests if r.error and r.key not in done]
         todo = [r for r in requests if not r.error and r.key not in done]
         shards = assign_shards(todo, dp.world)
@@ -84,7 +89,7 @@ def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequ
         merged = dict(done)
         merged.update({id_key(rec["id"]): rec for rec in new_records})
         write_output(output, requests, merged)
-        summary = summarize([rep for _, rep in gathered], new_records, None)
+        summary = summarize([rep for _, rep in gathered], new_records, None, resumed=len(done))
     dp.wait_for_all("output written")
     if local_leader:
         remove_parts(output)

@@ -14,6 +14,7 @@ from typing import Any
 from ..config import Config
 from ..prompts import PromptEncoder, PromptError
 from ..request_params import check_sampling
+from .fingerprint import input_hash
 
 
 class InputError(ValueError):
@@ -27,6 +28,7 @@ class JobRequest:
     prompt_ids: list[int] = field(default_factory=list)
     params: dict = field(default_factory=dict)   # max_tokens, temperature, top_p, top_k, seed, stop
     error: str | None = None
+    fingerprint: dict = field(default_factory=dict)   # {"job", "input"}: what would make its result (fingerprint.py)
 
     @property
     def key(self) -> str:
@@ -64,6 +66,7 @@ def read_inputs(path: str, cfg: Config, encoder: PromptEncoder) -> list[JobReque
             if not text.strip():
                 continue
             req = _parse_line(text, n, jsonl, defaults, encoder)
+            req.fingerprint = {"input": input_hash(req.prompt_ids, req.params, raw=text if req.error else None)}
             if req.key in seen:
                 raise InputError(f"{path}: duplicate id {req.id!r} on lines {seen[req.key]} and {n}; "
                                  f"ids must be unique (a line without id gets its line number)")
@@ -71,6 +74,7 @@ def read_inputs(path: str, cfg: Config, encoder: PromptEncoder) -> list[JobReque
             if req.error is None and len(req.prompt_ids) >= M:
                 req.error = (f"prompt has {len(req.prompt_ids)} tokens, but max_model_len is {M}: "
                              f"shorten the prompt or raise max_model_len")
+                req.fingerprint = {"input": input_hash([], {}, raw=text)}
             out.append(req)
     return out
 

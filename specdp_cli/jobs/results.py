@@ -82,7 +82,7 @@ def success_record(seq: Sequence, text: str) -> dict:
 
 
 def error_record(req: JobRequest) -> dict:
-    return {"id": req.id, "error": req.error}
+    return {"id": req.id, "error": req.error, "fingerprint": req.fingerprint}
 
 
 def write_output(output: str, requests: list[JobRequest], records: dict[str, dict]) -> int:
@@ -99,6 +99,11 @@ def write_output(output: str, requests: list[JobRequest], records: dict[str, dic
     return n
 
 
+def job_file(output: str) -> str:
+    """Beside the output: the fingerprint parts of the job that wrote it (to say what changed)."""
+    return output + ".job.json"
+
+
 def remove_parts(output: str) -> None:
     for p in part_files(output):
         try:
@@ -107,8 +112,9 @@ def remove_parts(output: str) -> None:
             pass
 
 
-def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float | None) -> dict[str, Any]:
-    """The summary of one run from every rank's report (see `rank_report`)."""
+def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float | None, resumed: int = 0) -> dict[str, Any]:
+    """The summary of one run from every rank's report (see `rank_report`); `resumed`: inputs whose
+    results came from earlier runs of the same job."""
     stats = SpecStats()
     for rep in rank_reports:
         stats.merge(SpecStats(**rep["spec"]))
@@ -122,6 +128,7 @@ def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float |
     launch = {k: max(r["launch"].get(k, 0.0) for r in rank_reports) for k in LAUNCH_PHASES} if rank_reports else {}
     return {
         "requests": len(new_records),
+        "resumed": resumed,
         "errors": errors,
         "prompt_tokens": sum(r.get("prompt_tokens", 0) for r in new_records if "error" not in r),
         "generated_tokens": generated,

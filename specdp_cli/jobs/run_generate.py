@@ -19,8 +19,9 @@ from ..preflight import Plan
 from ..prompts import PromptEncoder
 from ..runtime.faults import FaultSpecError, Faults
 from . import JobFailed
+from .fingerprint import changed_parts, job_hash, job_parts
 from .inputs import InputError, JobRequest, id_key, read_inputs
-from .results import load_prior, part_files
+from .results import job_file, load_prior, part_files
 
 
 class PartFollower:
@@ -96,7 +97,7 @@ def make_progress(console: Console) -> Progress:
 
 
 def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, retry_errors: bool,
-                 err: Console, ranks: Ranks | None = None) -> dict | None:
+                 err: Console, ranks: Ranks | None = None, overwrite: bool = False) -> dict | None:
     """Run the job, in this process for one rank, else in `ranks` (started, waiting for the job);
     returns the summary (on machine 0), raises JobFailed with a sentence."""
     world = cfg.parallel.data_parallel_size
@@ -114,7 +115,18 @@ def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, r
             requests = read_inputs(input_path, cfg, encoder)
         except InputError as e:
             raise JobFailed(str(e)) from None
+    parts = job_parts(cfg, plan)
+    for r in requests:
+        r.fingerprint["job"] = job_hash(parts)
+    if overwrite:
+        for path in [output, job_file(output)] + part_files(output):
+            if os.path.exists(path):
+                os.remove(path)
     prior = load_prior(output, retry_errors)
+    if leader:
+        check_resumable(output, requests, prior, parts)
+        with open(job_file(output), "w") as fh:
+            json.dump(parts, fh, indent=1)
     keys = {r.key for r in requests}
     already = {k for k in prior if k in keys}
     if already:
@@ -144,6 +156,34 @@ def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, r
         if leader:
             progress.update(task, completed=len(requests))   # the part files are merged away by now
         return summary
+
+
+def check_resumable(output: str, requests: list[JobRequest], prior: dict[str, dict], parts: dict[str, str]) -> None:
+    """Earlier results are reused only when this job would make them again: refuse, before any work,
+    with what changed (a part of the job, or an input line) and how to go on."""
+    how = "rerun with --overwrite to start afresh, or choose another --output"
+    job = job_hash(parts)
+    for r in requests:
+        rec = prior.get(r.key)
+        if rec is None:
+            continue
+        fp = rec.get("fingerprint")
+        if not isinstance(fp, dict):
+            raise JobFailed(f"{output} holds results without a job fingerprint (written by an older specdp), so "
+                            f"they may come from another job: {how}")
+        if fp.get("job") != job:
+            try:
+                with open(job_file(output)) as fh:
+                    old = json.load(fh)
+            except (OSError, ValueError):
+                old = None
+            if not isinstance(old, dict) or job_hash(old) != fp.get("job"):
+                old = None                  # no description of the job that made them
+            raise JobFailed(f"{output} holds results of another job: {changed_parts(old, parts)} changed since "
+                            f"they were made; {how}")
+        if fp.get("input") != r.fingerprint["input"]:
+            raise JobFailed(f"line {r.line} (id {r.id!r}) changed since its result in {output} was made (its "
+                            f"prompt or sampling fields); {how}")
 
 
 def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result, console: Console) -> dict:
@@ -207,7 +247,8 @@ def print_summary(summary: dict, console: Console) -> None:
     def f(v, fmt="{:.3f}"):
         return "-" if v is None else (fmt.format(v) if isinstance(v, float) else str(v))
 
-    rows = [("requests", summary["requests"]), ("errors", summary["errors"]),
+    rows = [("requests", summary["requests"]), ("resumed (done earlier)", summary["resumed"]),
+            ("errors", summary["errors"]),
             ("prompt tokens", summary["prompt_tokens"]), ("generated tokens", summary["generated_tokens"]),
             ("wall time (s)", f(summary["wall_s"], "{:.2f}")), ("engine time (s)", f(summary["engine_s"], "{:.2f}")),
             ("tokens / s", f(summary["tok_s"], "{:.1f}")), ("drafts", summary["num_drafts"]),
