@@ -6,8 +6,9 @@ the configuration has loaded, before its own checks: a rank spends seconds impor
 transformers before it needs its job, and the launcher as many, so that overlaps the checks and
 the reading of the inputs. The ranks then wait for the job the CLI writes into the run directory
 (or are stopped, when the checks refuse the configuration). The CLI follows the ranks' status
-files, and on Ctrl-C / SIGTERM stops them all. accelerate exits 1 whatever went wrong in a rank, so each rank leaves its own exit record
-(runtime/status.py) and this module reads those to explain what happened.
+files, and on Ctrl-C / SIGTERM stops them all. accelerate exits 1 whatever went wrong in a rank,
+so each rank leaves its own exit record (runtime/status.py) and this module reads those to explain
+what happened.
 """
 from __future__ import annotations
 

@@ -115,8 +115,14 @@ class ModelDir:
         heads = self.get("num_attention_heads") or 1
         return int(self.get("hidden_size", 0)) // int(heads)
 
+    def kv_shapes(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """Per layer ((kv heads, key dim), (kv heads, value dim)), from config.json — what the loaded
+        model's `kv_shapes()` returns (runtime/model.py), known before loading it."""
+        kv = (self.kv_heads, self.head_dim)
+        return [(kv, kv) for _ in range(self.num_layers)]
+
     def kv_bytes_per_token(self, dtype: str) -> int:
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * DTYPE_BYTES.get(dtype, 4)
+        return kv_bytes_per_token(self.kv_shapes(), DTYPE_BYTES.get(dtype, 4))
 
     @cached_property
     def weight_files(self) -> list[str]:
@@ -128,6 +134,12 @@ class ModelDir:
         on_disk = sum(os.path.getsize(f) for f in self.weight_files)
         stored = DTYPE_BYTES.get(self.stored_dtype, 4)
         return on_disk * DTYPE_BYTES.get(dtype, 4) // stored
+
+
+def kv_bytes_per_token(shapes: list[tuple[tuple[int, int], tuple[int, int]]], dtype_bytes: int) -> int:
+    """Bytes one cached token takes in a model whose layers cache keys and values of `shapes`: the one
+    formula behind preflight's capacity report and the engine's KV pool."""
+    return sum(kh * kd + vh * vd for (kh, kd), (vh, vd) in shapes) * dtype_bytes
 
 
 def load_tokenizer(path: str):

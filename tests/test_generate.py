@@ -200,7 +200,7 @@ def test_ranks_started_early_are_stopped_when_the_job_is_refused(cfg, tmp_path):
             out = []
             for p in psutil.process_iter(["cmdline"]):
                 cmd = " ".join(p.info["cmdline"] or [])
-                if "specdp-run-" in cmd and not any(d in cmd for d in runs_before):
+                if f"{tempfile.gettempdir()}/specdp-run-" in cmd and not any(d in cmd for d in runs_before):
                     out.append(cmd)
             return out
 

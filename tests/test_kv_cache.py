@@ -132,3 +132,16 @@ def test_attention_over_block_tables_padded_and_unpadded(models, runner):
     torch.testing.assert_close(wide, two, rtol=0, atol=1e-5)
     torch.testing.assert_close(two[0], ref_a, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(two[1, :2], ref_b, rtol=1e-4, atol=1e-4)
+
+
+def test_preflight_and_engine_count_kv_bytes_alike(models):
+    """One memory model: the KV bytes per token preflight reports from config.json are what the engine's
+    pool is sized with once the model is loaded."""
+    from specdp_cli.modeldir import ModelDir
+    from specdp_cli.runtime.kv_cache import kv_bytes_per_token
+
+    for role in ("target", "draft"):
+        md = ModelDir.open(str(models[role]), role)
+        model = load_model(str(models[role]), torch.float32, torch.device("cpu"), 64)
+        assert md.kv_shapes() == model.kv_shapes()
+        assert md.kv_bytes_per_token("float32") == kv_bytes_per_token(model) > 0

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..modeldir import kv_bytes_per_token as per_token_bytes
+
 TRASH_BLOCK = 0
 
 
@@ -38,9 +40,9 @@ class BlockPool:
 
 
 def kv_bytes_per_token(model) -> int:
-    """Bytes one cached token takes in every layer of `model` (keys and values)."""
-    size = torch.empty(0, dtype=model.dtype).element_size()
-    return sum(kh * kd + vh * vd for (kh, kd), (vh, vd) in model.kv_shapes()) * size
+    """Bytes one cached token takes in every layer of the loaded `model` (keys and values), by the
+    formula preflight uses too (modeldir.kv_bytes_per_token)."""
+    return per_token_bytes(model.kv_shapes(), torch.empty(0, dtype=model.dtype).element_size())
 
 
 def allocate_kv(model, num_blocks: int, block_size: int) -> None:
