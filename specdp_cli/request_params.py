@@ -45,6 +45,13 @@ def _float(key: str, v) -> float:
     return f
 
 
+def sampling_defaults(sampling, max_tokens: bool = True) -> dict:
+    """The config's `sampling` section as check_sampling's defaults; max_tokens=False leaves
+    max_tokens to the caller (the server fills it to the room the prompt leaves)."""
+    return {"max_tokens": sampling.max_tokens if max_tokens else None, "temperature": sampling.temperature,
+            "top_p": sampling.top_p, "top_k": sampling.top_k}
+
+
 def check_sampling(raw: dict, defaults: dict, max_tokens_key: str = "max_tokens") -> dict:
     """raw: the request's fields (absent or null: the default). defaults: max_tokens (may be None),
     temperature, top_p, top_k. Returns max_tokens, temperature, top_p, top_k (0 when off), seed (None

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..config import Config
 from ..prompts import PromptEncoder, PromptError
-from ..request_params import check_sampling
+from ..request_params import check_sampling, sampling_defaults
 from .fingerprint import input_hash
 
 
@@ -44,15 +44,9 @@ def id_key(value: Any) -> str:
     return json.dumps(value)
 
 
-def sampling_defaults(cfg: Config) -> dict:
-    s = cfg.sampling
-    return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-            "seed": None, "stop": []}
-
-
 def read_inputs(path: str, cfg: Config, encoder: PromptEncoder) -> list[JobRequest]:
     jsonl = path.lower().endswith((".jsonl", ".json"))
-    defaults = sampling_defaults(cfg)
+    defaults = sampling_defaults(cfg.sampling)
     M = cfg.max_model_len
     out: list[JobRequest] = []
     seen: dict[str, int] = {}
@@ -66,7 +60,6 @@ def read_inputs(path: str, cfg: Config, encoder: PromptEncoder) -> list[JobReque
             if not text.strip():
                 continue
             req = _parse_line(text, n, jsonl, defaults, encoder)
-            req.fingerprint = {"input": input_hash(req.prompt_ids, req.params, raw=text if req.error else None)}
             if req.key in seen:
                 raise InputError(f"{path}: duplicate id {req.id!r} on lines {seen[req.key]} and {n}; "
                                  f"ids must be unique (a line without id gets its line number)")
@@ -74,14 +67,14 @@ def read_inputs(path: str, cfg: Config, encoder: PromptEncoder) -> list[JobReque
             if req.error is None and len(req.prompt_ids) >= M:
                 req.error = (f"prompt has {len(req.prompt_ids)} tokens, but max_model_len is {M}: "
                              f"shorten the prompt or raise max_model_len")
-                req.fingerprint = {"input": input_hash([], {}, raw=text)}
+            req.fingerprint = {"input": input_hash(req.prompt_ids, req.params, raw=text if req.error else None)}
             out.append(req)
     return out
 
 
 def _parse_line(text: str, n: int, jsonl: bool, defaults: dict, encoder: PromptEncoder) -> JobRequest:
     if not jsonl:
-        req = JobRequest(id=n, line=n, params=dict(defaults))
+        req = JobRequest(id=n, line=n, params=check_sampling({}, defaults))     # the defaults, complete
         try:
             req.prompt_ids = encoder.encode_text(text)
         except PromptError as e:

@@ -116,8 +116,9 @@ def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, r
         except InputError as e:
             raise JobFailed(str(e)) from None
     parts = job_parts(cfg, plan)
+    job = job_hash(parts)
     for r in requests:
-        r.fingerprint["job"] = job_hash(parts)
+        r.fingerprint["job"] = job
     if overwrite:
         for path in [output, job_file(output)] + part_files(output):
             if os.path.exists(path):

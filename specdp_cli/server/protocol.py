@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from ..prompts import PromptEncoder, PromptError
-from ..request_params import ParamError, check_sampling
+from ..request_params import ParamError, check_sampling, sampling_defaults
 
 
 class APIError(Exception):
@@ -99,8 +99,7 @@ def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: st
                   "messages" if chat else "prompt")
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     try:
-        p = check_sampling(body, {"max_tokens": None, "temperature": defaults.temperature, "top_p": defaults.top_p,
-                                  "top_k": defaults.top_k}, max_tokens_key=key)
+        p = check_sampling(body, sampling_defaults(defaults, max_tokens=False), max_tokens_key=key)
     except ParamError as e:
         raise bad(str(e), e.param) from None
     max_tokens = p["max_tokens"]
