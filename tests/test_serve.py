@@ -238,8 +238,10 @@ def test_disconnect_frees_the_slot(server):
 
 def test_queue_limit_gives_429(server):
     statuses, retry = [], []
+    together = threading.Barrier(40)          # all 40 arrive at once, however slowly threads start
 
     def one():
+        together.wait(60)
         code, _, headers = server.http("POST", "/v1/completions", {"prompt": "def f(x):", "max_tokens": 80})
         statuses.append(code)
         if code == 429:
