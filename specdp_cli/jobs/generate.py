@@ -30,13 +30,16 @@ def assign_shards(requests: list[JobRequest], world: int) -> list[list[JobReques
 
 def serve_requests(engine, dp, requests: list[JobRequest], writer: PartWriter, on_result=None) -> list[dict]:
     """Run this rank's requests to the end. In lockstep every rank keeps stepping (over padding
-    batches once its own work is done) until the end-of-step vote says no rank has work left."""
+    batches once its own work is done) until a step finds no work on any rank."""
     for r in requests:
         engine.add_request(engine.make_request(r.id, r.prompt_ids, SamplingParams.from_dict(r.params), r.params.get("seed")))
     records: list[dict] = []
     fingerprints = {id_key(r.id): r.fingerprint for r in requests}
     while dp.lockstep or engine.has_work:
-        for out in engine.step():
+        outs = engine.step()
+        if outs is None:
+            break
+        for out in outs:
             if out.finished:
                 rec = success_record(out.seq, engine.output.text(out.seq))
                 rec["fingerprint"] = fingerprints[id_key(out.seq.req.id)]
@@ -44,8 +47,6 @@ def serve_requests(engine, dp, requests: list[JobRequest], writer: PartWriter, o
                 records.append(rec)
                 if on_result:
                     on_result(rec)
-        if dp.lockstep and not dp.vote(engine.has_work, engine.step_no):
-            break
     return records
 
 

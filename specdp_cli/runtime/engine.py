@@ -4,7 +4,8 @@ One step, whatever the rank holds:
   1. the scheduler picks the running sequences (with k_eff each) and prompt chunks, preempting the
      newest sequences when KV blocks run out;
   2. the step sync agrees the size of every forward of the step between the ranks (lockstep: one
-     collective; otherwise a local decision);
+     collective; otherwise a local decision). It also answers "anything left?": when no rank has
+     work the step ends there, so lockstep costs one collective per step, not a second vote;
   3. the step's per-row integers go to the device in one copy;
   4. the drafter phase runs its forwards on the device (exactly k in lockstep, also over a padding
      batch), the drafts staying on the device;
@@ -170,7 +171,8 @@ class Engine:
                            + (" (launch: " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in self.launch.items()) + ")"
                               if self.launch else "")
                            + f"; KV cache {num_blocks} blocks x {bs} tokens; {self.graphs} CUDA graphs"
-                           + (" (enforce_eager)" if cfg.enforce_eager and device.type == "cuda" else ""))
+                           + (" (enforce_eager)" if cfg.enforce_eager and device.type == "cuda" else "")
+                           + (f"; step sync over {dp.sync_transport}" if dp.lockstep else ""))
         self.counters = RankCounters()
         self.step_no = 0
 
@@ -246,9 +248,13 @@ class Engine:
             wanted = max((ke for _, ke in rows), default=0)
         return self.faults.drafter_forwards(self.dp.rank, has_draft, wanted)
 
-    def agree(self, fields: list[list[int]], step: int) -> StepSizes:
-        """Every rank's [rows, drafter forwards, verification window, wide] -> the step's sizes,
-        computed alike on every rank ("wide": prompt chunks ride in the step's forwards)."""
+    def agree(self, fields: list[list[int]], step: int) -> StepSizes | None:
+        """Every rank's [rows, drafter forwards, verification window, wide, has work, messages
+        received] -> the step's sizes, computed alike on every rank ("wide": prompt chunks ride in
+        the step's forwards); None when no rank has work and every rank has received the same
+        messages (see `server/rank.py`): the ranks stop stepping together."""
+        if not any(f[4] for f in fields) and len({f[5] for f in fields}) == 1:
+            return None
         Ks = [f[1] for f in fields]
         if len(set(Ks)) > 1:
             self.dp.out_of_step([f"step {step}, start of step: {K} drafter forward{'' if K == 1 else 's'} planned"
@@ -279,7 +285,9 @@ class Engine:
         return rows
 
     @torch.no_grad()
-    def step(self) -> list[StepOutput]:
+    def step(self, received: int = 0) -> list[StepOutput] | None:
+        """One step; None when it found no work on any rank (in lockstep: every rank returns None
+        from the same step). `received`: a server rank's count of frontend messages."""
         self.step_no += 1
         step = self.step_no
         self.dp.publish(step, "start of step")
@@ -298,8 +306,11 @@ class Engine:
         drafts = self.drafter.host_drafts(plan.decode, K)
         rows = self._rows(plan, drafts)
         wide = bool(plan.prefill) or any(len(r.d_tokens) > 2 for r in rows)
-        fields = [len(rows), K, 1 + self.k if (K or any(drafts.n)) else 1, int(wide)]
+        fields = [len(rows), K, 1 + self.k if (K or any(drafts.n)) else 1, int(wide),
+                  int(bool(rows) or self.has_work), received]
         sizes = self.agree(self.dp.sync_step(fields, step), step)
+        if sizes is None:
+            return None
 
         self.inputs.stage(rows, sizes.R_pad)
         drafter_fed = any(r.d_tokens for r in rows)

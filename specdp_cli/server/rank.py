@@ -2,11 +2,11 @@
 after every step.
 
 Waiting for work is a blocking read of this rank's inbox — no collective, no timeout, no spinning.
-With `dp_sync: always` the ranks step together while any of them has work: each step ends with the
-vote, and when it says nobody has work every rank goes back to waiting. The frontend sends every
+With `dp_sync: always` the ranks step together while any of them has work: each step's sync says
+whether some rank has, and when none has every rank goes back to waiting. The frontend sends every
 rank one message per event (the request or abort to its rank, a "wake" to the others), so every
-rank receives the same number of messages. The vote carries each rank's count, and the ranks go
-back to waiting only when the counts agree: a message that is late to one rank (its partners
+rank receives the same number of messages. The step sync carries each rank's count, and the ranks
+go back to waiting only when the counts agree: a message that is late to one rank (its partners
 already consumed theirs) is then stepped for by everyone, never by its rank alone.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def serve_rank(engine, dp, job: dict) -> None:
             conn.send(msg)
 
     shutting_down = False
-    active = False            # lockstep: stepping together until the vote says stop
+    active = False            # lockstep: stepping together until a step finds no work on any rank
     received = 0              # messages from the frontend (see the module docstring)
     while True:
         if not active and not engine.has_work:
@@ -70,18 +70,17 @@ def serve_rank(engine, dp, job: dict) -> None:
             for seq in list(engine.scheduler.running):
                 engine.abort(seq.req.id)
             break
-        if dp.lockstep:
-            active = True
-        elif not engine.has_work:
+        if not dp.lockstep and not engine.has_work:
             continue
-        outs = engine.step()
+        outs = engine.step(received)
+        active = outs is not None
+        if outs is None:
+            continue
         events = [(o.seq.req.id, o.new_tokens, o.seq.finish_reason if o.finished else None,
                    engine.output.text(o.seq) if o.finished else None,
                    _stats(o.seq) if o.finished else None) for o in outs if o.new_tokens or o.finished]
         if events:
             send(("out", events))
-        if dp.lockstep:
-            active = dp.vote(engine.has_work or bool(msgs), engine.step_no, received)
     send(("bye", dp.rank))
 
 
