@@ -5,7 +5,9 @@ Each run is the real command (accelerate-launched NCCL ranks; dp = 1 runs in-pro
 that CUDA_VISIBLE_DEVICES names (0..dp-1). Engine tok/s excludes start-up and loading; with load is
 generated tokens / wall time of the whole command; start-up = the command's wall time minus engine
 time (the summary's `startup` phases say where it went). A run listed twice runs twice (the first
-run of a session pays cold compile caches). Padding share = padding steps / steps over ranks.
+run of a session pays cold compile caches). Padding share = padding steps / steps over ranks. An engine
+phase of 256x128 lasts under a second, so single runs are noisy: list a configuration several times and
+read the medians printed at the end ("x dp1" there is against the median of the dp 1 runs).
 
 Usage: python benchmarks/dp_scaling.py --pair PAIR_DIR [--runs 1:never,1:never,2:never,2:always]
        [--requests 256] [--cuts 4] [--new 128] [--max-num-seqs 32] [--method draft_model] --work DIR --json OUT.json
@@ -13,6 +15,7 @@ Usage: python benchmarks/dp_scaling.py --pair PAIR_DIR [--runs 1:never,1:never,2
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -100,6 +103,19 @@ def main() -> None:
     for r in rows:
         ph = [*r["launch_phases"].values(), *list(r["startup"].values())[1:], r["after_engine_s"]]
         print(f"{r['run']:<12}{r['attempt']:>1} " + " ".join(f"{v:>8.2f}" for v in ph))
+    medians = {name: {k: statistics.median(r[k] for r in rows if r["run"] == name)
+                      for k in ("engine_tok_s", "startup_s")} for name in dict.fromkeys(r["run"] for r in rows)}
+    dp1 = [m["engine_tok_s"] for name, m in medians.items() if name.startswith("dp1-")]
+    print(f"medians:     {'runs':>5}{'engine tok/s':>14}{'x dp1':>8}{'start-up s':>12}")
+    for name, m in medians.items():
+        n = sum(1 for r in rows if r["run"] == name)
+        print(f"{name:<13}{n:>5}{m['engine_tok_s']:>14.1f}{m['engine_tok_s'] / dp1[0] if dp1 else 0:>8.2f}"
+              f"{m['startup_s']:>12.2f}")
+    with open(a.json) as fh:
+        doc = json.load(fh)
+    doc["medians"] = medians
+    with open(a.json, "w") as fh:
+        json.dump(doc, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -46,8 +46,8 @@ all)
   offline offline_memory --pair $P --target $W/target --requests 256 --batches 256 --methods none --max-model-len 4096 \
     --label widened-memory
   for i in $(seq 60); do kill -0 $hf 2>/dev/null || break; sleep 2; done
-  timeout 170 python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
-    --json "$out/dp_scaling.json" > /tmp/dp.log 2>&1; tail -7 /tmp/dp.log
+  timeout ${DP_TIMEOUT:-170} python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
+    --json "$out/dp_scaling.json" > /tmp/dp.log 2>&1; grep -v "^{" /tmp/dp.log | tail -28
   grep -A22 "^profile:" /tmp/offline_codepair_bs1.log | cut -c1-60,100-175
   for f in offline_codepair_bs1 offline_codepair_256 offline_codepair_eager offline_widened offline_memory; do
     grep -A8 "^method" /tmp/$f.log; done
