@@ -35,18 +35,24 @@ def serve_requests(engine, dp, requests: list[JobRequest], writer: PartWriter, o
         engine.add_request(engine.make_request(r.id, r.prompt_ids, SamplingParams.from_dict(r.params), r.params.get("seed")))
     records: list[dict] = []
     fingerprints = {id_key(r.id): r.fingerprint for r in requests}
+    finished = []            # the last step's finished sequences: recorded while the next step's device work runs
+
+    def record_finished() -> None:
+        for seq in finished:
+            rec = success_record(seq, engine.output.text(seq))
+            rec["fingerprint"] = fingerprints[id_key(seq.req.id)]
+            writer.write(rec)
+            records.append(rec)
+            if on_result:
+                on_result(rec)
+        finished.clear()
+
     while dp.lockstep or engine.has_work:
-        outs = engine.step()
+        outs = engine.step(while_device_runs=record_finished)
         if outs is None:
             break
-        for out in outs:
-            if out.finished:
-                rec = success_record(out.seq, engine.output.text(out.seq))
-                rec["fingerprint"] = fingerprints[id_key(out.seq.req.id)]
-                writer.write(rec)
-                records.append(rec)
-                if on_result:
-                    on_result(rec)
+        finished.extend(out.seq for out in outs if out.finished)
+    record_finished()
     return records
 
 

@@ -285,9 +285,12 @@ class Engine:
         return rows
 
     @torch.no_grad()
-    def step(self, received: int = 0) -> list[StepOutput] | None:
+    def step(self, received: int = 0, while_device_runs: Callable[[], None] | None = None) -> list[StepOutput] | None:
         """One step; None when it found no work on any rank (in lockstep: every rank returns None
-        from the same step). `received`: a server rank's count of frontend messages."""
+        from the same step). `received`: a server rank's count of frontend messages;
+        `while_device_runs`: host work (e.g. writing the last step's results) done while the
+        device runs this step, off the step's critical path — in lockstep, uneven host work is
+        time the other ranks wait."""
         self.step_no += 1
         step = self.step_no
         self.dp.publish(step, "start of step")
@@ -318,7 +321,10 @@ class Engine:
                           row_tensors([r.seq.req.params for r in rows], self.device, pad_to=sizes.R_pad),
                           lambda what: self.dp.publish(step, what), graphs=not self.cfg.enforce_eager,
                           drafter_runs=self.drafter.has_forward and bool(sizes.K or drafter_fed))
-        result = self._to_host(*self._run_device_step(ctx), len(rows))
+        out, n_out = self._run_device_step(ctx)
+        if while_device_runs is not None:
+            while_device_runs()
+        result = self._to_host(out, n_out, len(rows))
         drafter_padding = ctx.drafter_runs and (not drafter_fed or sizes.K > max(drafts.n, default=0))
         if not rows or drafter_padding:
             c.padding_steps += 1                  # some forward of the step ran over padding rows only
