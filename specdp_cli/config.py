@@ -11,7 +11,9 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .methods import METHODS
 
 PATH_FIELDS = (("model",), ("tokenizer",), ("chat_template",), ("speculative", "model"))
 
@@ -33,13 +35,20 @@ class _Strict(BaseModel):
 
 
 class SpeculativeConfig(_Strict):
-    method: Literal["draft_model", "ngram", "none"] = "draft_model"
+    method: str = "draft_model"                  # one of methods.METHODS
     model: Optional[str] = None
     num_speculative_tokens: int = Field(4, ge=1, le=64)
     max_model_len: Optional[int] = Field(None, ge=2)
     prompt_lookup_min: int = Field(2, ge=1)
     prompt_lookup_max: int = Field(4, ge=1)
     policy: Literal["auto", "skip", "dummy"] = "auto"
+
+    @field_validator("method")
+    @classmethod
+    def _known_method(cls, v: str) -> str:
+        if v not in METHODS:
+            raise ValueError(f"unknown method {v!r}: choose one of {', '.join(METHODS)}")
+        return v
 
     @model_validator(mode="after")
     def _lookup_range(self):

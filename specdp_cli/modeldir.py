@@ -12,6 +12,7 @@ MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
             "Qwen3ForCausalLM": "qwen3"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
 class ModelDirError(Exception):
@@ -97,7 +98,33 @@ class ModelDir:
 
     @property
     def stored_dtype(self) -> str:
+        """The weights' dtype: the tensors' own (safetensors headers) where known — a config may say
+        otherwise (the shipped EAGLE head's says float32, its tensors are bf16) — else config.json's."""
+        dtypes = {t for t, _ in self.tensor_headers.values()}
+        if len(dtypes) == 1:
+            found = SAFETENSORS_DTYPES.get(dtypes.pop())
+            if found:
+                return found
         return str(self.get("dtype") or self.get("torch_dtype") or "float32")
+
+    @cached_property
+    def tensor_headers(self) -> dict[str, tuple[str, list[int]]]:
+        """name -> (dtype, shape) of every tensor in the safetensors files (their JSON headers only;
+        empty for .bin checkpoints or unreadable files)."""
+        out: dict[str, tuple[str, list[int]]] = {}
+        for f in self.weight_files:
+            if not f.endswith(".safetensors"):
+                continue
+            try:
+                with open(f, "rb") as fh:
+                    n = int.from_bytes(fh.read(8), "little")
+                    header = json.loads(fh.read(n)) if 0 < n < (100 << 20) else {}
+            except (OSError, ValueError):
+                continue
+            for name, info in header.items():
+                if name != "__metadata__" and isinstance(info, dict):
+                    out[name] = (str(info.get("dtype")), list(info.get("shape") or []))
+        return out
 
     @property
     def num_layers(self) -> int:
@@ -170,3 +197,14 @@ def _load_tokenizer(path: str):
 def has_tokenizer_files(path: str) -> bool:
     names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
     return any(os.path.isfile(os.path.join(path, n)) for n in names)
+
+
+def eagle_layout(names) -> str | None:
+    """Which EAGLE checkpoint layout a head's tensor names follow: "eagle" (EAGLE-1: `fc` over
+    [embedding, feature], `layers.0.*` without an input norm), "eagle3" (`midlayer.*`, `d2t`), or None."""
+    names = set(names)
+    if "midlayer.self_attn.q_proj.weight" in names or "d2t" in names:
+        return "eagle3"
+    if "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names:
+        return "eagle"
+    return None

@@ -12,7 +12,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from .config import Config
-from .modeldir import ModelDir, ModelDirError, UnsupportedModel, architecture_of, has_tokenizer_files, load_tokenizer
+from .methods import METHODS
+from .modeldir import (ModelDir, ModelDirError, UnsupportedModel, architecture_of, eagle_layout, has_tokenizer_files,
+                       load_tokenizer)
 
 STATUS_ORDER = {"ok": 0, "warn": 1, "error": 2}
 ACTIVATION_RESERVE = 1 << 30             # preflight's guess at activations + CUDA graphs on a GPU
@@ -113,7 +115,8 @@ def run_preflight(cfg: Config) -> Report:
     plan = report.plan
     spec = cfg.speculative
     k = spec.num_speculative_tokens
-    uses_drafter_model = spec.method == "draft_model"
+    meth = METHODS[spec.method]
+    uses_drafter_model = meth.loads is not None
 
     # 1. files ---------------------------------------------------------------------------------
     findings: list[tuple[str, str]] = []
@@ -129,13 +132,15 @@ def run_preflight(cfg: Config) -> Report:
         findings.append(("error", f"{e}."))
     if uses_drafter_model:
         try:
-            drafter = ModelDir.open(spec.model or "", "drafter (speculative.model)")
+            drafter = ModelDir.open(spec.model or "", f"{meth.loads} (speculative.model)")
             if not drafter.weight_files:
-                findings.append(("error", f"drafter directory {drafter.path} has no weights."))
-            else:
+                findings.append(("error", f"{meth.loads} directory {drafter.path} has no weights."))
+            elif meth.separate_lm:
                 findings.append(_supported("drafter", drafter))
+            else:
+                findings.extend(_eagle_head(target, drafter))
         except ModelDirError as e:
-            hint = " (method draft_model needs it; or use method: ngram)" if not spec.model else ""
+            hint = f" (method {spec.method} needs it; or use method: ngram)" if not spec.model else ""
             findings.append(("error", f"{e}{hint}."))
     elif spec.model:
         findings.append(("warn", f"speculative.model is set but method is {spec.method}: it is not used."))
@@ -144,7 +149,7 @@ def run_preflight(cfg: Config) -> Report:
         findings.append(("ok", f"tokenizer loads ({len(tokenizer)} tokens)."))
     except ModelDirError as e:
         findings.append(("error", f"{e}."))
-    if drafter is not None and has_tokenizer_files(drafter.path) and cfg.tokenizer is None:
+    if drafter is not None and meth.separate_lm and has_tokenizer_files(drafter.path) and cfg.tokenizer is None:
         try:
             drafter_tokenizer = load_tokenizer(drafter.path)
         except ModelDirError as e:
@@ -162,7 +167,7 @@ def run_preflight(cfg: Config) -> Report:
         report.add("lengths", _lengths(cfg, plan, target, drafter))
 
     # 3. vocab -----------------------------------------------------------------------------------
-    if uses_drafter_model and target is not None and drafter is not None:
+    if meth.separate_lm and target is not None and drafter is not None:
         report.add("vocab", _vocab(target, drafter, tokenizer, drafter_tokenizer))
 
     report.add("parallel", parallel_findings)
@@ -185,6 +190,34 @@ def run_preflight(cfg: Config) -> Report:
         report.add("scheduler", [("ok", f"max_num_seqs {s.max_num_seqs}, max_num_batched_tokens "
                                         f"{s.max_num_batched_tokens} (prompts longer than that are prefilled in chunks).")])
     return report
+
+
+def _eagle_head(target: ModelDir | None, head: ModelDir) -> list[tuple[str, str]]:
+    """An EAGLE head directory: its layout (from the tensor names) and that it fits the target."""
+    names = head.tensor_headers
+    if not names:
+        return [("error", f"EAGLE head {head.path}: no safetensors weights to read its layout from.")]
+    layout = eagle_layout(names)
+    if layout == "eagle3":
+        return [("error", f"EAGLE head {head.path} has the EAGLE-3 layout (midlayer.*, d2t); specdp runs "
+                          f"EAGLE-1 heads (fc, layers.0.*) so far: use an EAGLE-1 head, or method draft_model.")]
+    if layout is None:
+        return [("error", f"{head.path} is not an EAGLE head: an EAGLE-1 head holds fc.weight [h, 2h], fc.bias and "
+                          f"one decoder layer layers.0.* (without input_layernorm).")]
+    h = head.get("hidden_size")
+    fc = names["fc.weight"][1]
+    out = []
+    if len(fc) != 2 or fc[1] != 2 * fc[0] or (h and fc[0] != h):
+        out.append(("error", f"EAGLE head {head.path}: fc.weight has shape {fc}, expected [hidden, 2 x hidden] with "
+                             f"hidden = {h}."))
+    th = target.get("hidden_size") if target is not None else None
+    if th and h and th != h:
+        out.append(("error", f"EAGLE head {head.path} has hidden_size {h} but the target's is {th}: the head reads "
+                             f"the target's hidden states, so it must be trained for this target."))
+    if not out:
+        out.append(("ok", f"EAGLE head {head.path} (EAGLE-1 layout, {head.stored_dtype} tensors; it uses the "
+                          f"target's embedding and LM head)."))
+    return out
 
 
 def _supported(role: str, md: ModelDir) -> tuple[str, str]:
@@ -315,7 +348,7 @@ def _policy(cfg: Config, plan: Plan) -> list[tuple[str, str]]:
         plan.policy = None
         return [("ok", "method none: no drafter, no policy.")]
     dp = cfg.parallel.data_parallel_size
-    drafter_forward = spec.method == "draft_model"
+    drafter_forward = METHODS[spec.method].forward
     need_dummy = dp > 1 and plan.dp_sync == "always" and drafter_forward
     if spec.policy == "auto":
         plan.policy = "dummy" if need_dummy else "skip"

@@ -112,3 +112,59 @@ def set_eos(model_dir: Path, eos: int) -> None:
 def cpu_threads() -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def make_eagle_head(path: Path, target_dir: Path, seed: int = 3, perfect: bool = False) -> Path:
+    """An EAGLE-1 head directory for `target_dir` (the published layout: fc, layers.0.* without an
+    input norm, a Llama config.json; bf16 tensors under a config that says float32, as the shipped
+    head has). Random weights, or with `perfect` a head that predicts a `bigram_target` exactly: it
+    passes the next token's embedding through (fc = [I / sqrt(1 + eps) | 0]) and its attention and
+    MLP add nothing, so its feature is the target's next hidden state."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    h, heads, kvh = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd, eps = h // heads, cfg["rms_norm_eps"]
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=g) * 0.1
+
+    w = {"fc.weight": r(h, 2 * h), "fc.bias": r(h),
+         "layers.0.self_attn.q_proj.weight": r(heads * hd, h), "layers.0.self_attn.k_proj.weight": r(kvh * hd, h),
+         "layers.0.self_attn.v_proj.weight": r(kvh * hd, h), "layers.0.self_attn.o_proj.weight": r(h, heads * hd),
+         "layers.0.mlp.gate_proj.weight": r(2 * h, h), "layers.0.mlp.up_proj.weight": r(2 * h, h),
+         "layers.0.mlp.down_proj.weight": r(h, 2 * h), "layers.0.post_attention_layernorm.weight": 1 + r(h)}
+    if perfect:
+        w["fc.weight"] = torch.cat([torch.eye(h) / (1 + eps) ** 0.5, torch.zeros(h, h)], 1)
+        w["fc.bias"] = torch.zeros(h)
+        w["layers.0.self_attn.o_proj.weight"] = torch.zeros(h, heads * hd)
+        w["layers.0.mlp.down_proj.weight"] = torch.zeros(h, 2 * h)
+    dtype = torch.float32 if perfect else torch.bfloat16
+    save_file({k: v.to(dtype).contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+    head_cfg = {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                                    "max_position_embeddings", "vocab_size")}
+    head_cfg.update(architectures=["EagleLlamaForCausalLM"], model_type="llama", num_hidden_layers=1,
+                    intermediate_size=2 * h, dtype="float32")
+    (path / "config.json").write_text(json.dumps(head_cfg))
+    return path
+
+
+def bigram_target(path: Path, tokenizer_dir: Path, seed: int = 1) -> Path:
+    """A target whose next token depends on the current token alone: attention and MLP outputs are
+    zero and every embedding row has RMS 1, so its last hidden state is its token's embedding
+    (after the final norm) — what `make_eagle_head(perfect=True)` predicts."""
+    from safetensors.torch import load_file, save_file
+
+    path = make_model_dir(path, tokenizer_dir, layers=2, seed=seed)
+    f = next(Path(path).glob("*.safetensors"))
+    sd = load_file(str(f))
+    for k in list(sd):
+        if k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
+            sd[k] = torch.zeros_like(sd[k])
+    e = sd["model.embed_tokens.weight"]
+    sd["model.embed_tokens.weight"] = e / e.pow(2).mean(-1, keepdim=True).sqrt()
+    save_file(sd, str(f), metadata={"format": "pt"})
+    return path

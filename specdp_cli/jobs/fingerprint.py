@@ -15,6 +15,7 @@ import json
 import os
 
 from ..config import Config
+from ..methods import METHODS
 from ..preflight import Plan
 
 def _hash(obj) -> str:
@@ -50,7 +51,7 @@ def job_parts(cfg: Config, plan: Plan) -> dict[str, str]:
     if spec.method == "ngram":
         decoding["ngram"] = [spec.prompt_lookup_min, spec.prompt_lookup_max]
     return {"target model": _dir_id(cfg.model),
-            "drafter": _dir_id(spec.model) if spec.method == "draft_model" else "none",
+            "drafter": _dir_id(spec.model) if METHODS[spec.method].loads else "none",
             "tokenizer": _dir_id(cfg.tokenizer_path),
             "decoding settings": _hash(decoding)}
 

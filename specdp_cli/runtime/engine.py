@@ -28,10 +28,13 @@ from typing import Callable
 import torch
 
 from ..config import Config
+from ..methods import METHODS
 from ..preflight import Plan
 from .drafters.base import Drafter, Drafts, NoDrafter
 from .drafters.draft_model import ModelDrafter
+from .drafters.eagle import EagleDrafter
 from .drafters.ngram import NgramDrafter
+from .eagle_model import load_eagle_head
 from .faults import EXIT_STATUS, Faults
 from .kv_cache import BlockPool, allocate_kv, kv_bytes_per_token
 from .model import load_model
@@ -110,17 +113,20 @@ class Engine:
         self.faults = faults or Faults()
         self.on_fault_exit = on_fault_exit or _exit_process
         spec = cfg.speculative
+        meth = METHODS[spec.method]
         self.k = spec.num_speculative_tokens if spec.method != "none" else 0
+        lookahead = self.k - 1 if meth.after_verify else 0     # positions an EAGLE head writes past the verified ones
         self.M = cfg.max_model_len
         self.D = plan.drafter_max_model_len or self.M
         self.output = OutputProcessor(cfg.tokenizer_path, cfg.model)
         dtype = DTYPES[plan.dtype]
 
         # rotary tables reach past M: a padding row of a drafter forward may sit up to k positions beyond
-        positions = self.M + self.k + 2
+        positions = self.M + self.k + lookahead + 2
         target = load_model(cfg.model, dtype, device, positions)
-        draft = load_model(spec.model, dtype, device, positions) if spec.method == "draft_model" else None
-        models = [m for m in (target, draft) if m is not None]
+        draft = load_model(spec.model, dtype, device, positions) if meth.separate_lm else None
+        head = load_eagle_head(spec.model, target, dtype, device, positions) if meth.after_verify else None
+        models = [m for m in (target, draft, head) if m is not None]
         t_loaded = time.time()
 
         bs = cfg.cache.block_size
@@ -129,21 +135,26 @@ class Engine:
         self.decode_sizes = capture_sizes(n_seqs)               # rows of a decode step
         self.row_sizes = capture_sizes(n_seqs + CHUNK_ROWS)     # rows of a step with prompt chunks too
         max_rows = self.row_sizes[-1]
-        max_blocks = -(-(self.M + self.k + 1) // bs)
+        max_blocks = -(-(self.M + self.k + 1 + lookahead) // bs)
         for m in models:
             allocate_kv(m, 1, bs)                    # a trash block only, until the pool is sized
         self.inputs = StepInputs(max_rows, self.T_chunk, max_blocks, device)
         self.target = ModelRunner(target, device, self.inputs.block_table, bs, max_rows,
-                                  [1, self.k + 1, self.T_chunk], window=self.k + 1)
+                                  [1, self.k + 1, self.T_chunk], window=self.k + 1,
+                                  keep_hidden="all" if head is not None else None)
         self.drafter: Drafter
         if draft is not None:
             runner = ModelRunner(draft, device, self.inputs.block_table, bs, max_rows, [1, 2, self.T_chunk], window=1)
             self.drafter = ModelDrafter(runner, self.D, self.k)
+        elif head is not None:
+            runner = ModelRunner(head, device, self.inputs.block_table, bs, max_rows, [1, self.k + 1, self.T_chunk],
+                                 window=1, keep_hidden="window")
+            self.drafter = EagleDrafter(runner, self.target, self.k)
         elif spec.method == "ngram":
             self.drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
             self.drafter = NoDrafter()
-        self.runners = [self.target] + ([self.drafter.runner] if draft is not None else [])
+        self.runners = [self.target] + ([self.drafter.runner] if self.drafter.has_forward else [])
         num_blocks = self._num_blocks(models)
         for m in models:
             allocate_kv(m, num_blocks, bs)
@@ -164,7 +175,7 @@ class Engine:
                         "load_s": t_loaded - t_begin, "kv_alloc_s": t_kv - t_loaded,
                         "capture_s": t_captured - t_kv}
         self.scheduler = Scheduler(self.pool, n_seqs, cfg.scheduler.max_num_batched_tokens, self.k, self.M, self.D,
-                                   max_rows=max_rows, row_tokens=self.T_chunk)
+                                   max_rows=max_rows, row_tokens=self.T_chunk, lookahead=lookahead)
         self.launch = launch or {}
         self.ready_line = (f"rank {dp.rank} ready in {t_captured - (started_at or t_begin):.1f} s: "
                            + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in self.startup.items())
@@ -235,15 +246,18 @@ class Engine:
 
     # -- the step -----------------------------------------------------------------------------------
 
-    def drafter_forwards(self, rows: list[tuple[Sequence, int]]) -> int:
+    def drafter_forwards(self, rows: list[tuple[Sequence, int]], any_rows: bool) -> int:
         """How many drafter forwards this step runs: exactly k in lockstep (the padding batch
         included), k over a padding batch under policy dummy, otherwise as many as the longest
-        draft needs, and none when there is nothing to draft under policy skip."""
+        draft needs, and none when there is nothing to draft under policy skip. A drafter that
+        proposes after verification drafts for the next step of every row: k whenever there are rows."""
         if not self.drafter.has_forward:
             return 0
-        has_draft = bool(rows)
+        has_draft = any_rows if self.drafter.after_verify else bool(rows)
         if self.plan.lockstep or (not has_draft and self.plan.policy == "dummy"):
             wanted = self.k
+        elif self.drafter.after_verify:
+            wanted = self.k if has_draft else 0
         else:
             wanted = max((ke for _, ke in rows), default=0)
         return self.faults.drafter_forwards(self.dp.rank, has_draft, wanted)
@@ -281,7 +295,8 @@ class Engine:
                 toks = s.tokens[a:b]
                 rows.append(RowSpec(s, start=a, tokens=toks, n_real=b - a, out_start=b - a - 1, first_pos=b,
                                     d_start=a, d_tokens=tuple(toks) if pre else (),
-                                    done=b == end == s.prefill_len and s.samples_after_prefill))
+                                    done=b == end == s.prefill_len and s.samples_after_prefill,
+                                    next_token=s.tokens[b] if b < s.L else -2))
         return rows
 
     @torch.no_grad()
@@ -303,7 +318,7 @@ class Engine:
         plan = self.scheduler.schedule()
         c.preemptions += plan.preempted
         drafting = [(s, ke) for s, ke in plan.decode if ke >= 1]
-        K = self.drafter_forwards(drafting)
+        K = self.drafter_forwards(drafting, bool(plan.decode or plan.prefill))
         if self.drafter.has_forward and not drafting and K == 0:
             c.skipped_drafter_steps += 1
         drafts = self.drafter.host_drafts(plan.decode, K)
@@ -321,11 +336,15 @@ class Engine:
                           row_tensors([r.seq.req.params for r in rows], self.device, pad_to=sizes.R_pad),
                           lambda what: self.dp.publish(step, what), graphs=not self.cfg.enforce_eager,
                           drafter_runs=self.drafter.has_forward and bool(sizes.K or drafter_fed))
-        out, n_out = self._run_device_step(ctx)
+        out, n_out, proposed = self._run_device_step(ctx)
         if while_device_runs is not None:
             while_device_runs()
-        result = self._to_host(out, n_out, len(rows))
-        drafter_padding = ctx.drafter_runs and (not drafter_fed or sizes.K > max(drafts.n, default=0))
+        result = self._to_host(out, n_out, proposed, len(rows))
+        W = out.shape[1]
+        if self.drafter.after_verify:
+            drafter_padding = ctx.drafter_runs and not rows
+        else:
+            drafter_padding = ctx.drafter_runs and (not drafter_fed or sizes.K > max(drafts.n, default=0))
         if not rows or drafter_padding:
             c.padding_steps += 1                  # some forward of the step ran over padding rows only
         self.drafter.after_step(ctx)
@@ -333,8 +352,12 @@ class Engine:
         for s, _start, end in plan.prefill:
             s.target_len = end
         n_decode = len(plan.decode)
-        outputs = [self._accept(row.seq, row.n_drafts, [int(t) for t in res[:res[-1]]])
-                   for i, (row, res) in enumerate(zip(rows, result)) if i < n_decode or row.done]
+        outputs = []
+        for i, (row, res) in enumerate(zip(rows, result)):
+            if i < n_decode or row.done:
+                outputs.append(self._accept(row.seq, row.n_drafts, [int(t) for t in res[:res[W]]]))
+                if proposed is not None:
+                    row.seq.next_drafts = [int(t) for t in res[W + 1:]]
         for out in outputs:
             if out.finished:
                 c.spec.merge(out.seq.stats)
@@ -343,7 +366,7 @@ class Engine:
         c.last_step_t = time.time()
         return outputs
 
-    def _run_device_step(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_device_step(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """An all-greedy step of a kind captured at start-up replays one CUDA graph of its whole
         device work; any other step runs its forwards' graphs one by one."""
         sz = ctx.sizes
@@ -362,7 +385,8 @@ class Engine:
         dec, wide = self.decode_sizes, self.row_sizes
         if self.drafter.has_forward:
             kinds = [(dec, StepSizes(0, k, k + 1, k + 1, 2), True), (wide, StepSizes(0, k, k + 1, Tc, Tc), True)]
-            if not self.plan.lockstep and self.plan.policy == "skip":    # prompt chunks with nothing to draft
+            if not self.plan.lockstep and self.plan.policy == "skip" and not self.drafter.after_verify:
+                # prompt chunks with nothing to draft (a drafter proposing after verification drafts for every row)
                 kinds.append((wide, StepSizes(0, 0, 1, Tc, Tc), True))
             return kinds
         windows = [1, k + 1] if k else [1]         # ngram: a step drafts or it does not
@@ -386,13 +410,14 @@ class Engine:
                     outputs = self._device_step(ctx)
                 self.step_graphs[(R, sz.K, sz.T_dec, sz.T, sz.T1, runs)] = (g, outputs)
 
-    def _device_step(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step on the device: the drafter's forwards, the target's, verification. Reads only the
-        staged inputs; returns (tokens [R_pad, T_dec], how many of them each row emits [R_pad])."""
+    def _device_step(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The step on the device: the drafter's forwards, the target's, verification (an EAGLE head
+        proposes after it). Reads only the staged inputs; returns (tokens [R_pad, T_dec], how many
+        of them each row emits [R_pad], the next step's drafts [R_pad, K] or None)."""
         sz, inp, t = ctx.sizes, ctx.inputs, self.target
         R, T, W = sz.R_pad, sz.T, sz.T_dec
         drafts = probs = None
-        if ctx.drafter_runs:
+        if ctx.drafter_runs and not self.drafter.after_verify:
             drafts, probs = self.drafter.propose(ctx)
         ctx.publish("target forward")
         n = inp.col(NDRAFT, R)
@@ -401,12 +426,16 @@ class Engine:
         if drafts is not None and W > 1:
             ids[:, 1:W] = torch.where(n.view(R, 1) > 0, drafts, ids[:, 1:W])
         logits = t.forward(R, T, ctx.graphs)
-        return verify(logits[:, :W], ids[:, 1:W], n, probs, ctx.rt, inp.col(FIRST, R))
+        out, n_out = verify(logits[:, :W], ids[:, 1:W], n, probs, ctx.rt, inp.col(FIRST, R))
+        proposed = self.drafter.propose_after(ctx, out, n_out) if ctx.drafter_runs and self.drafter.after_verify else None
+        return out, n_out, proposed
 
     @staticmethod
-    def _to_host(out: torch.Tensor, n_out: torch.Tensor, n: int):
-        """The step's one device-to-host copy: each row's tokens and how many of them count."""
-        return torch.cat([out[:n], n_out[:n].view(-1, 1)], 1).cpu().numpy()
+    def _to_host(out: torch.Tensor, n_out: torch.Tensor, proposed: torch.Tensor | None, n: int):
+        """The step's one device-to-host copy: each row's tokens, how many of them count, and the
+        drafts proposed for its next step (EAGLE)."""
+        cols = [out[:n], n_out[:n].view(-1, 1)] + ([proposed[:n]] if proposed is not None else [])
+        return torch.cat(cols, 1).cpu().numpy()
 
     def _accept(self, s: Sequence, n_drafts: int, new: list[int]) -> StepOutput:
         old_len = s.L

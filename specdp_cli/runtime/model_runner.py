@@ -45,7 +45,10 @@ def pad_rows(n: int, sizes: list[int]) -> int:
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, block_table: torch.Tensor, block_size: int,
-                 max_rows: int, t_values: list[int], window: int):
+                 max_rows: int, t_values: list[int], window: int, keep_hidden: str | None = None):
+        """keep_hidden: "all" keeps every token's final hidden state in `hidden` [R * T, h] (the target,
+        for an EAGLE head), "window" those of the logits window [R * window, h] (an EAGLE head, whose
+        predicted feature feeds its next forward)."""
         self.model = model
         self.device = device
         self.block_table = block_table            # [rows, max_blocks] int32, shared with the other runner
@@ -60,6 +63,9 @@ class ModelRunner:
         self._t = torch.arange(T, device=device)
         self._rows = torch.arange(max_rows, device=device)
         self.logits_out = torch.zeros((max_rows * window, model.vocab_size), dtype=torch.float32, device=device)
+        self.keep_hidden = keep_hidden
+        rows_kept = {"all": max_rows * T, "window": max_rows * window}.get(keep_hidden or "", 0)
+        self.hidden = torch.zeros((rows_kept, model.embed.shape[1]), dtype=model.dtype, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     def set_rows(self, R: int, ids=None, start=None, n_real=None, out_start=None) -> None:
@@ -91,9 +97,13 @@ class ModelRunner:
         slots = torch.where(t < n_real, blk * BS + pos % BS, TRASH_BLOCK * BS)
         meta = AttnMeta(pos.view(-1), slots.view(-1), bt, T)
         hidden = self.model.forward(self.ids[:R * T], meta)
+        if self.keep_hidden == "all":
+            self.hidden[:R * T].copy_(hidden)
         W = self.window
         cols = (self.out_start[:R].view(R, 1) + self._t[:W].view(1, W)).clamp(max=T - 1)
         hidden = hidden[(self._rows[:R].view(R, 1) * T + cols).view(-1)]
+        if self.keep_hidden == "window":
+            self.hidden[:R * W].copy_(hidden)
         out = self.logits_out[:R * W]
         out.copy_(self.model.logits(hidden))
         return out.view(R, W, -1)

@@ -69,6 +69,7 @@ class Sequence:
         self.prefill_len = self.num_prompt   # tokens to prefill: the prompt, or all but the last after a preemption
         self.target_len = 0          # positions held in the target's KV cache
         self.draft_len = 0           # positions held in the drafter's KV cache
+        self.next_drafts: list[int] = []   # drafts proposed after the last verification (EAGLE), for the next step
         self.finish_reason: str | None = None
         self.stop_text_end: int | None = None   # where a matched stop string starts in the text
         self.stats = SpecStats()
@@ -109,7 +110,7 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_batched_tokens: int, k: int,
-                 max_model_len: int, D: int, max_rows: int | None = None, row_tokens: int = 1):
+                 max_model_len: int, D: int, max_rows: int | None = None, row_tokens: int = 1, lookahead: int = 0):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -118,6 +119,7 @@ class Scheduler:
         self.max_rows = max_rows if max_rows is not None else max_num_seqs + max_batched_tokens
         self.row_tokens = row_tokens
         self.k, self.M, self.D = k, max_model_len, D
+        self.lookahead = lookahead           # positions past a step's tokens its drafter writes (EAGLE: k - 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # admission order: the last is the newest
 
@@ -132,7 +134,7 @@ class Scheduler:
         preempted = self._grow_running()
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = self.pool.blocks_for(seq.prefill_len)
+            need = self.pool.blocks_for(seq.prefill_len + self.lookahead)
             if need > self.pool.num_free:
                 break
             self.waiting.popleft()
@@ -157,7 +159,8 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             s = self.running[i]
-            need = 0 if s.in_prefill else self.pool.blocks_for(s.L + s.k_eff(self.k, self.D)) - len(s.blocks)
+            need = 0 if s.in_prefill else (self.pool.blocks_for(s.L + s.k_eff(self.k, self.D) + self.lookahead)
+                                           - len(s.blocks))
             while need > self.pool.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -173,6 +176,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.remove(seq)
         seq.target_len = seq.draft_len = 0
+        seq.next_drafts = []
         seq.prefill_len = seq.L - 1 if seq.L > seq.num_prompt else seq.num_prompt
         seq.preemptions += 1
         self.waiting.appendleft(seq)

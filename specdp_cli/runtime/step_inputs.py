@@ -15,7 +15,8 @@ import torch
 from .scheduler import Sequence
 
 # columns: target token ids [T_MAX], drafter token ids [T_MAX], then one integer each
-START, NREAL, OUT, DSTART, DNREAL, DOUT, LEN, NDRAFT, FIRST = range(9)
+START, NREAL, OUT, DSTART, DNREAL, DOUT, LEN, NDRAFT, FIRST, NEXT = range(10)
+N_INTS = 10
 
 
 @dataclass
@@ -30,6 +31,8 @@ class RowSpec:
     d_start: int = 0              # the drafter's first forward: its tokens and their first position
     d_tokens: tuple = ()
     done: bool = False            # a row ending a prompt: it draws the sequence's next token
+    next_token: int = -1          # the token after a prompt row's last one: known (>= 0), drawn this step (-2);
+                                  # -1 for a decode row (an EAGLE head's inputs are the tokens shifted by one)
 
 
 class StepInputs:
@@ -37,7 +40,7 @@ class StepInputs:
         pin = device.type == "cuda"
         self.t_max = t_max
         self.tids, self.dids, self.ints = 0, t_max, 2 * t_max
-        cols = 2 * t_max + 9
+        cols = 2 * t_max + N_INTS
         self.host = torch.zeros((max_rows, cols), dtype=torch.long, pin_memory=pin)
         self.dev = torch.zeros((max_rows, cols), dtype=torch.long, device=device)
         self.bt_host = torch.zeros((max_rows, max_blocks), dtype=torch.int32, pin_memory=pin)
@@ -59,8 +62,9 @@ class StepInputs:
             d_width = max(len(r.d_tokens) for r in rows)
             if d_width:
                 h[:n, self.dids:self.dids + d_width] = _padded([r.d_tokens for r in rows], d_width)
-            h[:n, o:o + 9] = [(r.start, r.n_real, r.out_start, r.d_start, len(r.d_tokens), max(len(r.d_tokens) - 1, 0),
-                               r.seq.L, r.n_drafts, r.first_pos) for r in rows]
+            h[:n, o:o + N_INTS] = [(r.start, r.n_real, r.out_start, r.d_start, len(r.d_tokens),
+                                    max(len(r.d_tokens) - 1, 0), r.seq.L, r.n_drafts, r.first_pos, r.next_token)
+                                   for r in rows]
             blocks = [r.seq.blocks for r in rows]
             nb = max(map(len, blocks))
             if nb:

@@ -24,6 +24,7 @@ class Drafts:
 
 class Drafter:
     has_forward = False
+    after_verify = False      # proposes the next step's drafts after verification (`propose_after`)
 
     def host_drafts(self, rows: list[tuple[Sequence, int]], n_forwards: int) -> Drafts:
         """rows: (sequence, k_eff) of every decode row; n_forwards: the drafter forwards of this step."""
@@ -40,6 +41,11 @@ class Drafter:
     def propose(self, ctx) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """On the device: (drafts [R_pad, T_dec - 1], the distributions drawn from or None)."""
         return None, None
+
+    def propose_after(self, ctx, tokens: torch.Tensor, n_out: torch.Tensor) -> torch.Tensor:
+        """On the device, after verification (tokens [R_pad, W] and n_out [R_pad] emitted): the next
+        step's drafts [R_pad, K] of every row."""
+        raise NotImplementedError
 
     def after_step(self, ctx) -> None:
         """Host bookkeeping once the step's forwards are issued."""

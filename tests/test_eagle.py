@@ -1,0 +1,176 @@
+"""method: eagle (EAGLE-1 heads): the head computes what the published head computes, greedy float32
+output equals target-only output token for token (prompts crossing D and M), a head that predicts
+the target exactly has every draft accepted, seeded sampling does not depend on the batch, dp 2 in
+lockstep equals dp 1, a dummy step that skips forwards is caught, and preflight reads the layout."""
+import json
+
+import pytest
+import torch
+
+from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, run_in_process, same_tokens, write_jsonl
+from engine_util import hf_reference, make_config, make_engine, prompts_of_lengths, run_engine
+from helpers import bigram_target, make_eagle_head
+
+LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]      # M = 64: the longest prompts reach M within a few tokens
+
+
+@pytest.fixture(scope="module")
+def eagle(tmp_path_factory, models):
+    root = tmp_path_factory.mktemp("eagle")
+    bigram = bigram_target(root / "bigram", models["tokenizer"])
+    return {"head": make_eagle_head(root / "head", models["target"]),
+            "bigram": bigram, "perfect": make_eagle_head(root / "perfect", bigram, perfect=True)}
+
+
+def check_against_reference(target, done, prompts, max_tokens, M):
+    for i, p in enumerate(prompts):
+        ref = hf_reference(target, p, min(max_tokens, M - len(p)))
+        assert done[i].generated == ref, f"prompt {i} (length {len(p)}): {done[i].generated} != {ref}"
+
+
+def test_head_forward_equals_the_published_head(models, eagle):
+    """specdp's head over paged KV = fc + a Llama decoder layer without its input norm (RoPE at the
+    feature's position), as EAGLE-1 trains it."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    from specdp_cli.runtime.eagle_model import load_eagle_head
+    from specdp_cli.runtime.kv_cache import allocate_kv
+    from specdp_cli.runtime.model import load_model
+    from specdp_cli.runtime.model_runner import ModelRunner
+
+    cpu, N, bs = torch.device("cpu"), 21, 4
+    target = load_model(str(models["target"]), torch.float32, cpu, 64)
+    head = load_eagle_head(str(eagle["head"]), target, torch.float32, cpu, 64)
+    allocate_kv(head, 16, bs)
+    table = torch.zeros((1, 8), dtype=torch.int32)
+    table[0, :6] = torch.arange(1, 7)
+    runner = ModelRunner(head, cpu, table, bs, 1, [N], window=N, keep_hidden="window")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, head.vocab_size, (N,), generator=g)
+    feats = torch.randn(N, head.embed.shape[1], generator=g)
+    head.feats = feats
+    runner.set_rows(1, ids.view(1, N), torch.zeros(1, dtype=torch.long), torch.full((1,), N), torch.zeros(1, dtype=torch.long))
+    ours = runner.forward(1, N, graphs=False)
+    ours_hidden = runner.hidden[:N]
+
+    w = {k: v.float() for k, v in load_file(str(eagle["head"] / "model.safetensors")).items()}
+    cfg = LlamaConfig(**{k: v for k, v in json.loads((eagle["head"] / "config.json").read_text()).items()
+                         if k not in ("architectures", "model_type")})
+    layer = LlamaDecoderLayer(cfg, layer_idx=0)
+    layer.input_layernorm = torch.nn.Identity()
+    layer.load_state_dict({k[len("layers.0."):]: v for k, v in w.items() if k.startswith("layers.0.")}, strict=False)
+    x = torch.nn.functional.linear(torch.cat([torch.nn.functional.embedding(ids, target.embed), feats], -1),
+                                   w["fc.weight"], w["fc.bias"])[None]
+    pos = torch.arange(N)[None]
+    mask = torch.full((N, N), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        ref = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=LlamaRotaryEmbedding(cfg)(x, pos))
+    ref = (ref[0] if isinstance(ref, tuple) else ref)[0]
+    torch.testing.assert_close(ours_hidden, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours[0], torch.nn.functional.linear(ref, target.lm_head), rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_equals_target_only(models, eagle):
+    M = 64
+    cfg, plan = make_config(models["target"], eagle["head"], method="eagle", k=3, M=M, max_num_seqs=4, max_batched=24)
+    engine = make_engine(cfg, plan)
+    prompts = prompts_of_lengths(LENGTHS)
+    done = run_engine(engine, prompts, max_tokens=30)
+    check_against_reference(models["target"], done, prompts, 30, M)
+    assert engine.counters.spec.num_drafts > 0
+    assert max(LENGTHS) > 24                   # the longest prompts were prefilled in chunks
+
+
+def test_greedy_with_head_limit_below_M(models, eagle):
+    M, D, k = 64, 40, 3
+    cfg, plan = make_config(models["target"], eagle["head"], method="eagle", k=k, M=M, D=D, max_num_seqs=3)
+    assert plan.drafter_max_model_len == D and plan.no_draft_window == [D - k + 1, M - 1]
+    engine = make_engine(cfg, plan)
+    prompts = prompts_of_lengths([5, 20, 30, 36, 37, 45, 60, 12], seed=1)
+    done = run_engine(engine, prompts, max_tokens=40)
+    check_against_reference(models["target"], done, prompts, 40, M)
+
+
+def test_a_head_that_predicts_the_target_has_every_draft_accepted(models, eagle):
+    M = 64
+    cfg, plan = make_config(eagle["bigram"], eagle["perfect"], method="eagle", k=3, M=M, max_num_seqs=4, max_batched=24)
+    engine = make_engine(cfg, plan)
+    prompts = prompts_of_lengths(LENGTHS, seed=3)
+    done = run_engine(engine, prompts, max_tokens=30)
+    check_against_reference(eagle["bigram"], done, prompts, 30, M)
+    s = engine.counters.spec
+    assert s.num_draft_tokens > 50 and s.num_accepted_tokens == s.num_draft_tokens
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(models, eagle):
+    prompts = prompts_of_lengths([5, 10, 15, 20, 25], seed=5)
+    params = dict(temperature=0.9, top_p=0.95, top_k=50)
+    cfg, plan = make_config(eagle["bigram"], eagle["perfect"], method="eagle", k=3, M=64, max_num_seqs=4)
+    a = run_engine(make_engine(cfg, plan), prompts, max_tokens=20, seed=7, **params)
+    cfg1, plan1 = make_config(eagle["bigram"], eagle["perfect"], method="eagle", k=3, M=64, max_num_seqs=1)
+    b = run_engine(make_engine(cfg1, plan1), prompts, max_tokens=20, seed=7, **params)
+    assert [a[i].generated for i in a] == [b[i].generated for i in a]
+    c = run_engine(make_engine(cfg, plan), prompts, max_tokens=20, seed=8, **params)
+    assert [a[i].generated for i in a] != [c[i].generated for i in a]
+
+
+@pytest.mark.timeout(HARD_TIMEOUT_S * 2)
+def test_lockstep_dp2_equals_dp1_and_a_short_dummy_step_is_caught(tmp_path, models, eagle):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(models["tokenizer"]))
+    rows = [{"id": f"r{i}", "prompt": tok.decode(p), "max_tokens": mt}
+            for i, (p, mt) in enumerate(zip(prompts_of_lengths([30, 4, 7, 10, 13], seed=22), [30, 2, 9, 16, 5]))]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    cfg = dp_config(tmp_path, models["target"], eagle["head"], dp=2, dp_sync="always", method="eagle", k=3,
+                    M=64, D=40, check=True)
+    run_in_process(cfg, inp, tmp_path / "ref.jsonl")
+    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
+                   tmp_path / "s.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
+    ranks = json.load(open(tmp_path / "s.json"))["ranks"]
+    assert len({x["steps"] for x in ranks}) == 1 and any(x["padding_steps"] > 0 for x in ranks)
+
+    cfg = dp_config(tmp_path, models["target"], eagle["head"], dp=2, dp_sync="always", method="eagle", k=3,
+                    M=64, name="fault.yaml", timeout_s=60)
+    r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "f.jsonl",
+                      env={"SPECDP_FAULT": "single-dummy-forward:0"})   # rank 0 idles at the end
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "out of step" in r.stderr and "rank 0 at step" in r.stderr and "drafter forward" in r.stderr, r.stderr
+    assert secs < 60
+
+
+def test_preflight_reads_the_head(tmp_path, models, eagle):
+    from safetensors.torch import save_file
+
+    from specdp_cli.config import validate
+    from specdp_cli.preflight import run_preflight
+
+    def report(head):
+        return run_preflight(validate({"model": str(models["target"]), "max_model_len": 64, "device": "cpu",
+                                       "speculative": {"method": "eagle", "model": str(head)}}))
+
+    ok = report(eagle["head"])
+    assert ok.ok, ok.errors
+    files = next(c for c in ok.checks if c.name == "files").detail
+    assert "EAGLE-1 layout, bfloat16 tensors" in files            # the tensors' dtype, not config.json's
+    assert ok.plan.policy == "skip" and ok.plan.drafter_max_model_len == 64
+
+    eagle3 = tmp_path / "eagle3"
+    eagle3.mkdir()
+    (eagle3 / "config.json").write_text((eagle["head"] / "config.json").read_text())
+    save_file({"midlayer.self_attn.q_proj.weight": torch.zeros(4, 4), "d2t": torch.zeros(4, dtype=torch.long)},
+              str(eagle3 / "model.safetensors"))
+    assert any("EAGLE-3 layout" in e for e in report(eagle3).errors)
+    assert any("not an EAGLE head" in e for e in report(models["draft"]).errors)
+
+    wrong = make_eagle_head(tmp_path / "wrong", models["draft"])          # trained for a 32-wide model
+    assert any("hidden_size 32 but the target's is 64" in e for e in report(wrong).errors)
+
+    lockstep = run_preflight(validate({"model": str(models["target"]), "max_model_len": 64, "device": "cpu",
+                                       "speculative": {"method": "eagle", "model": str(eagle["head"])},
+                                       "parallel": {"data_parallel_size": 2, "dp_sync": "always"}}))
+    assert lockstep.plan.policy == "dummy"
