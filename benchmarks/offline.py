@@ -10,8 +10,8 @@ Usage:
   python benchmarks/offline.py --pair PAIR_DIR [--target DIR] [--prompts 32] [--requests N --cuts 4]
       [--new 128] [--batches 1,8,32] [--methods none,ngram,draft_model] [--k 4] [--dtype bfloat16]
       [--max-model-len 2048] [--eager] [--profile draft_model:1] --json OUT.json
-PAIR_DIR holds target/, draft/, tokenizer/, heldout_prompts.jsonl and, for --methods eagle, eagle/ (an
-EAGLE-1 head: the codepair layout); --target
+PAIR_DIR holds target/, draft/, tokenizer/, heldout_prompts.jsonl and, for --methods eagle / eagle3, eagle/
+(an EAGLE-1 head) / eagle3/ (an EAGLE-3 head, `benchmarks/train_eagle3.py`): the codepair layout; --target
 replaces the target (e.g. the widened 8B-sized one). --requests N takes N prompts from the held-out
 set cut at --cuts points (varied lengths) instead of the first --prompts held-out prompts.
 """
@@ -76,7 +76,7 @@ def build(a, method: str, eager: bool, max_seqs: int) -> Engine:
         "model": a.target or os.path.join(a.pair, "target"), "tokenizer": os.path.join(a.pair, "tokenizer"),
         "dtype": a.dtype, "device": "cuda" if torch.cuda.is_available() else "cpu", "max_model_len": a.max_model_len,
         "enforce_eager": eager,
-        "speculative": {"method": method, "model": os.path.join(a.pair, "eagle" if method == "eagle" else "draft"),
+        "speculative": {"method": method, "model": os.path.join(a.pair, method if method.startswith("eagle") else "draft"),
                         "num_speculative_tokens": a.k},
         "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": a.max_batched_tokens}})
     report = run_preflight(cfg)

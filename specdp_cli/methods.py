@@ -25,6 +25,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("ngram", None, False),
     Method("draft_model", "drafter", True, separate_lm=True),
     Method("eagle", "EAGLE head", True, after_verify=True),
+    Method("eagle3", "EAGLE-3 head", True, after_verify=True),
 )}
 
 

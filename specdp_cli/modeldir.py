@@ -208,3 +208,15 @@ def eagle_layout(names) -> str | None:
     if "fc.weight" in names and "layers.0.self_attn.q_proj.weight" in names:
         return "eagle"
     return None
+
+
+def aux_layer_ids(head_config: dict, target_layers: int) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 head reads (the residual stream entering each; N = after the last
+    layer): its config's `eagle_aux_hidden_state_layer_ids` (also under `eagle_config`), else vLLM's
+    default (2, N // 2, N - 3)."""
+    ids = head_config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids and isinstance(head_config.get("eagle_config"), dict):
+        ids = head_config["eagle_config"].get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return tuple(int(i) for i in ids)
+    return (2, target_layers // 2, target_layers - 3)

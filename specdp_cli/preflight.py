@@ -13,8 +13,8 @@ from typing import Optional
 
 from .config import Config
 from .methods import METHODS
-from .modeldir import (ModelDir, ModelDirError, UnsupportedModel, architecture_of, eagle_layout, has_tokenizer_files,
-                       load_tokenizer)
+from .modeldir import (ModelDir, ModelDirError, UnsupportedModel, architecture_of, aux_layer_ids, eagle_layout,
+                       has_tokenizer_files, load_tokenizer)
 
 STATUS_ORDER = {"ok": 0, "warn": 1, "error": 2}
 ACTIVATION_RESERVE = 1 << 30             # preflight's guess at activations + CUDA graphs on a GPU
@@ -138,7 +138,7 @@ def run_preflight(cfg: Config) -> Report:
             elif meth.separate_lm:
                 findings.append(_supported("drafter", drafter))
             else:
-                findings.extend(_eagle_head(target, drafter))
+                findings.extend(_eagle_head(target, drafter, spec.method))
         except ModelDirError as e:
             hint = f" (method {spec.method} needs it; or use method: ngram)" if not spec.model else ""
             findings.append(("error", f"{e}{hint}."))
@@ -192,31 +192,52 @@ def run_preflight(cfg: Config) -> Report:
     return report
 
 
-def _eagle_head(target: ModelDir | None, head: ModelDir) -> list[tuple[str, str]]:
-    """An EAGLE head directory: its layout (from the tensor names) and that it fits the target."""
+def _eagle_head(target: ModelDir | None, head: ModelDir, method: str) -> list[tuple[str, str]]:
+    """An EAGLE head directory: its layout (from the tensor names) is the method's, and it fits the target."""
     names = head.tensor_headers
     if not names:
         return [("error", f"EAGLE head {head.path}: no safetensors weights to read its layout from.")]
     layout = eagle_layout(names)
-    if layout == "eagle3":
-        return [("error", f"EAGLE head {head.path} has the EAGLE-3 layout (midlayer.*, d2t); specdp runs "
-                          f"EAGLE-1 heads (fc, layers.0.*) so far: use an EAGLE-1 head, or method draft_model.")]
     if layout is None:
         return [("error", f"{head.path} is not an EAGLE head: an EAGLE-1 head holds fc.weight [h, 2h], fc.bias and "
-                          f"one decoder layer layers.0.* (without input_layernorm).")]
+                          f"one decoder layer layers.0.* (without input_layernorm); an EAGLE-3 head midlayer.*, "
+                          f"fc.weight [h, 3h], norm, lm_head and d2t.")]
+    if layout != method:
+        kind = "EAGLE-3 (midlayer.*, d2t)" if layout == "eagle3" else "EAGLE-1 (fc, layers.0.*)"
+        return [("error", f"{head.path} has the {kind} layout: use speculative.method: {layout}.")]
     h = head.get("hidden_size")
-    fc = names["fc.weight"][1]
-    out = []
-    if len(fc) != 2 or fc[1] != 2 * fc[0] or (h and fc[0] != h):
-        out.append(("error", f"EAGLE head {head.path}: fc.weight has shape {fc}, expected [hidden, 2 x hidden] with "
-                             f"hidden = {h}."))
     th = target.get("hidden_size") if target is not None else None
+    out = []
     if th and h and th != h:
         out.append(("error", f"EAGLE head {head.path} has hidden_size {h} but the target's is {th}: the head reads "
                              f"the target's hidden states, so it must be trained for this target."))
+    fc = names["fc.weight"][1]
+    if layout == "eagle":
+        if len(fc) != 2 or fc[1] != 2 * fc[0] or (h and fc[0] != h):
+            out.append(("error", f"EAGLE head {head.path}: fc.weight has shape {fc}, expected [hidden, 2 x hidden] "
+                                 f"with hidden = {h}."))
+        detail = "EAGLE-1 layout"
+    else:
+        n = target.num_layers if target is not None else 0
+        aux = aux_layer_ids(head.config, n)
+        if target is not None and any(not 0 <= i <= n for i in aux):
+            out.append(("error", f"EAGLE-3 head {head.path} reads target layers {list(aux)} but the target has {n} "
+                                 f"(0..{n}): set eagle_aux_hidden_state_layer_ids in its config.json."))
+        if h and fc != [h, len(aux) * (th or h)]:
+            out.append(("error", f"EAGLE-3 head {head.path}: fc.weight has shape {fc}, expected "
+                                 f"[{h}, {len(aux)} x {th or h}] ({len(aux)} target layers)."))
+        lm = names.get("lm_head.weight", (None, []))[1]
+        d2t = names.get("d2t", (None, []))[1]
+        if not lm or (d2t and d2t[0] != lm[0]):
+            out.append(("error", f"EAGLE-3 head {head.path}: lm_head.weight {lm or 'missing'} and d2t {d2t or '-'} "
+                                 f"do not describe one draft vocabulary."))
+        detail = (f"EAGLE-3 layout, target layers {list(aux)}"
+                  + ("" if "eagle_aux_hidden_state_layer_ids" in head.config else " (vLLM's default)")
+                  + f", draft vocabulary {lm[0] if lm else '?'}")
     if not out:
-        out.append(("ok", f"EAGLE head {head.path} (EAGLE-1 layout, {head.stored_dtype} tensors; it uses the "
-                          f"target's embedding and LM head)."))
+        uses = ("the target's embedding and LM head" if layout == "eagle" else
+                "the target's embedding" if "embed_tokens.weight" not in names else "its own embedding")
+        out.append(("ok", f"EAGLE head {head.path} ({detail}, {head.stored_dtype} tensors; it uses {uses})."))
     return out
 
 

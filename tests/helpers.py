@@ -168,3 +168,46 @@ def bigram_target(path: Path, tokenizer_dir: Path, seed: int = 1) -> Path:
     sd["model.embed_tokens.weight"] = e / e.pow(2).mean(-1, keepdim=True).sqrt()
     save_file(sd, str(f), metadata={"format": "pt"})
     return path
+
+
+def make_eagle3_head(path: Path, target_dir: Path, aux_ids: list[int] | None = (0, 1, 2), draft_vocab: int | None = None,
+                     own_embedding: bool = False, seed: int = 4) -> Path:
+    """A random EAGLE-3 head directory for `target_dir` in the layout vLLM's llama_eagle3 reads: fc [h, 3h]
+    over three target layers' streams, midlayer.* (q/k/v over 2h inputs, input_layernorm, hidden_norm,
+    post_attention_layernorm, mlp), norm, lm_head over a draft vocabulary of `draft_vocab` ids (every
+    other target id, mapped back by d2t) or the full one (no d2t)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((Path(target_dir) / "config.json").read_text())
+    h, heads, kvh, V = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]
+    hd = h // heads
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=0.1):
+        return torch.randn(*shape, generator=g) * scale
+
+    n_aux = len(aux_ids) if aux_ids else 3
+    dv = draft_vocab or V
+    p = "midlayer."
+    w = {"fc.weight": r(h, n_aux * h), p + "self_attn.q_proj.weight": r(heads * hd, 2 * h),
+         p + "self_attn.k_proj.weight": r(kvh * hd, 2 * h), p + "self_attn.v_proj.weight": r(kvh * hd, 2 * h),
+         p + "self_attn.o_proj.weight": r(h, heads * hd), p + "mlp.gate_proj.weight": r(2 * h, h),
+         p + "mlp.up_proj.weight": r(2 * h, h), p + "mlp.down_proj.weight": r(h, 2 * h),
+         p + "input_layernorm.weight": 1 + r(h), p + "hidden_norm.weight": 1 + r(h),
+         p + "post_attention_layernorm.weight": 1 + r(h), "norm.weight": 1 + r(h), "lm_head.weight": r(dv, h, scale=1.0)}
+    if draft_vocab:
+        ids = torch.arange(0, 2 * dv, 2)[:dv].clamp(max=V - 1)
+        w["d2t"] = ids - torch.arange(dv)
+    if own_embedding:
+        w["embed_tokens.weight"] = r(V, h, scale=1.0)
+    save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+    head_cfg = {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+                                    "max_position_embeddings", "vocab_size")}
+    head_cfg.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+                    intermediate_size=2 * h, draft_vocab_size=dv)
+    if aux_ids:
+        head_cfg["eagle_aux_hidden_state_layer_ids"] = list(aux_ids)
+    (path / "config.json").write_text(json.dumps(head_cfg))
+    return path

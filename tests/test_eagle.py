@@ -164,7 +164,7 @@ def test_preflight_reads_the_head(tmp_path, models, eagle):
     (eagle3 / "config.json").write_text((eagle["head"] / "config.json").read_text())
     save_file({"midlayer.self_attn.q_proj.weight": torch.zeros(4, 4), "d2t": torch.zeros(4, dtype=torch.long)},
               str(eagle3 / "model.safetensors"))
-    assert any("EAGLE-3 layout" in e for e in report(eagle3).errors)
+    assert any("EAGLE-3 (midlayer.*, d2t) layout: use speculative.method: eagle3" in e for e in report(eagle3).errors)
     assert any("not an EAGLE head" in e for e in report(models["draft"]).errors)
 
     wrong = make_eagle_head(tmp_path / "wrong", models["draft"])          # trained for a 32-wide model

@@ -7,7 +7,7 @@ import torch
 
 from dp_util import dp_config, read_out, run_cli, run_in_process, same_tokens, write_jsonl
 from engine_util import hf_reference, make_config, prompts_of_lengths, run_engine
-from helpers import make_eagle_head
+from helpers import make_eagle3_head, make_eagle_head
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.timeout(600)]
@@ -75,12 +75,14 @@ def cuda_engine(cfg, plan):
 ROOM = {"num_blocks": 512}
 
 
-@pytest.mark.parametrize("method", ["draft_model", "ngram", "none", "eagle"])
+@pytest.mark.parametrize("method", ["draft_model", "ngram", "none", "eagle", "eagle3"])
 def test_graphs_equal_eager_float32(models, method, tmp_path):
     prompts = prompts_of_lengths([3, 9, 17, 26, 33, 41, 50, 57, 62])
     kw = dict(method=method, k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda", cache=ROOM,
               speculative={"prompt_lookup_min": 1, "prompt_lookup_max": 3})
-    drafter = make_eagle_head(tmp_path / "eagle", models["target"]) if method == "eagle" else models["draft"]
+    drafter = {"eagle": lambda: make_eagle_head(tmp_path / "eagle", models["target"]),
+               "eagle3": lambda: make_eagle3_head(tmp_path / "eagle3", models["target"], draft_vocab=96)}.get(
+        method, lambda: models["draft"])()
     out = {}
     for eager in (True, False):
         cfg, plan = make_config(models["target"], drafter, enforce_eager=eager, **kw)

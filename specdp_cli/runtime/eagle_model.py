@@ -1,5 +1,6 @@
-"""An EAGLE-1 head (Li et al., 2024) on specdp's decoder: one Llama decoder layer that predicts the
-target's next hidden state.
+"""EAGLE heads on specdp's decoder: EAGLE-1 (Li et al., 2024) and EAGLE-3 (Li et al., 2025).
+
+EAGLE-1: one Llama decoder layer that predicts the target's next hidden state.
 
 At position j the head takes the pair (token j+1, the target's hidden state at j — after the
 target's final norm): x = fc(cat(embed(token), feature)), then the decoder layer without its input
@@ -10,13 +11,22 @@ The head reuses the target's embedding and LM head (the checkpoint does not stor
 Checkpoint layout (as published with EAGLE-1): `fc.weight` [h, 2h], `fc.bias`,
 `layers.0.self_attn.{q,k,v,o}_proj.weight`, `layers.0.mlp.{gate,up,down}_proj.weight`,
 `layers.0.post_attention_layernorm.weight`, and a Llama `config.json` for the layer's shape.
+
+EAGLE-3 (the layout vLLM's `llama_eagle3` reads): the feature is `fc` (no bias) over three of the
+target's hidden states side by side — the residual stream entering layers
+`eagle_aux_hidden_state_layer_ids` (config.json), by default (2, N // 2, N - 3) of the target's N layers,
+as vLLM takes them. The `midlayer` attends over [input_layernorm(embedding), hidden_norm(feature)]
+(q/k/v take 2h inputs) with the feature as its residual stream; `norm` then `lm_head` over a draft
+vocabulary give logits, mapped to target ids by `d2t` (target id = draft id + d2t[draft id]). The
+next draft step feeds the stream before `norm` back in. The head's own `embed_tokens` is used when the
+checkpoint has one, else the target's.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..modeldir import ModelDir, UnsupportedModel, eagle_layout
+from ..modeldir import ModelDir, UnsupportedModel, aux_layer_ids, eagle_layout
 from . import ops
 from .model import CausalLM, Layer, _read_weights, rotary_tables
 from .ops import AttnMeta
@@ -31,6 +41,15 @@ class EagleHead(CausalLM):
         super().__init__(config, [layer], target.embed, None, target.lm_head, cos, sin)
         self.fc, self.fc_bias = fc, fc_bias
         self.feats: torch.Tensor | None = None
+
+    needs_target_hidden = True          # the target runner keeps every token's last hidden state
+
+    def attach(self, target_runner) -> None:
+        """Read the features of forward 1 — the target's last hidden states — in place."""
+        self.feats = target_runner.hidden
+
+    def prepare_features(self, n: int) -> None:
+        """Nothing to do: forward 1 reads the target's hidden states in place."""
 
     def forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         N = ids.shape[0]
@@ -75,3 +94,109 @@ def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: tor
                                f"{target.embed.shape[1]}")
     cos, sin = rotary_tables(config, "llama", "LlamaForCausalLM", max(max_len, 1))
     return EagleHead(config, layer, fc, fc_bias, target, cos.to(device), sin.to(device))
+
+
+class Eagle3Head(CausalLM):
+    """forward returns the residual stream before the final norm (the feature the next draft step
+    takes); `logits` applies the norm, the draft LM head and the d2t map. Its features come from
+    `self.feats[:N]`, which `prepare_features` fills from the target's aux hidden states."""
+
+    def __init__(self, config, layer: Layer, hidden_norm: torch.Tensor, fc: torch.Tensor, embed: torch.Tensor,
+                 norm: torch.Tensor, lm_head: torch.Tensor, draft_to_target: torch.Tensor | None, target_vocab: int,
+                 cos: torch.Tensor, sin: torch.Tensor, aux_layers: tuple[int, ...]):
+        super().__init__(config, [layer], embed, norm, lm_head, cos, sin)
+        self.hidden_norm, self.fc = hidden_norm, fc
+        self.aux_layers_of_target = aux_layers
+        self.vocab_size = target_vocab
+        # target id of each draft id (None: the draft vocabulary is the target's)
+        self.target_ids = (None if draft_to_target is None else
+                           torch.arange(lm_head.shape[0], device=lm_head.device) + draft_to_target)
+        self.feats: torch.Tensor | None = None
+        self.aux_in: torch.Tensor | None = None      # the target's aux_buf
+
+    needs_target_hidden = False
+
+    def attach(self, target_runner) -> None:
+        """Have the target keep its aux hidden states for the head's `fc`."""
+        target, n = target_runner.model, target_runner.ids.shape[0]
+        target.aux_layers = self.aux_layers_of_target
+        target.aux_buf = torch.zeros((n, len(self.aux_layers_of_target) * target.embed.shape[1]),
+                                     dtype=target.dtype, device=target.device)
+        self.aux_in = target.aux_buf
+        self.feats = torch.zeros((n, self.embed.shape[1]), dtype=self.dtype, device=self.device)
+
+    def prepare_features(self, n: int) -> None:
+        self.feats[:n].copy_(F.linear(self.aux_in[:n], self.fc))
+
+    def forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        N = ids.shape[0]
+        layer, (k_cache, v_cache) = self.layers[0], self.kv_caches[0]
+        residual = self.feats[:N].clone()
+        x = torch.cat([ops.rms_norm(F.embedding(ids, self.embed), layer.in_norm, self.eps),
+                       ops.rms_norm(residual, self.hidden_norm, self.eps)], -1)
+        a = self._attention(layer, x, meta, k_cache, v_cache)
+        h = ops.rms_norm(a, layer.post_norm, self.eps, residual)          # residual += a
+        m = F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+        return residual + m
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        draft = F.linear(ops.rms_norm(hidden, self.norm, self.eps), self.lm_head)
+        if self.target_ids is None:
+            return draft
+        out = draft.new_full((draft.shape[0], self.vocab_size), float("-inf"))
+        out[:, self.target_ids] = draft
+        return out
+
+
+def load_eagle3_head(path: str, target: CausalLM, dtype: torch.dtype, device: torch.device,
+                     max_len: int) -> Eagle3Head:
+    from transformers import LlamaConfig
+
+    md = ModelDir.open(path, "EAGLE-3 head")
+    w = _read_weights(md.weight_files, device)
+    if eagle_layout(w) != "eagle3":
+        raise UnsupportedModel(f"{path}: not an EAGLE-3 head (expected midlayer.* and fc.weight)")
+    config = LlamaConfig(**{k: v for k, v in md.config.items() if k not in ("architectures", "model_type")})
+
+    def get(name: str, required: bool = True):
+        t = w.pop(name, None)
+        if t is None and required:
+            raise UnsupportedModel(f"{path}: weight {name} is missing")
+        return None if t is None else t.to(dtype)
+
+    p = "midlayer."
+    layer = Layer(
+        in_norm=get(p + "input_layernorm.weight"),
+        qkv=torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"], 0).contiguous(),
+        qkv_bias=None, o=get(p + "self_attn.o_proj.weight"), o_bias=None,
+        post_norm=get(p + "post_attention_layernorm.weight"),
+        gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0).contiguous(),
+        gate_up_bias=None, down=get(p + "mlp.down_proj.weight"), down_bias=None, q_norm=None, k_norm=None, window=None)
+    if config.__dict__.get("norm_before_residual"):
+        raise UnsupportedModel(f"{path}: norm_before_residual heads are not supported")
+    aux = aux_layer_ids(md.config, target.num_layers)
+    h = target.embed.shape[1]
+    fc = get("fc.weight")
+    if fc.shape != (h, len(aux) * h):
+        raise UnsupportedModel(f"{path}: fc.weight is {list(fc.shape)}; with the target's hidden size {h} and "
+                               f"{len(aux)} aux layers it must be [{h}, {len(aux) * h}]")
+    if any(not 0 <= i <= target.num_layers for i in aux):
+        raise UnsupportedModel(f"{path}: aux layers {list(aux)} outside the target's 0..{target.num_layers}")
+    d2t = w.pop("d2t", None)
+    lm_head = get("lm_head.weight")
+    if d2t is not None:
+        ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t.long()
+        if d2t.shape[0] != lm_head.shape[0] or int(ids.min()) < 0 or int(ids.max()) >= target.vocab_size:
+            raise UnsupportedModel(f"{path}: d2t maps {d2t.shape[0]} draft ids outside the target's 0..{target.vocab_size - 1} "
+                                   f"(or does not match lm_head's {lm_head.shape[0]} rows)")
+    embed = get("embed_tokens.weight", False)
+    cos, sin = rotary_tables(config, "llama", "LlamaForCausalLM", max(max_len, 1))
+    return Eagle3Head(config, layer, get(p + "hidden_norm.weight"), fc, target.embed if embed is None else embed,
+                      get("norm.weight"), lm_head, None if d2t is None else d2t.to(device).long(),
+                      target.vocab_size, cos.to(device), sin.to(device), aux)
+
+
+def load_head(method: str, path: str, target: CausalLM, dtype: torch.dtype, device: torch.device, max_len: int):
+    """The EAGLE head of `method` ("eagle" or "eagle3")."""
+    load = {"eagle": load_eagle_head, "eagle3": load_eagle3_head}[method]
+    return load(path, target, dtype, device, max_len)

@@ -34,7 +34,7 @@ from .drafters.base import Drafter, Drafts, NoDrafter
 from .drafters.draft_model import ModelDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.ngram import NgramDrafter
-from .eagle_model import load_eagle_head
+from .eagle_model import load_head
 from .faults import EXIT_STATUS, Faults
 from .kv_cache import BlockPool, allocate_kv, kv_bytes_per_token
 from .model import load_model
@@ -125,7 +125,7 @@ class Engine:
         positions = self.M + self.k + lookahead + 2
         target = load_model(cfg.model, dtype, device, positions)
         draft = load_model(spec.model, dtype, device, positions) if meth.separate_lm else None
-        head = load_eagle_head(spec.model, target, dtype, device, positions) if meth.after_verify else None
+        head = load_head(spec.method, spec.model, target, dtype, device, positions) if meth.after_verify else None
         models = [m for m in (target, draft, head) if m is not None]
         t_loaded = time.time()
 
@@ -141,7 +141,7 @@ class Engine:
         self.inputs = StepInputs(max_rows, self.T_chunk, max_blocks, device)
         self.target = ModelRunner(target, device, self.inputs.block_table, bs, max_rows,
                                   [1, self.k + 1, self.T_chunk], window=self.k + 1,
-                                  keep_hidden="all" if head is not None else None)
+                                  keep_hidden="all" if head is not None and head.needs_target_hidden else None)
         self.drafter: Drafter
         if draft is not None:
             runner = ModelRunner(draft, device, self.inputs.block_table, bs, max_rows, [1, 2, self.T_chunk], window=1)

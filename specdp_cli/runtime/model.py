@@ -55,6 +55,10 @@ class CausalLM:
         self.dtype = embed.dtype
         self.device = embed.device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []    # per layer, set by the KV cache
+        # EAGLE-3 reads the residual stream entering these layers (vLLM's aux hidden states; id N: after the
+        # last layer, before the final norm), written side by side into aux_buf [tokens, len(aux) * hidden]
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_buf: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -68,16 +72,27 @@ class CausalLM:
         """ids [N] -> final hidden states [N, hidden] (after the last norm)."""
         x = F.embedding(ids, self.embed)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, self.kv_caches):
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, self.kv_caches)):
             if residual is None:
                 residual = x
                 h = ops.rms_norm(x, layer.in_norm, self.eps)
             else:
-                h = ops.rms_norm(x, layer.in_norm, self.eps, residual)
+                h = ops.rms_norm(x, layer.in_norm, self.eps, residual)     # residual += x
+            if i in self.aux_layers:
+                self._keep_aux(i, residual)
             x = self._attention(layer, h, meta, k_cache, v_cache)
             h = ops.rms_norm(x, layer.post_norm, self.eps, residual)
             x = F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
-        return ops.rms_norm(x, self.norm, self.eps, residual)
+        out = ops.rms_norm(x, self.norm, self.eps, residual)
+        if len(self.layers) in self.aux_layers:
+            self._keep_aux(len(self.layers), residual)
+        return out
+
+    def _keep_aux(self, layer: int, stream: torch.Tensor) -> None:
+        h = stream.shape[1]
+        for j, at in enumerate(self.aux_layers):
+            if at == layer:
+                self.aux_buf[:stream.shape[0], j * h:(j + 1) * h].copy_(stream)
 
     def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
         N = h.shape[0]

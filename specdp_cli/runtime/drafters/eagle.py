@@ -1,11 +1,12 @@
-"""EAGLE-1 drafting, proposed after verification (vLLM's order: verify -> accept -> propose).
+"""EAGLE drafting (EAGLE-1 and EAGLE-3 heads), proposed after verification (vLLM's order: verify -> accept -> propose).
 
 The head needs the target's hidden states, which exist only once the target has run; so in a
 step the head works after the target's forward and the rejection sampler, on the device, over
 the very rows of the target's forward:
 
   forward 1 (R x T, the target's shape): at each row position j the head takes (token j+1, the
-    target's hidden state at j) — the row's tokens shifted by one, with the token that follows the
+    target's feature at j: its last hidden state for EAGLE-1, `fc` over three layers' for EAGLE-3)
+    — the row's tokens shifted by one, with the token that follows the
     row put in at its place: for a decode row the token the step drew after its accepted drafts
     (column n_out - 1), for a prompt row the next prompt token, or the token the step drew after a
     prompt's end. So its KV cache learns every position the target verified, and the output at
@@ -33,7 +34,8 @@ class EagleDrafter(Drafter):
 
     def __init__(self, runner: ModelRunner, target: ModelRunner, k: int):
         self.runner, self.target, self.k = runner, target, k
-        runner.model.feats = target.hidden          # forward 1 reads the target's hidden states in place
+        self.head = runner.model
+        self.head.attach(target)
         self._zeros = torch.zeros_like(runner.out_start)
 
     def host_drafts(self, rows, n_forwards) -> Drafts:
@@ -52,6 +54,7 @@ class EagleDrafter(Drafter):
         ids = t.ids[:R * T].view(R, T)
         shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, col.view(R, 1), follow.view(R, 1))
         ctx.publish(f"drafter forward 1/{K}")
+        self.head.prepare_features(R * T)
         r.set_rows(R, shifted, start, n_real, col)
         d = r.forward(R, T, ctx.graphs)[:, 0].argmax(-1)
         drafts = torch.zeros((R, K), dtype=torch.long, device=r.device)
@@ -60,7 +63,7 @@ class EagleDrafter(Drafter):
         pos = start + col
         for j in range(2, K + 1):
             ctx.publish(f"drafter forward {j}/{K}")
-            t.hidden[:R].copy_(r.hidden[:R])                   # the predicted feature is the next input's
+            self.head.feats[:R].copy_(r.hidden[:R])            # the predicted feature is the next input's
             r.set_rows(R, d.view(R, 1), pos + (j - 1), drafting, self._zeros[:R])
             d = r.forward(R, 1, ctx.graphs)[:, 0].argmax(-1)
             drafts[:, j - 1] = d
