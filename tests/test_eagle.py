@@ -174,3 +174,45 @@ def test_preflight_reads_the_head(tmp_path, models, eagle):
                                        "speculative": {"method": "eagle", "model": str(eagle["head"])},
                                        "parallel": {"data_parallel_size": 2, "dp_sync": "always"}}))
     assert lockstep.plan.policy == "dummy"
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_preemption_keeps_outputs(tmp_path, models, eagle, method):
+    """Sequences needing more KV blocks than there are finish through preemption with a roomy run's
+    tokens (the head's cache is recomputed with the target's; proposals made before are dropped)."""
+    from helpers import make_eagle3_head
+
+    head = eagle["head"] if method == "eagle" else make_eagle3_head(tmp_path / "e3", models["target"], draft_vocab=96)
+    prompts = prompts_of_lengths([5, 14, 23, 9, 30, 18, 11, 26], seed=7)
+    kw = dict(method=method, k=3, M=64, max_num_seqs=6, max_batched=64)
+    roomy = run_engine(make_engine(*make_config(models["target"], head, **kw)), prompts, max_tokens=30)
+    tight_engine = make_engine(*make_config(models["target"], head, cache={"block_size": 4, "num_blocks": 28}, **kw))
+    tight = run_engine(tight_engine, prompts, max_tokens=30)
+    assert tight_engine.counters.preemptions > 0 and tight_engine.pool.num_free == 28
+    assert [tight[i].generated for i in range(8)] == [roomy[i].generated for i in range(8)]
+
+
+@pytest.mark.timeout(HARD_TIMEOUT_S * 2)
+def test_server_in_lockstep_equals_generate(tmp_path, models, eagle):
+    import openai
+    from typer.testing import CliRunner
+
+    from specdp_cli.cli import app
+    from test_serve import KEY, PROMPTS, Server, free_port, server_config
+
+    port = free_port()
+    cfg = server_config(tmp_path, models, port, speculative={"method": "eagle", "model": str(eagle["head"])})
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p, "max_tokens": 16} for p in PROMPTS])
+    res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(inp), "--output", str(tmp_path / "o.jsonl"),
+                                   "--dp", "1"])
+    assert res.exit_code == 0, res.output
+    expected = [json.loads(x)["text"] for x in open(tmp_path / "o.jsonl")]
+    server = Server(cfg, port)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        got = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
+               for p in PROMPTS]
+        assert got == expected
+        assert server.metric("specdp:spec_decode_num_drafts") > 0
+    finally:
+        server.stop()

@@ -11,7 +11,10 @@ One step, whatever the rank holds:
      batch), the drafts staying on the device;
   5. one target forward verifies every row's drafts and prefills the prompt chunks;
   6. the rejection sampler accepts drafts and draws one more token per row, on the device;
-  7. one device-to-host copy brings the new tokens back for bookkeeping (stops, frees).
+     (an EAGLE head runs its drafter phase here instead, after verification: it reads the target's
+     hidden states and proposes the next step's drafts — `drafters/eagle.py`)
+  7. one device-to-host copy brings the new tokens (and an EAGLE head's proposals) back for
+     bookkeeping (stops, frees).
 Every forward is uniform (padded rows x T tokens; a prompt chunk takes several rows) and replays a
 CUDA graph; an all-greedy step replays one graph of all its device work. A rank with nothing to do
 runs the very same code with no rows: each forward then carries only padding. That is the "dummy"
