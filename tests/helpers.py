@@ -211,3 +211,32 @@ def make_eagle3_head(path: Path, target_dir: Path, aux_ids: list[int] | None = (
         head_cfg["eagle_aux_hidden_state_layer_ids"] = list(aux_ids)
     (path / "config.json").write_text(json.dumps(head_cfg))
     return path
+
+
+def make_moe_dir(path: Path, tokenizer_dir: Path, family: str = "mixtral", hidden: int = 64, layers: int = 2,
+                 experts: int = 4, top_k: int = 2, seed: int = 0, peaked: float = 3.0, **config_extra) -> Path:
+    """A random mixture-of-experts causal LM (Mixtral or Qwen3-MoE) saved as a Hugging Face directory,
+    with the tokenizer copied in; `peaked` as in make_model_dir."""
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    kw = dict(vocab_size=len(tok), hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+              num_key_value_heads=2, intermediate_size=hidden * 2, max_position_embeddings=512,
+              tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=1, num_experts_per_tok=top_k)
+    torch.manual_seed(seed)
+    if family == "mixtral":
+        model = MixtralForCausalLM(MixtralConfig(num_local_experts=experts, **kw, **config_extra))
+    else:
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=experts, moe_intermediate_size=hidden, head_dim=16,
+                                                   **kw, **config_extra))
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(0, peaked / hidden ** 0.5)
+        model.get_input_embeddings().weight.normal_(0, 1.0)
+        for name, p in model.named_parameters():
+            if "gate" in name and p.dim() == 2 and p.shape[0] == experts:
+                p.normal_(0, 1.0)              # a router that prefers different experts for different tokens
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path

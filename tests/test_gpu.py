@@ -119,3 +119,18 @@ def test_lockstep_dp2_nccl_with_checked_collectives(tmp_path, models):
                    tmp_path / "s.json")
     assert r.returncode == 0, r.stderr[-3000:]
     assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
+
+
+def test_moe_graphs_equal_eager_float32(models, tmp_path):
+    """A Mixtral target: its sparse MLP (every expert over every token, weighted) inside CUDA graphs."""
+    from helpers import make_moe_dir
+
+    target = make_moe_dir(tmp_path / "mixtral", models["tokenizer"], "mixtral", seed=3)
+    prompts = prompts_of_lengths([3, 9, 17, 26, 33])
+    kw = dict(method="draft_model", k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda", cache=ROOM)
+    out = {}
+    for eager in (True, False):
+        cfg, plan = make_config(target, models["draft"], enforce_eager=eager, **kw)
+        out[eager] = run_engine(cuda_engine(cfg, plan), prompts, max_tokens=30)
+    for i, p in enumerate(prompts):
+        assert out[False][i].generated == out[True][i].generated == hf_reference(target, p, min(30, 64 - len(p))), i

@@ -1,5 +1,5 @@
-"""specdp's own decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3), loaded from a local
-Hugging Face directory.
+"""specdp's own decoder for the Llama family (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts
+Mixtral and Qwen3-MoE), loaded from a local Hugging Face directory.
 
 Why not the transformers module itself: a forward here is a flat list of tokens from many
 sequences over a paged KV cache, and a decode step must be one CUDA graph of a few fused kernels
@@ -22,6 +22,36 @@ from . import ops
 from .ops import AttnMeta
 
 @dataclass
+class MoE:
+    """A sparse MLP: a router picks `top_k` of E experts per token (softmax over the router's logits,
+    top k, renormalised when `renormalize`), each expert a SiLU-gated MLP; the output is the
+    weighted sum of the chosen experts'. Mixtral keeps the routing weights in float32 (`float_weights`),
+    Qwen3-MoE casts them to the activations' dtype — as transformers does for each."""
+    router: torch.Tensor                 # [E, hidden]
+    gate_up: torch.Tensor                # [E, 2 * inter, hidden]
+    down: torch.Tensor                   # [E, hidden, inter]
+    top_k: int
+    renormalize: bool
+    float_weights: bool
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        # every expert over every token, weighted by its routing weight (0 where not chosen): fixed
+        # shapes, so a CUDA graph holds it; the experts are added in index order, as transformers does
+        probs = torch.softmax(F.linear(h, self.router).float(), -1)
+        w, idx = torch.topk(probs, self.top_k, -1)
+        if self.renormalize:
+            w = w / w.sum(-1, keepdim=True)
+        if not self.float_weights:
+            w = w.to(h.dtype)
+        out = torch.zeros_like(h)
+        for e in range(self.router.shape[0]):
+            we = (w * (idx == e)).sum(-1, keepdim=True)
+            y = F.linear(ops.silu_and_mul(F.linear(h, self.gate_up[e])), self.down[e])
+            out += (y * we).to(h.dtype)
+        return out
+
+
+@dataclass
 class Layer:
     in_norm: torch.Tensor
     qkv: torch.Tensor
@@ -36,6 +66,7 @@ class Layer:
     q_norm: torch.Tensor | None          # Qwen3: RMSNorm of each head's q and k before rotation
     k_norm: torch.Tensor | None
     window: int | None
+    moe: MoE | None = None               # a sparse MLP instead of gate_up / down
 
 
 class CausalLM:
@@ -82,7 +113,11 @@ class CausalLM:
                 self._keep_aux(i, residual)
             x = self._attention(layer, h, meta, k_cache, v_cache)
             h = ops.rms_norm(x, layer.post_norm, self.eps, residual)
-            x = F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+            if layer.moe is not None:
+                x = layer.moe(h)
+            else:
+                x = F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down,
+                             layer.down_bias)
         out = ops.rms_norm(x, self.norm, self.eps, residual)
         if len(self.layers) in self.aux_layers:
             self._keep_aux(len(self.layers), residual)
@@ -155,6 +190,36 @@ def rotary_tables(hf_config, model_type: str, arch: str, max_len: int) -> tuple[
     return (freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous()
 
 
+def _moe(c, model_type: str, i: int, p: str, get, path: str) -> MoE | None:
+    """Layer i's sparse MLP, or None for a dense one. Experts are read as stored per expert
+    (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2; Qwen3-MoE: mlp.experts.{e}.gate/up/down_proj) or
+    fused as transformers 5 holds them (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj)."""
+    if model_type == "mixtral":
+        E, block, names = c.num_local_experts, p + "block_sparse_moe.", ("w1", "w3", "w2")
+        renormalize, float_weights = True, True
+    elif model_type == "qwen3_moe":
+        sparse = (i not in (getattr(c, "mlp_only_layers", None) or []) and c.num_experts > 0
+                  and (i + 1) % getattr(c, "decoder_sparse_step", 1) == 0)
+        if not sparse:
+            return None
+        E, block, names = c.num_experts, p + "mlp.", ("gate_proj", "up_proj", "down_proj")
+        renormalize, float_weights = bool(getattr(c, "norm_topk_prob", False)), False
+    else:
+        return None
+    fused = get(block + "experts.gate_up_proj", False)
+    if fused is not None:
+        gate_up, down = fused.contiguous(), get(block + "experts.down_proj").contiguous()
+    else:
+        g, u, d = names
+        gate_up = torch.stack([torch.cat([get(f"{block}experts.{e}.{g}.weight"), get(f"{block}experts.{e}.{u}.weight")])
+                               for e in range(E)]).contiguous()
+        down = torch.stack([get(f"{block}experts.{e}.{d}.weight") for e in range(E)]).contiguous()
+    router = get(block + "gate.weight")
+    if router.shape[0] != E or gate_up.shape[0] != E:
+        raise UnsupportedModel(f"{path}: layer {i} has {router.shape[0]} router rows for {E} experts")
+    return MoE(router, gate_up, down, int(c.num_experts_per_tok), renormalize, float_weights)
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int) -> CausalLM:
     """Load a supported Hugging Face causal LM directory as specdp's decoder."""
     from transformers import AutoConfig
@@ -187,6 +252,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
+        moe = _moe(c, model_type, i, p, get, path)
         if types:
             window = c.sliding_window if types[i] == "sliding_attention" else None
         else:
@@ -198,9 +264,10 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
                          get(p + "self_attn.v_proj.bias", False)),
             o=get(p + "self_attn.o_proj.weight"), o_bias=get(p + "self_attn.o_proj.bias", False),
             post_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=cat(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")),
-            gate_up_bias=cat(get(p + "mlp.gate_proj.bias", False), get(p + "mlp.up_proj.bias", False)),
-            down=get(p + "mlp.down_proj.weight"), down_bias=get(p + "mlp.down_proj.bias", False),
+            gate_up=None if moe else cat(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")),
+            gate_up_bias=None if moe else cat(get(p + "mlp.gate_proj.bias", False), get(p + "mlp.up_proj.bias", False)),
+            down=None if moe else get(p + "mlp.down_proj.weight"),
+            down_bias=None if moe else get(p + "mlp.down_proj.bias", False), moe=moe,
             q_norm=get(p + "self_attn.q_norm.weight", False), k_norm=get(p + "self_attn.k_norm.weight", False),
             window=int(window) if window else None))
     embed = get("embed_tokens.weight")
