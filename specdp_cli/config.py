@@ -68,6 +68,7 @@ class ParallelConfig(_Strict):
     main_process_port: Optional[int] = Field(None, ge=1, le=65535)
     collective_timeout_s: float = Field(120.0, gt=0)
     check_collectives: bool = False
+    enable_expert_parallel: bool = False      # vLLM's name: split a MoE target's experts over the DP ranks
 
     @model_validator(mode="after")
     def _machines(self):

@@ -156,6 +156,12 @@ class ModelDir:
         files = sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
         return files or sorted(glob.glob(os.path.join(self.path, "*.bin")))
 
+    def expert_share(self) -> float:
+        """The share of the weights' bytes that routed experts hold (safetensors headers; 0 if unknown)."""
+        sizes = {n: _numel(shape) for n, (_, shape) in self.tensor_headers.items()}
+        total = sum(sizes.values())
+        return sum(v for n, v in sizes.items() if ".experts." in n) / total if total else 0.0
+
     def weight_bytes(self, dtype: str) -> int:
         """Bytes of the weights once loaded in `dtype` (files on disk, rescaled from their stored dtype)."""
         on_disk = sum(os.path.getsize(f) for f in self.weight_files)
@@ -220,3 +226,18 @@ def aux_layer_ids(head_config: dict, target_layers: int) -> tuple[int, ...]:
     if ids:
         return tuple(int(i) for i in ids)
     return (2, target_layers // 2, target_layers - 3)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def expert_split(num_experts: int, world: int, rank: int) -> range:
+    """The routed experts rank `rank` of `world` holds under expert parallelism: contiguous, the first
+    (num_experts % world) ranks one more (3 ranks, 4 experts: 0-1, 2, 3)."""
+    base, extra = divmod(num_experts, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))

@@ -13,8 +13,8 @@ from typing import Optional
 
 from .config import Config
 from .methods import METHODS
-from .modeldir import (ModelDir, ModelDirError, UnsupportedModel, architecture_of, aux_layer_ids, eagle_layout,
-                       has_tokenizer_files, load_tokenizer)
+from .modeldir import (MOE_KEYS, ModelDir, ModelDirError, UnsupportedModel, architecture_of, aux_layer_ids,
+                       eagle_layout, expert_split, has_tokenizer_files, load_tokenizer)
 
 STATUS_ORDER = {"ok": 0, "warn": 1, "error": 2}
 ACTIVATION_RESERVE = 1 << 30             # preflight's guess at activations + CUDA graphs on a GPU
@@ -33,6 +33,7 @@ class Plan:
     ranks_per_machine: int = 1
     model_name: str = ""
     num_blocks: Optional[int] = None              # KV blocks: cache.num_blocks, the CPU default, or None (a GPU sizes it)
+    expert_parallel: bool = False                 # the target's routed experts are split over the DP ranks
 
     @property
     def lockstep(self) -> bool:
@@ -286,10 +287,34 @@ def _parallel(cfg: Config, plan: Plan, target: ModelDir | None) -> list[tuple[st
         if moe and par.dp_sync == "never":
             out.append(("warn", "dp_sync is never on a mixture-of-experts model: expert-parallel engines need "
                                 "lockstep (dp_sync: always); fine only while experts are not sharded across ranks."))
+    if par.enable_expert_parallel:
+        out += _expert_parallel(cfg, plan, target, moe)
     out.insert(0, ("ok", f"{dp} rank(s) on {machines} machine(s), {plan.ranks_per_machine} per machine, "
                          f"device {plan.device}, backend {plan.backend}, dtype {plan.dtype}; "
                          f"dp_sync {plan.dp_sync} ({why})."))
     return out
+
+
+def _expert_parallel(cfg: Config, plan: Plan, target: ModelDir | None, moe: bool) -> list[tuple[str, str]]:
+    """parallel.enable_expert_parallel: every MoE layer's forward exchanges tokens between the ranks, so
+    they must step in lockstep (and pad idle ranks' drafter forwards: see the policy check)."""
+    dp = cfg.parallel.data_parallel_size
+    if target is None:
+        return []
+    if not moe:
+        return [("error", f"enable_expert_parallel needs a mixture-of-experts target; {target.path} is dense: "
+                          f"remove it (each rank holds the whole model).")]
+    if cfg.parallel.dp_sync == "never":
+        return [("error", "enable_expert_parallel with dp_sync never would hang: every forward of a mixture-of-experts "
+                          "layer gathers the tokens of all ranks and sends each its experts' results, so a rank that "
+                          "steps alone waits for the others forever. Set dp_sync: always (or auto).")]
+    experts = next(int(target.get(k)) for k in MOE_KEYS if isinstance(target.get(k), int) and target.get(k) > 1)
+    if dp > experts:
+        return [("error", f"enable_expert_parallel over {dp} ranks needs at least as many experts ({experts}): lower "
+                          f"data_parallel_size or turn expert parallelism off.")]
+    plan.dp_sync, plan.expert_parallel = "always", True
+    split = ", ".join(f"rank {r}: {len(expert_split(experts, dp, r))}" for r in range(dp))
+    return [("ok", f"expert parallel: {experts} experts per layer over {dp} ranks ({split}); ranks step in lockstep.")]
 
 
 def _lengths(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None) -> list[tuple[str, str]]:
@@ -407,7 +432,13 @@ def _memory(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None,
     """Weights and the paged KV cache's capacity, in tokens and in full-length sequences."""
     M, n, c = cfg.max_model_len, cfg.scheduler.max_num_seqs, cfg.cache
     bs = c.block_size
-    weights = target.weight_bytes(plan.dtype) + (drafter.weight_bytes(plan.dtype) if drafter else 0)
+    target_weights = target.weight_bytes(plan.dtype)
+    if plan.expert_parallel:         # each rank holds 1/dp of the routed experts (the most any rank holds)
+        share = target.expert_share()
+        experts = next(int(target.get(k)) for k in MOE_KEYS if isinstance(target.get(k), int) and target.get(k) > 1)
+        most = -(-experts // cfg.parallel.data_parallel_size) / experts
+        target_weights = int(target_weights * (1 - share + share * most))
+    weights = target_weights + (drafter.weight_bytes(plan.dtype) if drafter else 0)
     per_token = target.kv_bytes_per_token(plan.dtype) + (drafter.kv_bytes_per_token(plan.dtype) if drafter else 0)
     per_seq = -(-M // bs)                                    # blocks of one full-length sequence
     mem = device_memory(plan.device)
@@ -427,7 +458,7 @@ def _memory(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None,
     tokens = blocks * bs
     seqs = blocks // per_seq
     report.kv_cache = {"block_size": bs, "num_blocks": blocks, "tokens": tokens, "sequences": seqs}
-    numbers = (f"weights {_fmt_bytes(weights)}; KV cache {blocks} blocks of {bs} tokens = {tokens} tokens "
+    numbers = (f"weights {_fmt_bytes(weights)}{' per rank (experts split)' if plan.expert_parallel else ''}; KV cache {blocks} blocks of {bs} tokens = {tokens} tokens "
                f"({_fmt_bytes(per_token)} per token, {_fmt_bytes(tokens * per_token)}; from {how}): "
                f"{seqs} sequences of max_model_len {M} at once")
     if blocks < per_seq:

@@ -53,3 +53,62 @@ def test_dp2_is_lockstep_and_equals_dp1(tmp_path, models, moe):
     assert r.returncode == 0, r.stdout + r.stderr
     assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
     assert len({x["steps"] for x in json.load(open(tmp_path / "s.json"))["ranks"]}) == 1
+
+
+@pytest.mark.timeout(HARD_TIMEOUT_S * 3)
+@pytest.mark.parametrize("dp,method", [(2, "draft_model"), (3, "ngram")])
+def test_expert_parallel_equals_dp1(tmp_path, models, moe, dp, method):
+    """The experts split over the ranks (3 ranks, 4 experts: 2 + 1 + 1), tokens gathered and results
+    reduce-scattered in every MoE forward: the outputs of one rank holding every expert."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(models["tokenizer"]))
+    rows = [{"id": f"r{i}", "prompt": tok.decode(p), "max_tokens": mt}
+            for i, (p, mt) in enumerate(zip(prompts_of_lengths([20, 4, 9, 13, 6], seed=25), [20, 3, 12, 7, 15]))]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    ref = dp_config(tmp_path, moe["qwen3_moe"], models["draft"], dp=1, dp_sync="auto", method=method, k=3, M=64,
+                    name="ref.yaml")
+    run_in_process(ref, inp, tmp_path / "ref.jsonl")
+    cfg = dp_config(tmp_path, moe["qwen3_moe"], models["draft"], dp=dp, dp_sync="auto", method=method, k=3, M=64,
+                    check=True, parallel={"enable_expert_parallel": True})
+    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
+
+
+def test_expert_parallel_preflight(tmp_path, models, moe):
+    from specdp_cli.config import validate
+    from specdp_cli.preflight import run_preflight
+
+    def report(target, **parallel):
+        return run_preflight(validate({"model": str(target), "max_model_len": 64, "device": "cpu",
+                                       "speculative": {"model": str(models["draft"])},
+                                       "parallel": {"data_parallel_size": 2, "enable_expert_parallel": True,
+                                                    **parallel}}))
+
+    ok = report(moe["mixtral"])
+    assert ok.ok and ok.plan.dp_sync == "always" and ok.plan.policy == "dummy" and ok.plan.expert_parallel
+    rows = {c.name: c.detail for c in ok.checks}
+    assert "4 experts per layer over 2 ranks (rank 0: 2, rank 1: 2)" in rows["parallel"]
+    assert "per rank (experts split)" in rows["memory"]
+    assert any("would hang" in e for e in report(moe["mixtral"], dp_sync="never").errors)
+    assert any("needs a mixture-of-experts target" in e for e in report(models["target"]).errors)
+    assert any("at least as many experts" in e for e in report(moe["mixtral"], data_parallel_size=5).errors)
+    skip = run_preflight(validate({"model": str(moe["mixtral"]), "max_model_len": 64, "device": "cpu",
+                                   "speculative": {"model": str(models["draft"]), "policy": "skip"},
+                                   "parallel": {"data_parallel_size": 2, "enable_expert_parallel": True}}))
+    assert any("would hang" in e for e in skip.errors)
+
+
+def test_each_rank_reads_only_its_experts(moe):
+    import torch
+    from types import SimpleNamespace
+
+    from specdp_cli.runtime.model import load_model
+
+    for rank, want in ((0, range(0, 2)), (1, range(2, 3)), (2, range(3, 4))):
+        m = load_model(str(moe["mixtral"]), torch.float32, torch.device("cpu"), 64,
+                       ep=SimpleNamespace(world=3, rank=rank))
+        for layer in m.layers:
+            assert layer.moe.experts == want and layer.moe.gate_up.shape[0] == len(want)
+            assert layer.moe.router.shape[0] == 4          # the router stays whole: every rank routes every token

@@ -59,6 +59,7 @@ class DPGroup:
         self.step_group = None
         self.local = None                 # LocalExchange: the step sync's transport on one machine
         self.collectives = 0
+        self._at: tuple[int, str] = (0, "start-up")          # where the rank is (for collectives inside forwards)
         self._watchdog: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -153,7 +154,43 @@ class DPGroup:
     # -- stepping collectives -------------------------------------------------------------------
 
     def publish(self, step: int, what: str) -> None:
+        self._at = (step, what)
         self.status.set(step, what)
+
+    # -- expert parallelism: inside a MoE layer's forward (the step group; graph-capturable on NCCL) --
+
+    def ep_all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, h] on every rank -> [world * N, h], rank r's rows at r * N (N is the same on every rank:
+        the step's forward sizes were agreed in the step sync)."""
+        if self.world == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        self._check(("all_gather", "-", tuple(x.shape), str(x.dtype), *self._at))
+        if self.comm_device.type == "cuda":
+            out = torch.empty((self.world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+            self._run(lambda: dist.all_gather_into_tensor(out, x, group=self.step_group), *self._at)
+            return out
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        self._run(lambda: dist.all_gather(parts, x, group=self.step_group), *self._at)
+        return torch.cat(parts)
+
+    def ep_reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        """[world * N, h] partial sums on every rank -> this rank's N rows of their sum."""
+        if self.world == 1:
+            return x
+        import torch.distributed as dist
+
+        N = x.shape[0] // self.world
+        self._check(("reduce_scatter", "sum", tuple(x.shape), str(x.dtype), *self._at))
+        if self.comm_device.type == "cuda":
+            out = torch.empty((N, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            self._run(lambda: dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM,
+                                                         group=self.step_group), *self._at)
+            return out
+        self._run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.step_group), *self._at)   # gloo: no reduce_scatter
+        return x[self.rank * N:(self.rank + 1) * N]
 
     def sync_step(self, fields: list[int], step: int) -> list[list[int]]:
         """Start of a step: in lockstep, every rank's `fields` (the sizes of its step's forwards) in
@@ -200,8 +237,8 @@ class DPGroup:
         raise OutOfStepError(f"ranks are out of step (their collective sequences differ): {listing}")
 
     def _check(self, desc: tuple) -> None:
-        if not self.check:
-            return
+        if not self.check or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return      # (a CUDA graph being captured cannot hold the descriptor exchange; eager runs check)
         import torch.distributed as dist
 
         descs: list[Any] = [None] * self.world

@@ -126,7 +126,7 @@ class Engine:
 
         # rotary tables reach past M: a padding row of a drafter forward may sit up to k positions beyond
         positions = self.M + self.k + lookahead + 2
-        target = load_model(cfg.model, dtype, device, positions)
+        target = load_model(cfg.model, dtype, device, positions, ep=dp if plan.expert_parallel else None)
         draft = load_model(spec.model, dtype, device, positions) if meth.separate_lm else None
         head = load_head(spec.method, spec.model, target, dtype, device, positions) if meth.after_verify else None
         models = [m for m in (target, draft, head) if m is not None]

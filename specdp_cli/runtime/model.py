@@ -12,12 +12,13 @@ A forward: `hidden = model.forward(ids [N], meta)`, then `model.logits(hidden[ro
 from __future__ import annotations
 
 import importlib
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ..modeldir import FAMILIES, ModelDir, UnsupportedModel, architecture_of
+from ..modeldir import FAMILIES, ModelDir, UnsupportedModel, architecture_of, expert_split
 from . import ops
 from .ops import AttnMeta
 
@@ -33,22 +34,27 @@ class MoE:
     top_k: int
     renormalize: bool
     float_weights: bool
+    experts: range                       # the experts held here (gate_up[j] is expert experts[j])
+    ep: object | None = None             # expert parallelism: the DP group that holds the other experts
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         # every expert over every token, weighted by its routing weight (0 where not chosen): fixed
-        # shapes, so a CUDA graph holds it; the experts are added in index order, as transformers does
-        probs = torch.softmax(F.linear(h, self.router).float(), -1)
+        # shapes, so a CUDA graph holds it; the experts are added in index order, as transformers does.
+        # Under expert parallelism the ranks' tokens are gathered, each rank adds its experts' share, and
+        # a reduce-scatter returns each rank the sum for its own tokens.
+        x = h if self.ep is None else self.ep.ep_all_gather(h)
+        probs = torch.softmax(F.linear(x, self.router).float(), -1)
         w, idx = torch.topk(probs, self.top_k, -1)
         if self.renormalize:
             w = w / w.sum(-1, keepdim=True)
         if not self.float_weights:
-            w = w.to(h.dtype)
-        out = torch.zeros_like(h)
-        for e in range(self.router.shape[0]):
+            w = w.to(x.dtype)
+        out = torch.zeros_like(x)
+        for j, e in enumerate(self.experts):
             we = (w * (idx == e)).sum(-1, keepdim=True)
-            y = F.linear(ops.silu_and_mul(F.linear(h, self.gate_up[e])), self.down[e])
-            out += (y * we).to(h.dtype)
-        return out
+            y = F.linear(ops.silu_and_mul(F.linear(x, self.gate_up[j])), self.down[j])
+            out += (y * we).to(x.dtype)
+        return out if self.ep is None else self.ep.ep_reduce_scatter(out)
 
 
 @dataclass
@@ -149,7 +155,11 @@ class CausalLM:
 # ---------------------------------------------------------------------------------------------
 # loading
 
-def _read_weights(files: list[str], device: torch.device) -> dict[str, torch.Tensor]:
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _read_weights(files: list[str], device: torch.device, experts: set[int] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, but with `experts` set only those experts' per-expert tensors."""
     out: dict[str, torch.Tensor] = {}
     for f in files:
         if f.endswith(".safetensors"):
@@ -157,7 +167,9 @@ def _read_weights(files: list[str], device: torch.device) -> dict[str, torch.Ten
 
             with safe_open(f, framework="pt", device=str(device)) as fh:
                 for name in fh.keys():
-                    out[name] = fh.get_tensor(name)
+                    m = _EXPERT.search(name) if experts is not None else None
+                    if m is None or int(m.group(1)) in experts:
+                        out[name] = fh.get_tensor(name)
         else:
             out.update(torch.load(f, map_location=device, weights_only=True))
     return out
@@ -190,7 +202,7 @@ def rotary_tables(hf_config, model_type: str, arch: str, max_len: int) -> tuple[
     return (freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous()
 
 
-def _moe(c, model_type: str, i: int, p: str, get, path: str) -> MoE | None:
+def _moe(c, model_type: str, i: int, p: str, get, path: str, ep=None) -> MoE | None:
     """Layer i's sparse MLP, or None for a dense one. Experts are read as stored per expert
     (Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2; Qwen3-MoE: mlp.experts.{e}.gate/up/down_proj) or
     fused as transformers 5 holds them (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj)."""
@@ -206,22 +218,26 @@ def _moe(c, model_type: str, i: int, p: str, get, path: str) -> MoE | None:
         renormalize, float_weights = bool(getattr(c, "norm_topk_prob", False)), False
     else:
         return None
+    mine = expert_split(E, ep.world, ep.rank) if ep is not None else range(E)
     fused = get(block + "experts.gate_up_proj", False)
     if fused is not None:
-        gate_up, down = fused.contiguous(), get(block + "experts.down_proj").contiguous()
+        gate_up = fused[mine.start:mine.stop].contiguous()
+        down = get(block + "experts.down_proj")[mine.start:mine.stop].contiguous()
     else:
         g, u, d = names
         gate_up = torch.stack([torch.cat([get(f"{block}experts.{e}.{g}.weight"), get(f"{block}experts.{e}.{u}.weight")])
-                               for e in range(E)]).contiguous()
-        down = torch.stack([get(f"{block}experts.{e}.{d}.weight") for e in range(E)]).contiguous()
+                               for e in mine]).contiguous()
+        down = torch.stack([get(f"{block}experts.{e}.{d}.weight") for e in mine]).contiguous()
     router = get(block + "gate.weight")
-    if router.shape[0] != E or gate_up.shape[0] != E:
+    if router.shape[0] != E or gate_up.shape[0] != len(mine):
         raise UnsupportedModel(f"{path}: layer {i} has {router.shape[0]} router rows for {E} experts")
-    return MoE(router, gate_up, down, int(c.num_experts_per_tok), renormalize, float_weights)
+    return MoE(router, gate_up, down, int(c.num_experts_per_tok), renormalize, float_weights, mine,
+               ep if ep is not None and ep.world > 1 else None)
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int) -> CausalLM:
-    """Load a supported Hugging Face causal LM directory as specdp's decoder."""
+def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int, ep=None) -> CausalLM:
+    """Load a supported Hugging Face causal LM directory as specdp's decoder. `ep`: the DP group over
+    which a mixture-of-experts model's routed experts are split (each rank reads only its own)."""
     from transformers import AutoConfig
 
     md = ModelDir.open(path, "model")
@@ -230,7 +246,11 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     c = AutoConfig.from_pretrained(path)
     if getattr(c, "hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"{path}: hidden_act {c.hidden_act!r} is not supported (silu only)")
-    w = _read_weights(md.weight_files, device)
+    experts = None
+    if ep is not None:            # read only this rank's experts
+        E = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
+        experts = set(expert_split(E, ep.world, ep.rank))
+    w = _read_weights(md.weight_files, device, experts)
     prefix = "model." if "model.embed_tokens.weight" in w else ""
 
     def get(name: str, required: bool = True) -> torch.Tensor | None:
@@ -252,7 +272,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     layers = []
     for i in range(c.num_hidden_layers):
         p = f"layers.{i}."
-        moe = _moe(c, model_type, i, p, get, path)
+        moe = _moe(c, model_type, i, p, get, path, ep)
         if types:
             window = c.sliding_window if types[i] == "sliding_attention" else None
         else:
