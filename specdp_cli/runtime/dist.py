@@ -3,13 +3,15 @@
 The stepping collective (`sync_step`, one per step) only exists in lockstep (`dp_sync: always`).
 It is a single MAX all-reduce over a vector in which rank r writes its fields at row r (the sizes
 of every forward of its step, whether it has work), plus `tag` and `-tag` at the end (tag = hash
-of step and phase). One collective returns every rank's fields *and*
-max(tag), -min(tag): if they differ the ranks are out of step, and a second collective gathers
-each rank's phase for the message. When every rank runs on one machine the same exchange goes
-through Unix datagrams instead of NCCL/gloo (`local_exchange.py`: a tenth of the cost, no GPU work). So a divergence is caught at the first collective where ranks
-disagree, not by a timeout. Because the step sync carries every forward's size, every rank knows
-the padded size (and CUDA graph) of each forward of the step before the first one runs, with no
-collective or host sync between forwards.
+of step and phase). One collective returns every rank's fields *and* max(tag), -min(tag): if they
+differ the ranks are out of step, and a second collective gathers each rank's phase for the
+message. So a divergence is caught at the first collective where ranks disagree, not by a timeout.
+When every rank runs on one machine the same exchange goes through Unix datagrams instead of
+NCCL/gloo (`local_exchange.py`: a tenth of the cost, no GPU work). Because the step sync carries
+every forward's size, every rank knows the padded size (and CUDA graph) of each forward of the
+step before the first one runs, with no collective or host sync between forwards. Expert
+parallelism adds two collectives inside every MoE forward (`ep_all_gather`, `ep_reduce_scatter`),
+the same on every rank because the forwards' sizes were agreed.
 
 `check_collectives` also compares a full descriptor (op, shape, dtype, step, phase) before every
 collective. Stepping collectives use `collective_timeout_s`; start-up and result collectives use
@@ -189,7 +191,8 @@ class DPGroup:
             self._run(lambda: dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM,
                                                          group=self.step_group), *self._at)
             return out
-        self._run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.step_group), *self._at)   # gloo: no reduce_scatter
+        # gloo has no reduce-scatter: sum everything, keep this rank's rows
+        self._run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.step_group), *self._at)
         return x[self.rank * N:(self.rank + 1) * N]
 
     def sync_step(self, fields: list[int], step: int) -> list[list[int]]:

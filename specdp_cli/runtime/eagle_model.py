@@ -187,8 +187,8 @@ def load_eagle3_head(path: str, target: CausalLM, dtype: torch.dtype, device: to
     if d2t is not None:
         ids = torch.arange(d2t.shape[0], device=d2t.device) + d2t.long()
         if d2t.shape[0] != lm_head.shape[0] or int(ids.min()) < 0 or int(ids.max()) >= target.vocab_size:
-            raise UnsupportedModel(f"{path}: d2t maps {d2t.shape[0]} draft ids outside the target's 0..{target.vocab_size - 1} "
-                                   f"(or does not match lm_head's {lm_head.shape[0]} rows)")
+            raise UnsupportedModel(f"{path}: d2t maps {d2t.shape[0]} draft ids outside the target's "
+                                   f"0..{target.vocab_size - 1} (or does not match lm_head's {lm_head.shape[0]} rows)")
     embed = get("embed_tokens.weight", False)
     cos, sin = rotary_tables(config, "llama", "LlamaForCausalLM", max(max_len, 1))
     return Eagle3Head(config, layer, get(p + "hidden_norm.weight"), fc, target.embed if embed is None else embed,

@@ -166,7 +166,9 @@ class Engine:
 
         self.graphs = 0
         self.step_graphs: dict[tuple, tuple] = {}
-        if device.type == "cuda" and not cfg.enforce_eager:
+        # expert parallelism runs eagerly for now: capturing its NCCL collectives in CUDA graphs is not yet
+        # verified on a GPU machine
+        if device.type == "cuda" and not cfg.enforce_eager and not plan.expert_parallel:
             self.graph_pool = torch.cuda.graph_pool_handle()
             with torch.no_grad():
                 self.graphs = sum(r.capture({T: self.row_sizes if T == self.T_chunk else self.decode_sizes
@@ -186,6 +188,7 @@ class Engine:
                               if self.launch else "")
                            + f"; KV cache {num_blocks} blocks x {bs} tokens; {self.graphs} CUDA graphs"
                            + (" (enforce_eager)" if cfg.enforce_eager and device.type == "cuda" else "")
+                           + (" (expert parallel: eager)" if plan.expert_parallel and device.type == "cuda" else "")
                            + (f"; step sync over {dp.sync_transport}" if dp.lockstep else ""))
         self.counters = RankCounters()
         self.step_no = 0
@@ -430,7 +433,9 @@ class Engine:
             ids[:, 1:W] = torch.where(n.view(R, 1) > 0, drafts, ids[:, 1:W])
         logits = t.forward(R, T, ctx.graphs)
         out, n_out = verify(logits[:, :W], ids[:, 1:W], n, probs, ctx.rt, inp.col(FIRST, R))
-        proposed = self.drafter.propose_after(ctx, out, n_out) if ctx.drafter_runs and self.drafter.after_verify else None
+        proposed = None
+        if ctx.drafter_runs and self.drafter.after_verify:
+            proposed = self.drafter.propose_after(ctx, out, n_out)
         return out, n_out, proposed
 
     @staticmethod

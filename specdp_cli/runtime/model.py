@@ -22,6 +22,7 @@ from ..modeldir import FAMILIES, ModelDir, UnsupportedModel, architecture_of, ex
 from . import ops
 from .ops import AttnMeta
 
+
 @dataclass
 class MoE:
     """A sparse MLP: a router picks `top_k` of E experts per token (softmax over the router's logits,
