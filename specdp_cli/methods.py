@@ -18,11 +18,13 @@ class Method:
     forward: bool                # runs model forwards (lockstep pads them on idle ranks: policy dummy)
     after_verify: bool = False   # proposes the next step's drafts after this step's verification
     separate_lm: bool = False    # the drafter is a causal LM of its own (architecture, tokenizer, vocabulary)
+    drafts: bool = True          # False: plain decoding (k = 0)
+    prompt_lookup: bool = False  # drafts by n-gram lookup in the sequence itself (prompt_lookup_min/max)
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("none", None, False),
-    Method("ngram", None, False),
+    Method("none", None, False, drafts=False),
+    Method("ngram", None, False, prompt_lookup=True),
     Method("draft_model", "drafter", True, separate_lm=True),
     Method("eagle", "EAGLE head", True, after_verify=True),
     Method("eagle3", "EAGLE-3 head", True, after_verify=True),

@@ -182,7 +182,7 @@ def run_preflight(cfg: Config) -> Report:
 
     # 7. scheduler -------------------------------------------------------------------------------
     s = cfg.scheduler
-    per_seq = (k + 1) if spec.method != "none" else 1
+    per_seq = (k + 1) if meth.drafts else 1
     if s.max_num_batched_tokens < s.max_num_seqs * per_seq:
         report.add("scheduler", [("warn", f"max_num_batched_tokens ({s.max_num_batched_tokens}) < max_num_seqs x "
                                           f"(k + 1) = {s.max_num_seqs} x {per_seq}: a full batch's verification "
@@ -330,12 +330,12 @@ def _lengths(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None
         else:
             out.append(("error", f"max_model_len {M} exceeds the target's max_position_embeddings {mpe}: "
                                  f"set max_model_len <= {mpe}."))
-    if spec.method != "none" and k + 1 >= M:
+    if METHODS[spec.method].drafts and k + 1 >= M:
         out.append(("error", f"num_speculative_tokens + 1 = {k + 1} must be below max_model_len {M}."))
     if spec.max_model_len is not None and spec.max_model_len > M:
         out.append(("error", f"speculative.max_model_len {spec.max_model_len} is above max_model_len {M}: "
                              f"it may only lower the drafter's limit."))
-    if spec.method == "none":
+    if not METHODS[spec.method].drafts:
         out.insert(0, ("ok", f"M = {M} (no drafter)."))
         return out
     limits = {"max_model_len": M}
@@ -390,7 +390,7 @@ def _vocab(target: ModelDir, drafter: ModelDir, tok, dtok) -> list[tuple[str, st
 
 def _policy(cfg: Config, plan: Plan) -> list[tuple[str, str]]:
     spec = cfg.speculative
-    if spec.method == "none":
+    if not METHODS[spec.method].drafts:
         plan.policy = None
         return [("ok", "method none: no drafter, no policy.")]
     dp = cfg.parallel.data_parallel_size

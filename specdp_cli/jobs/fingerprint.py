@@ -45,13 +45,14 @@ def job_parts(cfg: Config, plan: Plan) -> dict[str, str]:
     decoding = {"method": spec.method, "dtype": plan.dtype, "device": plan.device,
                 "max_model_len": cfg.max_model_len, "seed": cfg.seed, "enforce_eager": cfg.enforce_eager,
                 "chat_template": cfg.chat_template}
-    if spec.method != "none":
+    meth = METHODS[spec.method]
+    if meth.drafts:
         decoding["k"] = spec.num_speculative_tokens
         decoding["drafter_max_model_len"] = plan.drafter_max_model_len
-    if spec.method == "ngram":
+    if meth.prompt_lookup:
         decoding["ngram"] = [spec.prompt_lookup_min, spec.prompt_lookup_max]
     return {"target model": _dir_id(cfg.model),
-            "drafter": _dir_id(spec.model) if METHODS[spec.method].loads else "none",
+            "drafter": _dir_id(spec.model) if meth.loads else "none",
             "tokenizer": _dir_id(cfg.tokenizer_path),
             "decoding settings": _hash(decoding)}
 

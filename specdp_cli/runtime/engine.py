@@ -117,7 +117,7 @@ class Engine:
         self.on_fault_exit = on_fault_exit or _exit_process
         spec = cfg.speculative
         meth = METHODS[spec.method]
-        self.k = spec.num_speculative_tokens if spec.method != "none" else 0
+        self.k = spec.num_speculative_tokens if meth.drafts else 0
         lookahead = self.k - 1 if meth.after_verify else 0     # positions an EAGLE head writes past the verified ones
         self.M = cfg.max_model_len
         self.D = plan.drafter_max_model_len or self.M
@@ -153,7 +153,7 @@ class Engine:
             runner = ModelRunner(head, device, self.inputs.block_table, bs, max_rows, [1, self.k + 1, self.T_chunk],
                                  window=1, keep_hidden="window")
             self.drafter = EagleDrafter(runner, self.target, self.k)
-        elif spec.method == "ngram":
+        elif meth.prompt_lookup:
             self.drafter = NgramDrafter(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
             self.drafter = NoDrafter()
