@@ -1,7 +1,7 @@
 """The speculative methods specdp runs: one table read by the config, preflight, the job fingerprint
 and the engine (no method names spread over them as string checks).
 
-A method either drafts on the host (`ngram`) or runs a model of its own (`draft_model`, `eagle`);
+A method either drafts on the host (`ngram`) or runs a model of its own (`draft_model`, `eagle`, `eagle3`);
 the latter is what lockstep must pad on idle ranks. An EAGLE head drafts from the target's hidden
 states, so it proposes *after* verification (vLLM's order: verify -> accept -> propose), and the
 drafts reach the next step with that step's results.
@@ -29,7 +29,3 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("eagle", "EAGLE head", True, after_verify=True),
     Method("eagle3", "EAGLE-3 head", True, after_verify=True),
 )}
-
-
-def method(name: str) -> Method:
-    return METHODS[name]
