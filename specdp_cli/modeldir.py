@@ -89,8 +89,13 @@ class ModelDir:
         return None
 
     @property
+    def num_experts(self) -> int:
+        """Routed experts per MoE layer (0 for a dense model)."""
+        return next((self.get(k) for k in MOE_KEYS if isinstance(self.get(k), int) and self.get(k) > 1), 0)
+
+    @property
     def is_moe(self) -> bool:
-        return any(isinstance(self.get(k), int) and self.get(k) > 1 for k in MOE_KEYS)
+        return self.num_experts > 0
 
     @property
     def vocab_size(self) -> int | None:

@@ -13,7 +13,7 @@ from typing import Optional
 
 from .config import Config
 from .methods import METHODS
-from .modeldir import (MOE_KEYS, ModelDir, ModelDirError, UnsupportedModel, architecture_of, aux_layer_ids,
+from .modeldir import (ModelDir, ModelDirError, UnsupportedModel, architecture_of, aux_layer_ids,
                        eagle_layout, expert_split, has_tokenizer_files, load_tokenizer)
 
 STATUS_ORDER = {"ok": 0, "warn": 1, "error": 2}
@@ -308,7 +308,7 @@ def _expert_parallel(cfg: Config, plan: Plan, target: ModelDir | None, moe: bool
         return [("error", "enable_expert_parallel with dp_sync never would hang: every forward of a mixture-of-experts "
                           "layer gathers the tokens of all ranks and sends each its experts' results, so a rank that "
                           "steps alone waits for the others forever. Set dp_sync: always (or auto).")]
-    experts = next(int(target.get(k)) for k in MOE_KEYS if isinstance(target.get(k), int) and target.get(k) > 1)
+    experts = target.num_experts
     if dp > experts:
         return [("error", f"enable_expert_parallel over {dp} ranks needs at least as many experts ({experts}): lower "
                           f"data_parallel_size or turn expert parallelism off.")]
@@ -435,8 +435,7 @@ def _memory(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None,
     target_weights = target.weight_bytes(plan.dtype)
     if plan.expert_parallel:         # each rank holds 1/dp of the routed experts (the most any rank holds)
         share = target.expert_share()
-        experts = next(int(target.get(k)) for k in MOE_KEYS if isinstance(target.get(k), int) and target.get(k) > 1)
-        most = -(-experts // cfg.parallel.data_parallel_size) / experts
+        most = -(-target.num_experts // cfg.parallel.data_parallel_size) / target.num_experts
         target_weights = int(target_weights * (1 - share + share * most))
     weights = target_weights + (drafter.weight_bytes(plan.dtype) if drafter else 0)
     per_token = target.kv_bytes_per_token(plan.dtype) + (drafter.kv_bytes_per_token(plan.dtype) if drafter else 0)

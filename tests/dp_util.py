@@ -65,3 +65,24 @@ def same_tokens(a: dict, b: dict) -> list[str]:
     bad = [k for k in a if k not in b or a[k].get("token_ids") != b[k].get("token_ids")
            or a[k].get("finish_reason") != b[k].get("finish_reason")]
     return bad + [k for k in b if k not in a]
+
+
+def text_rows(tokenizer_dir, lengths: list[int], max_tokens: list[int], seed: int) -> list[dict]:
+    """JSONL input rows with text prompts (random ids decoded: the CLI takes text)."""
+    from transformers import AutoTokenizer
+
+    from engine_util import prompts_of_lengths
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return [{"id": f"r{i}", "prompt": tok.decode(p), "max_tokens": mt}
+            for i, (p, mt) in enumerate(zip(prompts_of_lengths(lengths, seed=seed), max_tokens))]
+
+
+def lockstep_run_equals_dp1(tmp: Path, inp: Path, cfg: Path) -> list[dict]:
+    """Run `cfg` in this process at dp 1 and as the real command; assert the same tokens; return the
+    command's per-rank reports."""
+    run_in_process(cfg, inp, tmp / "ref.jsonl")
+    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp / "out.jsonl", "--summary-json", tmp / "s.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert same_tokens(read_out(tmp / "ref.jsonl"), read_out(tmp / "out.jsonl")) == []
+    return json.load(open(tmp / "s.json"))["ranks"]

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, run_in_process, same_tokens, write_jsonl
+from dp_util import HARD_TIMEOUT_S, dp_config, lockstep_run_equals_dp1, run_cli, text_rows, write_jsonl
 from engine_util import hf_reference, make_config, make_engine, prompts_of_lengths, run_engine
 from helpers import bigram_target, make_eagle_head
 
@@ -118,20 +118,11 @@ def test_seeded_sampling_does_not_depend_on_the_batch(models, eagle):
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
 def test_lockstep_dp2_equals_dp1_and_a_short_dummy_step_is_caught(tmp_path, models, eagle):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(models["tokenizer"]))
-    rows = [{"id": f"r{i}", "prompt": tok.decode(p), "max_tokens": mt}
-            for i, (p, mt) in enumerate(zip(prompts_of_lengths([30, 4, 7, 10, 13], seed=22), [30, 2, 9, 16, 5]))]
+    rows = text_rows(models["tokenizer"], [30, 4, 7, 10, 13], [30, 2, 9, 16, 5], seed=22)
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     cfg = dp_config(tmp_path, models["target"], eagle["head"], dp=2, dp_sync="always", method="eagle", k=3,
                     M=64, D=40, check=True)
-    run_in_process(cfg, inp, tmp_path / "ref.jsonl")
-    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
-                   tmp_path / "s.json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
-    ranks = json.load(open(tmp_path / "s.json"))["ranks"]
+    ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg)
     assert len({x["steps"] for x in ranks}) == 1 and any(x["padding_steps"] > 0 for x in ranks)
 
     cfg = dp_config(tmp_path, models["target"], eagle["head"], dp=2, dp_sync="always", method="eagle", k=3,
@@ -194,25 +185,9 @@ def test_preemption_keeps_outputs(tmp_path, models, eagle, method):
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
 def test_server_in_lockstep_equals_generate(tmp_path, models, eagle):
-    import openai
-    from typer.testing import CliRunner
+    from test_serve import serving
 
-    from specdp_cli.cli import app
-    from test_serve import KEY, PROMPTS, Server, free_port, server_config
-
-    port = free_port()
-    cfg = server_config(tmp_path, models, port, speculative={"method": "eagle", "model": str(eagle["head"])})
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p, "max_tokens": 16} for p in PROMPTS])
-    res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(inp), "--output", str(tmp_path / "o.jsonl"),
-                                   "--dp", "1"])
-    assert res.exit_code == 0, res.output
-    expected = [json.loads(x)["text"] for x in open(tmp_path / "o.jsonl")]
-    server = Server(cfg, port)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
-        got = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
-               for p in PROMPTS]
-        assert got == expected
+    with serving(tmp_path, models, speculative={"method": "eagle", "model": str(eagle["head"])}) as (
+            complete, expected, server):
+        assert complete() == expected
         assert server.metric("specdp:spec_decode_num_drafts") > 0
-    finally:
-        server.stop()

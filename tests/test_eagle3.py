@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, run_in_process, same_tokens, write_jsonl
+from dp_util import HARD_TIMEOUT_S, dp_config, lockstep_run_equals_dp1, text_rows, write_jsonl
 from engine_util import hf_reference, make_config, make_engine, prompts_of_lengths, run_engine
 from helpers import make_eagle3_head
 
@@ -148,18 +148,9 @@ def test_preflight_checks_the_target_layers(models, heads):
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
 def test_lockstep_dp3_equals_dp1(tmp_path, models, heads):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(models["tokenizer"]))
-    rows = [{"id": f"r{i}", "prompt": tok.decode(p), "max_tokens": mt}
-            for i, (p, mt) in enumerate(zip(prompts_of_lengths([30, 4, 7, 10, 13], seed=23), [30, 2, 9, 16, 5]))]
+    rows = text_rows(models["tokenizer"], [30, 4, 7, 10, 13], [30, 2, 9, 16, 5], seed=23)
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     cfg = dp_config(tmp_path, models["target"], heads["small_vocab"], dp=3, dp_sync="always", method="eagle3", k=3,
                     M=64, D=40, check=True)
-    run_in_process(cfg, inp, tmp_path / "ref.jsonl")
-    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
-                   tmp_path / "s.json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
-    ranks = json.load(open(tmp_path / "s.json"))["ranks"]
+    ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg)
     assert len(ranks) == 3 and len({x["steps"] for x in ranks}) == 1

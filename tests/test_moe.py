@@ -118,28 +118,10 @@ def test_each_rank_reads_only_its_experts(moe):
 def test_expert_parallel_server_equals_generate(tmp_path, models, moe):
     """Serving with the experts split over 2 ranks: a rank that holds no request still takes part in every
     MoE forward with its padding batch, and completions equal `generate` on one rank with every expert."""
-    import openai
-    from typer.testing import CliRunner
+    from test_serve import PROMPTS, serving
 
-    from specdp_cli.cli import app
-    from test_serve import KEY, PROMPTS, Server, free_port, server_config
-
-    port = free_port()
-    cfg = server_config(tmp_path, {**models, "target": moe["mixtral"]}, port,
-                        parallel={"enable_expert_parallel": True, "dp_sync": "auto"})
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p, "max_tokens": 16} for p in PROMPTS])
-    res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(inp), "--output", str(tmp_path / "o.jsonl"),
-                                   "--dp", "1"])
-    assert res.exit_code == 0, res.output
-    expected = [json.loads(x)["text"] for x in open(tmp_path / "o.jsonl")]
-    server = Server(cfg, port)
-    try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
-        one = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0)
-        assert one.choices[0].text == expected[0]       # one request: the other rank serves padding only
-        got = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
-               for p in PROMPTS]
-        assert got == expected
+    with serving(tmp_path, {**models, "target": moe["mixtral"]},
+                 parallel={"enable_expert_parallel": True, "dp_sync": "auto"}) as (complete, expected, server):
+        assert complete(PROMPTS[:1]) == expected[:1]        # one request: the other rank serves padding only
+        assert complete() == expected
         assert server.health() == 200
-    finally:
-        server.stop()

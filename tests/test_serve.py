@@ -1,4 +1,5 @@
 """`specdp serve` with dp = 2 on CPU, driven by the real `openai` client over a live port."""
+import contextlib
 import http.client
 import json
 import os
@@ -81,6 +82,30 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.communicate()
+
+
+@contextlib.contextmanager
+def serving(tmp, models, **config_extra):
+    """A dp-2 server over `server_config(..., **config_extra)`, with what `specdp generate` makes of
+    PROMPTS on one rank: yields (complete(prompts=PROMPTS) -> greedy texts, expected texts, Server)."""
+    port = free_port()
+    cfg = server_config(tmp, models, port, **config_extra)
+    inp = write_jsonl(tmp / "in.jsonl", [{"prompt": p, "max_tokens": 16} for p in PROMPTS])
+    res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(inp), "--output", str(tmp / "o.jsonl"),
+                                   "--dp", "1"])
+    assert res.exit_code == 0, res.output
+    expected = [json.loads(x)["text"] for x in open(tmp / "o.jsonl")]
+    server = Server(cfg, port)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+
+    def complete(prompts=PROMPTS):
+        return [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
+                for p in prompts]
+
+    try:
+        yield complete, expected, server
+    finally:
+        server.stop()
 
 
 @pytest.fixture(scope="module")

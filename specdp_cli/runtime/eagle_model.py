@@ -62,14 +62,18 @@ class EagleHead(CausalLM):
                                    layer.down, layer.down_bias)
 
 
-def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: torch.device, max_len: int) -> EagleHead:
-    md = ModelDir.open(path, "EAGLE head")
-    w = _read_weights(md.weight_files, device)
-    if eagle_layout(w) != "eagle":
-        raise UnsupportedModel(f"{path}: not an EAGLE-1 head (expected fc.weight and layers.0.*)")
+def _open_head(path: str, layout: str, dtype: torch.dtype, device: torch.device):
+    """A head directory of `layout` ("eagle" / "eagle3"): its Llama config (the config class gives the
+    same defaults and rope handling as a target's) and `get(name, required=True)`, which takes a weight
+    out of the checkpoint in `dtype`."""
     from transformers import LlamaConfig
 
-    # the layer is a Llama layer: its config class gives the same defaults and rope handling as a target's
+    md = ModelDir.open(path, "EAGLE head")
+    w = _read_weights(md.weight_files, device)
+    if eagle_layout(w) != layout:
+        want = "fc.weight and layers.0.*" if layout == "eagle" else "midlayer.* and fc.weight"
+        raise UnsupportedModel(f"{path}: not an {'EAGLE-1' if layout == 'eagle' else 'EAGLE-3'} head "
+                               f"(expected {want})")
     config = LlamaConfig(**{k: v for k, v in md.config.items() if k not in ("architectures", "model_type")})
 
     def get(name: str, required: bool = True):
@@ -78,16 +82,25 @@ def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: tor
             raise UnsupportedModel(f"{path}: weight {name} is missing")
         return None if t is None else t.to(dtype)
 
-    p = "layers.0."
-    layer = Layer(
-        in_norm=None,
+    return md, config, get, w
+
+
+def _head_layer(path: str, get, w: dict, p: str, in_norm: torch.Tensor | None) -> Layer:
+    """The head's decoder layer under prefix `p` (no biases, no q/k norms, full attention)."""
+    if any(k.startswith(p + "self_attn.") and k.endswith(".bias") for k in w):
+        raise UnsupportedModel(f"{path}: attention biases in an EAGLE head are not supported")
+    return Layer(
+        in_norm=in_norm,
         qkv=torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"], 0).contiguous(),
         qkv_bias=None, o=get(p + "self_attn.o_proj.weight"), o_bias=None,
         post_norm=get(p + "post_attention_layernorm.weight"),
         gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0).contiguous(),
         gate_up_bias=None, down=get(p + "mlp.down_proj.weight"), down_bias=None, q_norm=None, k_norm=None, window=None)
-    if any(k.startswith(p + "self_attn.") and k.endswith(".bias") for k in w):
-        raise UnsupportedModel(f"{path}: attention biases in an EAGLE head are not supported")
+
+
+def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: torch.device, max_len: int) -> EagleHead:
+    _, config, get, w = _open_head(path, "eagle", dtype, device)
+    layer = _head_layer(path, get, w, "layers.0.", None)          # EAGLE-1's layer has no input norm
     fc, fc_bias = get("fc.weight"), get("fc.bias", False)
     if fc.shape != (target.embed.shape[1], 2 * target.embed.shape[1]):
         raise UnsupportedModel(f"{path}: fc.weight is {list(fc.shape)}, the target's hidden size is "
@@ -131,7 +144,7 @@ class Eagle3Head(CausalLM):
     def forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         N = ids.shape[0]
         layer, (k_cache, v_cache) = self.layers[0], self.kv_caches[0]
-        residual = self.feats[:N].clone()
+        residual = self.feats[:N]      # the stream grows in place: feats is refilled before every forward
         x = torch.cat([ops.rms_norm(F.embedding(ids, self.embed), layer.in_norm, self.eps),
                        ops.rms_norm(residual, self.hidden_norm, self.eps)], -1)
         a = self._attention(layer, x, meta, k_cache, v_cache)
@@ -150,28 +163,9 @@ class Eagle3Head(CausalLM):
 
 def load_eagle3_head(path: str, target: CausalLM, dtype: torch.dtype, device: torch.device,
                      max_len: int) -> Eagle3Head:
-    from transformers import LlamaConfig
-
-    md = ModelDir.open(path, "EAGLE-3 head")
-    w = _read_weights(md.weight_files, device)
-    if eagle_layout(w) != "eagle3":
-        raise UnsupportedModel(f"{path}: not an EAGLE-3 head (expected midlayer.* and fc.weight)")
-    config = LlamaConfig(**{k: v for k, v in md.config.items() if k not in ("architectures", "model_type")})
-
-    def get(name: str, required: bool = True):
-        t = w.pop(name, None)
-        if t is None and required:
-            raise UnsupportedModel(f"{path}: weight {name} is missing")
-        return None if t is None else t.to(dtype)
-
+    md, config, get, w = _open_head(path, "eagle3", dtype, device)
     p = "midlayer."
-    layer = Layer(
-        in_norm=get(p + "input_layernorm.weight"),
-        qkv=torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"], 0).contiguous(),
-        qkv_bias=None, o=get(p + "self_attn.o_proj.weight"), o_bias=None,
-        post_norm=get(p + "post_attention_layernorm.weight"),
-        gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0).contiguous(),
-        gate_up_bias=None, down=get(p + "mlp.down_proj.weight"), down_bias=None, q_norm=None, k_norm=None, window=None)
+    layer = _head_layer(path, get, w, p, get(p + "input_layernorm.weight"))
     if config.__dict__.get("norm_before_residual"):
         raise UnsupportedModel(f"{path}: norm_before_residual heads are not supported")
     aux = aux_layer_ids(md.config, target.num_layers)

@@ -249,8 +249,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
         raise UnsupportedModel(f"{path}: hidden_act {c.hidden_act!r} is not supported (silu only)")
     experts = None
     if ep is not None:            # read only this rank's experts
-        E = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
-        experts = set(expert_split(E, ep.world, ep.rank))
+        experts = set(expert_split(md.num_experts, ep.world, ep.rank))
     w = _read_weights(md.weight_files, device, experts)
     prefix = "model." if "model.embed_tokens.weight" in w else ""
 
