@@ -58,17 +58,27 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta
     if qkv.is_cuda:
         _triton().rope_and_store(qkv, cos, sin, meta.positions, meta.slot_mapping, k_cache, v_cache, H, KV, D)
         return
-    N = qkv.shape[0]
-    x = qkv.view(N, H + 2 * KV, D)
-    half = D // 2
-    c = cos[meta.positions].to(qkv.dtype).unsqueeze(1)
-    s = sin[meta.positions].to(qkv.dtype).unsqueeze(1)
-    qk = x[:, :H + KV]
-    x1, x2 = qk[..., :half].clone(), qk[..., half:].clone()
-    qk[..., :half] = x1 * c - x2 * s
-    qk[..., half:] = x2 * c + x1 * s
-    k_cache.view(-1, KV, D).index_copy_(0, meta.slot_mapping, x[:, H:H + KV])
-    v_cache.view(-1, KV, D).index_copy_(0, meta.slot_mapping, x[:, H + KV:])
+    x = qkv.view(qkv.shape[0], H + 2 * KV, D)
+    rotate(x[:, :H + KV], cos, sin, meta.positions)
+    store_kv(x[:, H:H + KV], x[:, H + KV:], meta, k_cache, v_cache)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
+    """Rotate x [N, heads, D] in place by each token's position (rotate-half convention: dims i and
+    i + D/2 form a pair). cos, sin: [max_pos, D // 2] float32. Plain torch on every device."""
+    half = x.shape[-1] // 2
+    c = cos[positions].to(x.dtype).unsqueeze(1)
+    s = sin[positions].to(x.dtype).unsqueeze(1)
+    x1, x2 = x[..., :half].clone(), x[..., half:].clone()
+    x[..., :half] = x1 * c - x2 * s
+    x[..., half:] = x2 * c + x1 * s
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Store k [N, KV, D] and v [N, KV, DV] into the caches [blocks, BS, KV, D(V)] at meta.slot_mapping.
+    Plain torch on every device: no host sync, so a CUDA graph holds it."""
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
