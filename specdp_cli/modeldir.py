@@ -10,7 +10,8 @@ from functools import cached_property
 MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 # architecture -> transformers' module name; specdp's decoder (runtime/model.py) runs all of them
 FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+            "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
+            "DeepseekV3ForCausalLM": "deepseek_v3"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
@@ -25,6 +26,11 @@ class UnsupportedModel(ValueError):
 
 def architecture_of(config: dict) -> str:
     """The supported architecture a config.json names, or UnsupportedModel saying what is supported."""
+    quantized = config.get("quantization_config")
+    if isinstance(quantized, dict):
+        # e.g. DeepSeek-V3's fp8 release: its weights need their scales, which specdp does not read
+        raise UnsupportedModel(f"quantized checkpoints ({quantized.get('quant_method', 'unknown method')}) are not "
+                               f"supported; give bfloat16, float16 or float32 weights")
     archs = config.get("architectures") or []
     for a in archs:
         if a in FAMILIES:
@@ -149,7 +155,12 @@ class ModelDir:
 
     def kv_shapes(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         """Per layer ((kv heads, key dim), (kv heads, value dim)), from config.json — what the loaded
-        model's `kv_shapes()` returns (runtime/model.py), known before loading it."""
+        model's `kv_shapes()` returns (runtime/model.py), known before loading it. DeepSeek's latent
+        attention (MLA) caches every head's expanded key [nope | rope] and its narrower value."""
+        if self.get("kv_lora_rank"):
+            heads = int(self.get("num_attention_heads"))
+            key = int(self.get("qk_nope_head_dim")) + int(self.get("qk_rope_head_dim"))
+            return [((heads, key), (heads, int(self.get("v_head_dim")))) for _ in range(self.num_layers)]
         kv = (self.kv_heads, self.head_dim)
         return [(kv, kv) for _ in range(self.num_layers)]
 
@@ -162,7 +173,8 @@ class ModelDir:
         return files or sorted(glob.glob(os.path.join(self.path, "*.bin")))
 
     def expert_share(self) -> float:
-        """The share of the weights' bytes that routed experts hold (safetensors headers; 0 if unknown)."""
+        """The share of the weights' bytes that routed experts hold (safetensors headers; 0 if unknown).
+        DeepSeek's `shared_experts` are not routed: every rank holds them whole."""
         sizes = {n: _numel(shape) for n, (_, shape) in self.tensor_headers.items()}
         total = sum(sizes.values())
         return sum(v for n, v in sizes.items() if ".experts." in n) / total if total else 0.0

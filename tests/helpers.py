@@ -240,3 +240,49 @@ def make_moe_dir(path: Path, tokenizer_dir: Path, family: str = "mixtral", hidde
     model.save_pretrained(str(path))
     tok.save_pretrained(str(path))
     return path
+
+
+def make_deepseek_dir(path: Path, tokenizer_dir: Path, q_lora_rank: int | None = 32, rope_interleave: bool = True,
+                      seed: int = 0, peaked: float = 3.0, mtp_layer: bool = True, **config_extra) -> Path:
+    """A random DeepSeek-V3 saved as a Hugging Face directory, with the tokenizer copied in: 3 layers (the
+    first dense), latent attention (4 heads, key [16 nope | 8 rope], value 16, kv_lora 32, q_lora
+    `q_lora_rank`), 4 routed experts in 2 groups (top 2 from the best group) and one shared expert. The
+    router (std 1) and a non-zero e_score_correction_bias make routing vary by token; weights of std 0.1
+    make attention position-dependent. With `mtp_layer`, tensors of a multi-token-prediction layer
+    (model.layers.3.*) are added, as DeepSeek-V3's checkpoints have them. `peaked` as in make_model_dir."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    hidden, experts = 64, 4
+    cfg = DeepseekV3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=32,
+                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                           n_routed_experts=experts, num_experts_per_tok=2, n_group=2, topk_group=1,
+                           first_k_dense_replace=1, q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16,
+                           qk_rope_head_dim=8, v_head_dim=16, rope_interleave=rope_interleave,
+                           max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
+                           bos_token_id=0, eos_token_id=0, pad_token_id=1, **config_extra)
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.normal_(0, peaked / hidden ** 0.5)
+        model.get_input_embeddings().weight.normal_(0, 1.0)
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 1.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.3)
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    if mtp_layer:
+        f = next(path.glob("*.safetensors"))
+        sd = load_file(str(f))
+        last = f"model.layers.{cfg.num_hidden_layers - 1}."
+        sd.update({k.replace(last, f"model.layers.{cfg.num_hidden_layers}."): v.clone()
+                   for k, v in sd.items() if k.startswith(last)})
+        sd[f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight"] = torch.zeros(hidden, 2 * hidden)
+        save_file(sd, str(f), metadata={"format": "pt"})
+    return path

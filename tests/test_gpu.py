@@ -48,8 +48,9 @@ def test_triton_kernels_match_reference(dtype):
     ops.rope_and_store(q_gpu, cos.cuda(), sin.cuda(), ops.AttnMeta(pos.cuda(), slots.cuda(), None), kg, vg, H, KV, D)
     assert rel(q_gpu, q_ref) < tol and rel(kg, kc) < tol and rel(vg, vc) < tol
 
-    for H, KV, D in ((6, 2, 64), (4, 4, 64), (32, 8, 128), (4, 2, 48)):
-        kc, vc = rnd(40, BS, KV, D).cuda(), rnd(40, BS, KV, D).cuda()
+    # (4, 4, 24, 16): DeepSeek's latent attention caches keys wider than values
+    for H, KV, D, DV in ((6, 2, 64, 64), (4, 4, 64, 64), (32, 8, 128, 128), (4, 2, 48, 48), (4, 4, 24, 16)):
+        kc, vc = rnd(40, BS, KV, D).cuda(), rnd(40, BS, KV, DV).cuda()
         bt = torch.zeros(4, 16, dtype=torch.int32)
         perm = torch.randperm(39, generator=g) + 1
         bt[0, :5], bt[1, :3], bt[2, :10], bt[3, :10] = perm[:5], perm[5:8], perm[8:18], perm[8:18]
@@ -62,7 +63,7 @@ def test_triton_kernels_match_reference(dtype):
             for window in (None, 20):
                 m = ops.AttnMeta(p, None, bt, T)
                 assert rel(ops.paged_attention(q, kc, vc, m, 0.1, window),
-                           ops._attention_reference(q, kc, vc, m, 0.1, window)) < tol, (H, KV, D, T, window)
+                           ops._attention_reference(q, kc, vc, m, 0.1, window)) < tol, (H, KV, D, DV, T, window)
 
 
 def cuda_engine(cfg, plan):
@@ -121,11 +122,15 @@ def test_lockstep_dp2_nccl_with_checked_collectives(tmp_path, models):
     assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
 
 
-def test_moe_graphs_equal_eager_float32(models, tmp_path):
-    """A Mixtral target: its sparse MLP (every expert over every token, weighted) inside CUDA graphs."""
-    from helpers import make_moe_dir
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_moe_graphs_equal_eager_float32(models, tmp_path, family):
+    """A Mixtral target: its sparse MLP (every expert over every token, weighted) inside CUDA graphs; a
+    DeepSeek-V3 target: also its latent attention (rotation and KV store in plain torch), sigmoid routing
+    and shared expert."""
+    from helpers import make_deepseek_dir, make_moe_dir
 
-    target = make_moe_dir(tmp_path / "mixtral", models["tokenizer"], "mixtral", seed=3)
+    target = (make_moe_dir(tmp_path / family, models["tokenizer"], "mixtral", seed=3) if family == "mixtral"
+              else make_deepseek_dir(tmp_path / family, models["tokenizer"], seed=3))
     prompts = prompts_of_lengths([3, 9, 17, 26, 33])
     kw = dict(method="draft_model", k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda", cache=ROOM)
     out = {}

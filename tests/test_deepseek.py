@@ -1,0 +1,156 @@
+"""DeepSeek-V3 targets on specdp's decoder: latent attention (with and without a query LoRA rank, interleaved
+and plain rotary pairs, yarn's attention scale), dense layers before sigmoid-routed experts with group-limited
+choice, a correction bias and a shared expert. Logits equal transformers' and greedy float32 output equals
+it token for token, with and without a drafter; with the routed experts split over 2 or 3 ranks the outputs
+equal one rank's."""
+import json
+
+import pytest
+import torch
+
+from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, run_in_process, same_tokens, text_rows, write_jsonl
+from engine_util import hf_reference, make_config, make_engine, prompts_of_lengths, run_engine
+from helpers import make_deepseek_dir
+
+LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]
+YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 128,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory, models):
+    """lora: q_lora_rank 32, interleaved rotary pairs; plain: q_proj, rotate-half pairs; yarn: q_proj,
+    interleaved pairs, yarn rope whose mscale_all_dim changes the attention scale."""
+    root = tmp_path_factory.mktemp("deepseek")
+    tok = models["tokenizer"]
+    return {"lora": make_deepseek_dir(root / "lora", tok, seed=3),
+            "plain": make_deepseek_dir(root / "plain", tok, q_lora_rank=None, rope_interleave=False, seed=4),
+            "yarn": make_deepseek_dir(root / "yarn", tok, q_lora_rank=None, seed=5, rope_parameters=YARN)}
+
+
+def load(target, **kw):
+    from specdp_cli.runtime.model import load_model
+
+    return load_model(str(target), torch.float32, torch.device("cpu"), 64, **kw)
+
+
+@pytest.mark.parametrize("variant", ["lora", "plain", "yarn"])
+def test_logits_equal_transformers(deepseek, variant):
+    """One prefill of 40 tokens over three cache blocks: every position's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from specdp_cli.runtime.kv_cache import allocate_kv
+    from specdp_cli.runtime.ops import AttnMeta
+
+    torch.set_num_threads(1)
+    model = load(deepseek[variant])
+    allocate_kv(model, num_blocks=4, block_size=16)
+    n = 40
+    ids = torch.tensor(prompts_of_lengths([n], seed=8)[0])
+    meta = AttnMeta(positions=torch.arange(n), slot_mapping=torch.arange(n) + 16,
+                    block_table=torch.tensor([[1, 2, 3, 0]], dtype=torch.int32), T=n)
+    ref = AutoModelForCausalLM.from_pretrained(str(deepseek[variant]), dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model.logits(model.forward(ids, meta)), ref(ids.view(1, -1)).logits[0],
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant,method", [("lora", "none"), ("lora", "draft_model"), ("plain", "none"),
+                                            ("plain", "draft_model"), ("yarn", "none")])
+def test_greedy_equals_reference(models, deepseek, variant, method):
+    M = 64
+    cfg, plan = make_config(deepseek[variant], models["draft"], method=method, k=3, M=M, max_num_seqs=4,
+                            max_batched=24)
+    engine = make_engine(cfg, plan)
+    prompts = prompts_of_lengths(LENGTHS, seed=6)
+    done = run_engine(engine, prompts, max_tokens=30)
+    for i, p in enumerate(prompts):
+        ref = hf_reference(deepseek[variant], p, min(30, M - len(p)))
+        assert done[i].generated == ref, f"{variant} prompt {i} (length {len(p)})"
+
+
+def test_kv_shapes_known_before_loading(deepseek):
+    """Preflight sizes the KV pool from config.json: the loaded model caches exactly that."""
+    from specdp_cli.modeldir import ModelDir
+
+    for target in deepseek.values():
+        shapes = ModelDir.open(str(target), "model").kv_shapes()
+        assert shapes == load(target).kv_shapes() == [((4, 24), (4, 16))] * 3
+
+
+def test_each_rank_reads_only_its_experts(deepseek):
+    """Routed experts split (3 ranks, 4 experts: 2 + 1 + 1); the router, its bias and the shared expert whole
+    on every rank; the first layer dense; the multi-token-prediction layer (model.layers.3.*) never read."""
+    from types import SimpleNamespace
+
+    from specdp_cli.modeldir import ModelDir
+    from specdp_cli.runtime.model import _read_weights, _target_weight
+
+    for rank, want in ((0, range(2)), (1, range(2, 3)), (2, range(3, 4))):
+        m = load(deepseek["lora"], ep=SimpleNamespace(world=3, rank=rank))
+        assert m.layers[0].moe is None and m.layers[0].gate_up.shape == (256, 64)
+        for layer in m.layers[1:]:
+            moe = layer.moe
+            assert moe.experts == want and moe.gate_up.shape[0] == moe.down.shape[0] == len(want)
+            assert moe.router.shape == (4, 64) and moe.router.dtype == torch.float32
+            assert moe.sigmoid.bias.shape == (4,) and moe.sigmoid.bias.abs().sum() > 0
+            assert moe.shared_gate_up.shape == (64, 64) and moe.shared_down.shape == (64, 32)
+    md = ModelDir.open(str(deepseek["lora"]), "model")
+    assert any(name.startswith("model.layers.3.") for name in md.tensor_headers)
+    names = set(_read_weights(md.weight_files, torch.device("cpu"), _target_weight(3, {2})))
+    assert not any(name.startswith("model.layers.3.") for name in names)
+    assert {n for n in names if ".experts." in n} == {f"model.layers.{i}.mlp.experts.2.{w}_proj.weight"
+                                                      for i in (1, 2) for w in ("gate", "up", "down")}
+    assert "model.layers.1.mlp.shared_experts.gate_proj.weight" in names
+
+
+def test_expert_share_counts_routed_experts_only(deepseek):
+    from specdp_cli.modeldir import ModelDir, _numel
+
+    md = ModelDir.open(str(deepseek["lora"]), "model")
+    sizes = {n: _numel(shape) for n, (_, shape) in md.tensor_headers.items()}
+    routed = sum(v for n, v in sizes.items() if ".mlp.experts." in n)
+    assert md.num_experts == 4
+    assert md.expert_share() == pytest.approx(routed / sum(sizes.values()))
+
+
+def test_expert_parallel_preflight(models, deepseek):
+    from specdp_cli.config import validate
+    from specdp_cli.preflight import run_preflight
+
+    report = run_preflight(validate({"model": str(deepseek["lora"]), "max_model_len": 64, "device": "cpu",
+                                     "speculative": {"model": str(models["draft"])},
+                                     "parallel": {"data_parallel_size": 2, "enable_expert_parallel": True}}))
+    assert report.ok, report.errors
+    assert report.plan.expert_parallel and report.plan.dp_sync == "always" and report.plan.policy == "dummy"
+    rows = {c.name: c.detail for c in report.checks}
+    assert "DeepseekV3ForCausalLM" in rows["files"]
+    assert "4 experts per layer over 2 ranks (rank 0: 2, rank 1: 2)" in rows["parallel"]
+    assert "per rank (experts split)" in rows["memory"]
+
+
+def test_quantized_checkpoint_is_refused():
+    """DeepSeek-V3's published weights are fp8 with block scales: refused by name, not loaded as garbage."""
+    from specdp_cli.modeldir import UnsupportedModel, architecture_of
+
+    with pytest.raises(UnsupportedModel, match="quantized checkpoints \\(fp8\\)"):
+        architecture_of({"architectures": ["DeepseekV3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}})
+
+
+@pytest.mark.timeout(HARD_TIMEOUT_S * 3)
+@pytest.mark.parametrize("dp,method", [(2, "draft_model"), (3, "ngram")])
+def test_expert_parallel_equals_dp1(tmp_path, models, deepseek, dp, method):
+    """The routed experts split over the ranks (3 ranks, 4 experts: 2 + 1 + 1), the shared expert on every
+    rank added once: the outputs of one rank holding every expert."""
+    inp = write_jsonl(tmp_path / "in.jsonl", text_rows(models["tokenizer"], [20, 4, 9, 13, 6], [20, 3, 12, 7, 15],
+                                                       seed=25))
+    ref = dp_config(tmp_path, deepseek["lora"], models["draft"], dp=1, dp_sync="auto", method=method, k=3, M=64,
+                    name="ref.yaml")
+    run_in_process(ref, inp, tmp_path / "ref.jsonl")
+    cfg = dp_config(tmp_path, deepseek["lora"], models["draft"], dp=dp, dp_sync="auto", method=method, k=3, M=64,
+                    check=True, parallel={"enable_expert_parallel": True})
+    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
+                   tmp_path / "s.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
+    assert len(json.load(open(tmp_path / "s.json"))["ranks"]) == dp
