@@ -38,7 +38,10 @@ all)
   hf=$!
   timeout 150 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
   tail -3 "$out/gpu_tests.log"
-  offline offline_codepair_bs1 --pair $P --batches 1 --profile draft_model:1
+  m=none,ngram,draft_model; [ -d $P/eagle ] && m=$m,eagle; [ -d $P/eagle3 ] && m=$m,eagle3
+  offline offline_codepair_bs1 --pair $P --batches 1 --methods $m
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/step_probe.py --pair $P --methods none,draft_model,eagle \
+    --json "$out/step_probe.json" > /tmp/step_probe.log 2>&1 || tail -5 /tmp/step_probe.log
   offline offline_codepair_256 --pair $P --requests 256 --batches 32
   offline offline_codepair_eager --pair $P --batches 32 --methods none,draft_model --eager
   for i in $(seq 120); do [ -f /tmp/widened ] && break; sleep 2; done
@@ -48,7 +51,7 @@ all)
   for i in $(seq 60); do kill -0 $hf 2>/dev/null || break; sleep 2; done
   timeout ${DP_TIMEOUT:-170} python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
     --json "$out/dp_scaling.json" > /tmp/dp.log 2>&1; grep -v "^{" /tmp/dp.log | tail -28
-  grep -A22 "^profile:" /tmp/offline_codepair_bs1.log | cut -c1-60,100-175
+  grep '"wall_ms_per_step"' /tmp/step_probe.log | cut -c1-400
   for f in offline_codepair_bs1 offline_codepair_256 offline_codepair_eager offline_widened offline_memory; do
     grep -A8 "^method" /tmp/$f.log; done
   cat "$out/hf.jsonl"

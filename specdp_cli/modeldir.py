@@ -208,13 +208,37 @@ _TOKENIZERS: dict = {}
 def _load_tokenizer(path: str):
     if not os.path.isdir(path):
         raise ModelDirError(f"tokenizer directory not found: {path}")
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(path)
+        cls = _named_tokenizer_class(path)
+        if cls is None:
+            from transformers import AutoTokenizer as cls
+        return cls.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any failure here is a property of the user's files
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelDirError(f"tokenizer in {path} cannot be loaded: {first}") from None
+
+
+def _named_tokenizer_class(path: str):
+    """The class tokenizer_config.json names, when transformers exports it under that name (no remote
+    code): what AutoTokenizer would pick, loaded without AutoTokenizer's auto-model machinery, which in
+    some transformers releases (5.17) imports the generation stack — scikit-learn, pandas: 2-3 s of every
+    process's start-up. None: let AutoTokenizer decide."""
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as fh:
+            config = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    name = config.get("tokenizer_class") if isinstance(config, dict) else None
+    if not isinstance(name, str) or not name.isidentifier() or config.get("auto_map"):
+        return None
+    import transformers
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    try:
+        cls = getattr(transformers, name)
+    except (AttributeError, ImportError):      # unknown here, or its module needs a missing package
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase) else None
 
 
 def has_tokenizer_files(path: str) -> bool:

@@ -66,6 +66,26 @@ def test_triton_kernels_match_reference(dtype):
                            ops._attention_reference(q, kc, vc, m, 0.1, window)) < tol, (H, KV, D, DV, T, window)
 
 
+def test_forward_layout_kernel_matches_reference():
+    """A forward's positions, cache slots and logits rows: the Triton kernel against the torch reference
+    (padding rows, rows past their block table, windows past a row's end)."""
+    from types import SimpleNamespace
+
+    from specdp_cli.runtime.model_runner import ModelRunner
+    model = SimpleNamespace(vocab_size=8, embed=torch.zeros(1, 4), dtype=torch.float32)
+    bt = torch.randint(1, 50, (6, 9), dtype=torch.int32)
+    runners = [ModelRunner(model, torch.device(d), bt.to(d), 16, 6, [1, 5, 40], window=5) for d in ("cpu", "cuda")]
+    for T in (1, 5, 40):
+        start = torch.tensor([0, 15, 100, -1, 37, 130])
+        n_real = torch.tensor([1, 5, 3, 0, 40, 2]).clamp(max=T)
+        out_start = torch.tensor([0, 2, 4, 0, 35, 1]).clamp(max=T - 1)
+        for r in runners:
+            r.set_rows(6, start=start.to(r.device), n_real=n_real.to(r.device), out_start=out_start.to(r.device))
+        ref, got = (r._layout(6, T) for r in runners)
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b.cpu()), T
+
+
 def cuda_engine(cfg, plan):
     from specdp_cli.runtime.dist import DPGroup
     from specdp_cli.runtime.engine import Engine

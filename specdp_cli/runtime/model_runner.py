@@ -61,6 +61,9 @@ class ModelRunner:
         self.n_real = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.out_start = torch.zeros(max_rows, dtype=torch.long, device=device)
         self._t = torch.arange(T, device=device)
+        self._pos = torch.zeros(max_rows * T, dtype=torch.long, device=device)
+        self._slots = torch.zeros(max_rows * T, dtype=torch.long, device=device)
+        self._out_rows = torch.zeros(max_rows * window, dtype=torch.long, device=device)
         self._rows = torch.arange(max_rows, device=device)
         self.logits_out = torch.zeros((max_rows * window, model.vocab_size), dtype=torch.float32, device=device)
         self.keep_hidden = keep_hidden
@@ -86,7 +89,29 @@ class ModelRunner:
         return self._forward(R, T)
 
     def _forward(self, R: int, T: int) -> torch.Tensor:
-        BS = self.block_size
+        positions, slots, out_rows = self._layout(R, T)
+        meta = AttnMeta(positions, slots, self.block_table[:R], T)
+        hidden = self.model.forward(self.ids[:R * T], meta)
+        if self.keep_hidden == "all":
+            self.hidden[:R * T].copy_(hidden)
+        W = self.window
+        hidden = hidden[out_rows]
+        if self.keep_hidden == "window":
+            self.hidden[:R * W].copy_(hidden)
+        out = self.logits_out[:R * W]
+        out.copy_(self.model.logits(hidden))
+        return out.view(R, W, -1)
+
+    def _layout(self, R: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each token's position and cache slot [R * T], and the token rows of the logits window [R * W]."""
+        W, BS = self.window, self.block_size
+        if self.device.type == "cuda":
+            from .triton_kernels import forward_layout
+
+            pos, slots, rows = self._pos[:R * T], self._slots[:R * T], self._out_rows[:R * W]
+            forward_layout(self.start[:R], self.n_real[:R], self.out_start[:R], self.block_table[:R], T, W, BS,
+                           TRASH_BLOCK, pos, slots, rows)
+            return pos, slots, rows
         start = self.start[:R].clamp(min=0).view(R, 1)
         n_real = self.n_real[:R].view(R, 1)
         last = (n_real - 1).clamp(min=0)
@@ -95,18 +120,8 @@ class ModelRunner:
         bt = self.block_table[:R]
         blk = bt.gather(1, (pos // BS).clamp(max=bt.shape[1] - 1)).long()
         slots = torch.where(t < n_real, blk * BS + pos % BS, TRASH_BLOCK * BS)
-        meta = AttnMeta(pos.view(-1), slots.view(-1), bt, T)
-        hidden = self.model.forward(self.ids[:R * T], meta)
-        if self.keep_hidden == "all":
-            self.hidden[:R * T].copy_(hidden)
-        W = self.window
         cols = (self.out_start[:R].view(R, 1) + self._t[:W].view(1, W)).clamp(max=T - 1)
-        hidden = hidden[(self._rows[:R].view(R, 1) * T + cols).view(-1)]
-        if self.keep_hidden == "window":
-            self.hidden[:R * W].copy_(hidden)
-        out = self.logits_out[:R * W]
-        out.copy_(self.model.logits(hidden))
-        return out.view(R, W, -1)
+        return pos.view(-1), slots.view(-1), (self._rows[:R].view(R, 1) * T + cols).view(-1)
 
     def capture(self, sizes: dict[int, list[int]], pool) -> int:
         """Capture a CUDA graph per (padded rows, T) — sizes[T] lists the row counts — largest first,

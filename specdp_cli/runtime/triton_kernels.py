@@ -10,6 +10,9 @@ reference of each, which CPU runs and the GPU tests compare against).
   store of k and v into their cache slots, one program per token.
 - `add_rms_norm` / `rms_norm` and `silu_and_mul`: the fused elementwise steps of a decoder layer,
   rounding where Hugging Face's modules round so bf16 results stay close to theirs.
+- `forward_layout`: a forward's token positions, cache slots and logits rows from its per-row inputs,
+  in one kernel (at batch 1 a decoder layer is a handful of kernels of ~3 µs each, and the dozen tiny
+  torch ops this replaces cost as much as two layers).
 """
 from __future__ import annotations
 
@@ -103,6 +106,40 @@ def paged_attention(q, k_cache, v_cache, out, positions, block_table, T: int, sc
         G=G, G_PAD=G_PAD, D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
         BLOCK_Q=max(_pow2(T), 16 // min(G_PAD, 16)), BLOCK_N=64 if _pow2(D) <= 128 else 32, BS=BS,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# a forward's token layout
+
+@triton.jit
+def _forward_layout_kernel(start_ptr, n_real_ptr, out_start_ptr, bt_ptr, pos_ptr, slot_ptr, rows_ptr,
+                           stride_bt, max_blocks, T, W, trash_slot,
+                           BS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr):
+    r = tl.program_id(0)
+    start = tl.maximum(tl.load(start_ptr + r), 0)
+    n = tl.load(n_real_ptr + r)
+    t = tl.arange(0, BLOCK_T)
+    ok = t < T
+    pos = start + tl.minimum(t, tl.maximum(n - 1, 0))             # padding repeats the last position
+    col = tl.minimum(pos // BS, max_blocks - 1)
+    blk = tl.load(bt_ptr + r * stride_bt + col, mask=ok, other=0).to(tl.int64)
+    slot = tl.where(t < n, blk * BS + pos % BS, trash_slot)
+    tl.store(pos_ptr + r * T + t, pos, mask=ok)
+    tl.store(slot_ptr + r * T + t, slot, mask=ok)
+    w = tl.arange(0, BLOCK_W)
+    cols = tl.minimum(tl.load(out_start_ptr + r) + w, T - 1)
+    tl.store(rows_ptr + r * W + w, r * T + cols, mask=w < W)
+
+
+def forward_layout(start, n_real, out_start, block_table, T: int, W: int, block_size: int, trash_block: int,
+                   positions, slots, out_rows) -> None:
+    """For R rows (start, n_real, out_start [R] long; block_table [R, max_blocks] int32): positions and
+    slots [R * T] and the logits window's token rows out_rows [R * W], as ModelRunner's torch reference."""
+    R = start.shape[0]
+    if R:
+        _forward_layout_kernel[(R,)](start, n_real, out_start, block_table, positions, slots, out_rows,
+                                     block_table.stride(0), block_table.shape[1], T, W, trash_block * block_size,
+                                     BS=block_size, BLOCK_T=_pow2(T), BLOCK_W=_pow2(W), num_warps=1)
 
 
 # ---------------------------------------------------------------------------------------------

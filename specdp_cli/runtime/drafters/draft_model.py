@@ -24,6 +24,7 @@ class ModelDrafter(Drafter):
     def __init__(self, runner: ModelRunner, D: int, k: int):
         self.runner = runner
         self.D, self.k = D, k
+        self._js = torch.arange(2, k + 1, device=runner.device)
 
     def prefills(self, seq: Sequence) -> bool:
         """Whether the sequence drafts at all: at its first decode step (L = prefill + 1) it must fit
@@ -51,16 +52,22 @@ class ModelDrafter(Drafter):
 
         def take(j: int, logits: torch.Tensor) -> torch.Tensor:
             """Draw draft j (at position L + j - 1) of every row."""
-            d, p = draw(logits, ctx.rt, L + (j - 1), STREAM_DRAFT)
+            d, p = draw(logits, ctx.rt, None if ctx.rt["all_greedy"] else L + (j - 1), STREAM_DRAFT)
             tokens[:, j - 1] = d
             if p is not None:
                 probs.append(p)
             return d
 
         d = take(1, logits)
+        if K > 1:
+            # forwards 2..K feed draft j - 1 at position L + j - 2, in rows that draft at least j: the
+            # rows' starts advance by one in place, and which rows take part is one mask for all forwards
+            r.set_rows(R, start=L - 1)
+            taking = self._js[:K - 1].view(-1, 1) <= n.view(1, R)           # [K - 1, R]: forward j's rows
         for j in range(2, K + 1):
             ctx.publish(f"drafter forward {j}/{K}")
-            r.set_rows(R, d.view(R, 1), L + (j - 2), n >= j)      # feed draft j - 1 at its position
+            r.start[:R].add_(1)
+            r.set_rows(R, d.view(R, 1), n_real=taking[j - 2])
             d = take(j, r.forward(R, 1, ctx.graphs)[:, 0])
         if not probs:
             return tokens, None

@@ -60,11 +60,13 @@ class EagleDrafter(Drafter):
         drafts = torch.zeros((R, K), dtype=torch.long, device=r.device)
         drafts[:, 0] = d
         drafting = ((nxt < 0) & (n_real > 0)).long()          # decode rows and rows ending a prompt
-        pos = start + col
+        if K > 1:     # forwards 2..K: the rows' positions advance by one in place (from start + col + 1)
+            r.set_rows(R, start=start + col, n_real=drafting, out_start=self._zeros[:R])
         for j in range(2, K + 1):
             ctx.publish(f"drafter forward {j}/{K}")
             self.head.feats[:R].copy_(r.hidden[:R])            # the predicted feature is the next input's
-            r.set_rows(R, d.view(R, 1), pos + (j - 1), drafting, self._zeros[:R])
+            r.start[:R].add_(1)
+            r.set_rows(R, d.view(R, 1))
             d = r.forward(R, 1, ctx.graphs)[:, 0].argmax(-1)
             drafts[:, j - 1] = d
         return drafts
