@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -243,6 +244,15 @@ def aux_layer_ids(head_config: dict, target_layers: int) -> tuple[int, ...]:
     if ids:
         return tuple(int(i) for i in ids)
     return (2, target_layers // 2, target_layers - 3)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a tensor belongs to (`model.layers.{i}.…`), None for the others."""
+    m = _LAYER.search(name)
+    return None if m is None else int(m.group(1))
 
 
 def _numel(shape) -> int:

@@ -84,7 +84,7 @@ def test_each_rank_reads_only_its_experts(deepseek):
     from types import SimpleNamespace
 
     from specdp_cli.modeldir import ModelDir
-    from specdp_cli.runtime.model import _read_weights, _target_weight
+    from specdp_cli.runtime.model import _read_weights, _weights_of
 
     for rank, want in ((0, range(2)), (1, range(2, 3)), (2, range(3, 4))):
         m = load(deepseek["lora"], ep=SimpleNamespace(world=3, rank=rank))
@@ -97,7 +97,7 @@ def test_each_rank_reads_only_its_experts(deepseek):
             assert moe.shared_gate_up.shape == (64, 64) and moe.shared_down.shape == (64, 32)
     md = ModelDir.open(str(deepseek["lora"]), "model")
     assert any(name.startswith("model.layers.3.") for name in md.tensor_headers)
-    names = set(_read_weights(md.weight_files, torch.device("cpu"), _target_weight(3, {2})))
+    names = set(_read_weights(md.weight_files, torch.device("cpu"), _weights_of(range(3), {2})))
     assert not any(name.startswith("model.layers.3.") for name in names)
     assert {n for n in names if ".experts." in n} == {f"model.layers.{i}.mlp.experts.2.{w}_proj.weight"
                                                       for i in (1, 2) for w in ("gate", "up", "down")}

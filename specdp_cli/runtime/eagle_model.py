@@ -58,8 +58,7 @@ class EagleHead(CausalLM):
         residual = x
         a = self._attention(layer, x, meta, k_cache, v_cache)
         h = ops.rms_norm(a, layer.post_norm, self.eps, residual)          # residual += a
-        return residual + F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)),
-                                   layer.down, layer.down_bias)
+        return residual + self._mlp(layer, h)
 
 
 def _open_head(path: str, layout: str, dtype: torch.dtype, device: torch.device):
@@ -149,8 +148,7 @@ class Eagle3Head(CausalLM):
                        ops.rms_norm(residual, self.hidden_norm, self.eps)], -1)
         a = self._attention(layer, x, meta, k_cache, v_cache)
         h = ops.rms_norm(a, layer.post_norm, self.eps, residual)          # residual += a
-        m = F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
-        return residual + m
+        return residual + self._mlp(layer, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         draft = F.linear(ops.rms_norm(hidden, self.norm, self.eps), self.lm_head)
