@@ -104,14 +104,21 @@ def test_each_rank_reads_only_its_experts(deepseek):
     assert "model.layers.1.mlp.shared_experts.gate_proj.weight" in names
 
 
-def test_expert_share_counts_routed_experts_only(deepseek):
+def test_loaded_share_counts_held_experts_and_the_mtp_layer(deepseek):
+    """Preflight's weight bytes per rank: routed experts (not the shared one) scaled by the share a rank holds,
+    the MTP layer (model.layers.3.*) counted only for method mtp."""
     from specdp_cli.modeldir import ModelDir, _numel
 
     md = ModelDir.open(str(deepseek["lora"]), "model")
     sizes = {n: _numel(shape) for n, (_, shape) in md.tensor_headers.items()}
-    routed = sum(v for n, v in sizes.items() if ".mlp.experts." in n)
-    assert md.num_experts == 4
-    assert md.expert_share() == pytest.approx(routed / sum(sizes.values()))
+    total = sum(sizes.values())
+    mtp = sum(v for n, v in sizes.items() if n.startswith("model.layers.3."))
+    routed = sum(v for n, v in sizes.items() if ".mlp.experts." in n and not n.startswith("model.layers.3."))
+    routed_mtp = sum(v for n, v in sizes.items() if ".mlp.experts." in n and n.startswith("model.layers.3."))
+    assert md.num_experts == 4 and md.mtp_layers == 1 and mtp > 0
+    assert md.loaded_share() == pytest.approx((total - mtp) / total)
+    assert md.loaded_share(experts_held=0.5) == pytest.approx((total - mtp - routed / 2) / total)
+    assert md.loaded_share(mtp=True, experts_held=0.5) == pytest.approx((total - (routed + routed_mtp) / 2) / total)
 
 
 def test_expert_parallel_preflight(models, deepseek):
