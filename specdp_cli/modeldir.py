@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -172,12 +173,25 @@ class ModelDir:
         files = sorted(glob.glob(os.path.join(self.path, "*.safetensors")))
         return files or sorted(glob.glob(os.path.join(self.path, "*.bin")))
 
-    def expert_share(self) -> float:
-        """The share of the weights' bytes that routed experts hold (safetensors headers; 0 if unknown).
-        DeepSeek's `shared_experts` are not routed: every rank holds them whole."""
+    @property
+    def mtp_layers(self) -> int:
+        """Multi-token-prediction layers the config counts (DeepSeek-V3's num_nextn_predict_layers), stored
+        after the decoder layers as layers num_hidden_layers, num_hidden_layers + 1…"""
+        return int(self.get("num_nextn_predict_layers") or 0)
+
+    def loaded_share(self, mtp: bool = False, experts_held: float = 1.0) -> float:
+        """The share of the weights' bytes a rank loads (safetensors headers; 1.0 if unknown): the layers past
+        the decoder's only the first, and only with `mtp` (method mtp's drafter); of each routed expert's
+        tensors `experts_held` (expert parallelism). DeepSeek's `shared_experts` are not routed."""
         sizes = {n: _numel(shape) for n, (_, shape) in self.tensor_headers.items()}
         total = sum(sizes.values())
-        return sum(v for n, v in sizes.items() if ".experts." in n) / total if total else 0.0
+
+        def held(name: str) -> float:
+            layer = layer_index(name)
+            if layer is not None and layer >= self.num_layers and not (mtp and layer == self.num_layers):
+                return 0.0
+            return experts_held if ".experts." in name else 1.0
+        return sum(v * held(n) for n, v in sizes.items()) / total if total else 1.0
 
     def weight_bytes(self, dtype: str) -> int:
         """Bytes of the weights once loaded in `dtype` (files on disk, rescaled from their stored dtype)."""
@@ -267,6 +281,15 @@ def aux_layer_ids(head_config: dict, target_layers: int) -> tuple[int, ...]:
     if ids:
         return tuple(int(i) for i in ids)
     return (2, target_layers // 2, target_layers - 3)
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer a tensor belongs to (`model.layers.{i}.…`), None for the others."""
+    m = _LAYER.search(name)
+    return None if m is None else int(m.group(1))
 
 
 def _numel(shape) -> int:

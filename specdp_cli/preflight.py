@@ -13,8 +13,8 @@ from typing import Optional
 
 from .config import Config
 from .methods import METHODS
-from .modeldir import (ModelDir, ModelDirError, UnsupportedModel, architecture_of, aux_layer_ids,
-                       eagle_layout, expert_split, has_tokenizer_files, load_tokenizer)
+from .modeldir import (DTYPE_BYTES, ModelDir, ModelDirError, UnsupportedModel, architecture_of, aux_layer_ids,
+                       eagle_layout, expert_split, has_tokenizer_files, kv_bytes_per_token, load_tokenizer)
 
 STATUS_ORDER = {"ok": 0, "warn": 1, "error": 2}
 ACTIVATION_RESERVE = 1 << 30             # preflight's guess at activations + CUDA graphs on a GPU
@@ -144,7 +144,10 @@ def run_preflight(cfg: Config) -> Report:
             hint = f" (method {spec.method} needs it; or use method: ngram)" if not spec.model else ""
             findings.append(("error", f"{e}{hint}."))
     elif spec.model:
-        findings.append(("warn", f"speculative.model is set but method is {spec.method}: it is not used."))
+        findings.append(("warn", f"speculative.model is set but method is {spec.method}: it is not used"
+                                 + (" (the drafter is the target's own MTP layer)." if meth.in_target else ".")))
+    if meth.in_target and target is not None and target.weight_files:
+        findings.extend(_mtp_layer(target))
     try:
         tokenizer = load_tokenizer(cfg.tokenizer_path)
         findings.append(("ok", f"tokenizer loads ({len(tokenizer)} tokens)."))
@@ -240,6 +243,30 @@ def _eagle_head(target: ModelDir | None, head: ModelDir, method: str) -> list[tu
                 "the target's embedding" if "embed_tokens.weight" not in names else "its own embedding")
         out.append(("ok", f"EAGLE head {head.path} ({detail}, {head.stored_dtype} tensors; it uses {uses})."))
     return out
+
+
+def _mtp_layer(target: ModelDir) -> list[tuple[str, str]]:
+    """method mtp: the target's config counts multi-token-prediction layers and its weights hold the first
+    (DeepSeek-V3's layout: model.layers.{num_hidden_layers}.{enorm, hnorm, eh_proj, shared_head.*} and a
+    decoder layer)."""
+    N, n, names = target.num_layers, target.mtp_layers, target.tensor_headers
+    other = "use method ngram or draft_model"
+    if not n:
+        return [("error", f"method mtp drafts with the target's multi-token-prediction layer, but {target.path}'s "
+                          f"config.json sets no num_nextn_predict_layers: {other}.")]
+    prefix = "model." if f"model.layers.{N}.eh_proj.weight" in names else ""
+    p = f"{prefix}layers.{N}."
+    if p + "eh_proj.weight" not in names:
+        return [("error", f"{target.path}: config.json says num_nextn_predict_layers {n}, but the weights hold no "
+                          f"model.layers.{N}.eh_proj.weight (conversions for transformers often drop the MTP "
+                          f"layer): {other}, or a checkpoint that keeps it.")]
+    h, eh = target.get("hidden_size"), names[p + "eh_proj.weight"][1]
+    if h and eh != [h, 2 * h]:
+        return [("error", f"{target.path}: {p}eh_proj.weight has shape {eh}, expected [{h}, {2 * h}].")]
+    embed = "its own embedding" if p + "embed_tokens.weight" in names else "the target's embedding"
+    head = "its shared_head.head" if p + "shared_head.head.weight" in names else "the target's LM head"
+    first = f"; the first of {n} drafts all k tokens" if n > 1 else ""
+    return [("ok", f"MTP layer model.layers.{N}.* in the target's checkpoint ({embed}, {head}{first}).")]
 
 
 def _supported(role: str, md: ModelDir) -> tuple[str, str]:
@@ -432,13 +459,18 @@ def _memory(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None,
     """Weights and the paged KV cache's capacity, in tokens and in full-length sequences."""
     M, n, c = cfg.max_model_len, cfg.scheduler.max_num_seqs, cfg.cache
     bs = c.block_size
-    target_weights = target.weight_bytes(plan.dtype)
-    if plan.expert_parallel:         # each rank holds 1/dp of the routed experts (the most any rank holds)
-        share = target.expert_share()
-        most = -(-target.num_experts // cfg.parallel.data_parallel_size) / target.num_experts
-        target_weights = int(target_weights * (1 - share + share * most))
-    weights = target_weights + (drafter.weight_bytes(plan.dtype) if drafter else 0)
-    per_token = target.kv_bytes_per_token(plan.dtype) + (drafter.kv_bytes_per_token(plan.dtype) if drafter else 0)
+    mtp = METHODS[cfg.speculative.method].in_target
+    # under expert parallelism each rank holds 1/dp of the routed experts (the most any rank holds)
+    experts_held = (-(-target.num_experts // cfg.parallel.data_parallel_size) / target.num_experts
+                    if plan.expert_parallel else 1.0)
+    weights = int(target.weight_bytes(plan.dtype) * target.loaded_share(mtp, experts_held))
+    per_token = target.kv_bytes_per_token(plan.dtype)
+    if drafter:
+        weights += drafter.weight_bytes(plan.dtype)
+        per_token += drafter.kv_bytes_per_token(plan.dtype)
+    if mtp:                          # the MTP layer caches like one of the target's layers
+        per_token += kv_bytes_per_token(target.kv_shapes()[:1], DTYPE_BYTES.get(plan.dtype, 4))
+    with_mtp = " with the MTP layer" if mtp else ""
     per_seq = -(-M // bs)                                    # blocks of one full-length sequence
     mem = device_memory(plan.device)
     if c.num_blocks:
@@ -457,8 +489,9 @@ def _memory(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None,
     tokens = blocks * bs
     seqs = blocks // per_seq
     report.kv_cache = {"block_size": bs, "num_blocks": blocks, "tokens": tokens, "sequences": seqs}
-    numbers = (f"weights {_fmt_bytes(weights)}{' per rank (experts split)' if plan.expert_parallel else ''}; KV cache {blocks} blocks of {bs} tokens = {tokens} tokens "
-               f"({_fmt_bytes(per_token)} per token, {_fmt_bytes(tokens * per_token)}; from {how}): "
+    numbers = (f"weights {_fmt_bytes(weights)}{with_mtp}{' per rank (experts split)' if plan.expert_parallel else ''}; "
+               f"KV cache {blocks} blocks of {bs} tokens = {tokens} tokens "
+               f"({_fmt_bytes(per_token)} per token{with_mtp}, {_fmt_bytes(tokens * per_token)}; from {how}): "
                f"{seqs} sequences of max_model_len {M} at once")
     if blocks < per_seq:
         return [("error", f"{numbers}; not even one sequence of max_model_len {M} fits ({per_seq} blocks): raise "

@@ -18,8 +18,8 @@ HARD_TIMEOUT_S = 150
 def dp_config(tmp: Path, target, draft, dp=2, dp_sync="always", k=3, M=64, D=None, name="c.yaml",
               timeout_s=20, check=False, method="draft_model", max_num_seqs=4, **extra) -> Path:
     data = {"model": str(target), "max_model_len": M, "device": "cpu", "dtype": "float32",
-            "speculative": {"method": method, "model": str(draft), "num_speculative_tokens": k,
-                            "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+            "speculative": {"method": method, "num_speculative_tokens": k, "prompt_lookup_min": 1,
+                            "prompt_lookup_max": 3, **({"model": str(draft)} if draft is not None else {})},
             "parallel": {"data_parallel_size": dp, "dp_sync": dp_sync, "collective_timeout_s": timeout_s,
                          "check_collectives": check},
             "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": 128},

@@ -243,27 +243,33 @@ def make_moe_dir(path: Path, tokenizer_dir: Path, family: str = "mixtral", hidde
 
 
 def make_deepseek_dir(path: Path, tokenizer_dir: Path, q_lora_rank: int | None = 32, rope_interleave: bool = True,
-                      seed: int = 0, peaked: float = 3.0, mtp_layer: bool = True, **config_extra) -> Path:
+                      seed: int = 0, peaked: float = 3.0, mtp_layer: bool = True, bigram: bool = False,
+                      **config_extra) -> Path:
     """A random DeepSeek-V3 saved as a Hugging Face directory, with the tokenizer copied in: 3 layers (the
     first dense), latent attention (4 heads, key [16 nope | 8 rope], value 16, kv_lora 32, q_lora
     `q_lora_rank`), 4 routed experts in 2 groups (top 2 from the best group) and one shared expert. The
     router (std 1) and a non-zero e_score_correction_bias make routing vary by token; weights of std 0.1
-    make attention position-dependent. With `mtp_layer`, tensors of a multi-token-prediction layer
-    (model.layers.3.*) are added, as DeepSeek-V3's checkpoints have them. `peaked` as in make_model_dir."""
+    make attention position-dependent. With `mtp_layer` the checkpoint holds a multi-token-prediction layer
+    as DeepSeek-V3's do: model.layers.3.* (a fourth decoder layer, sparse) with enorm, hnorm, eh_proj [64, 128]
+    and shared_head.{norm, head}; config.json says num_hidden_layers 3, num_nextn_predict_layers 1.
+    With `bigram` the attention and MLP outputs are zero and every embedding row has RMS 1 (the next token
+    depends on the current one alone, as in `bigram_target`), and the MTP layer predicts it exactly: eh_proj
+    passes the next token's normed embedding through and its shared head is the target's norm and LM head.
+    `peaked` as in make_model_dir."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoTokenizer, DeepseekV3Config, DeepseekV3ForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    hidden, experts = 64, 4
+    hidden, experts, N = 64, 4, 3
     cfg = DeepseekV3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=32,
-                           num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-                           n_routed_experts=experts, num_experts_per_tok=2, n_group=2, topk_group=1,
+                           num_hidden_layers=N + int(mtp_layer), num_attention_heads=4, num_key_value_heads=4,
+                           n_shared_experts=1, n_routed_experts=experts, num_experts_per_tok=2, n_group=2, topk_group=1,
                            first_k_dense_replace=1, q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16,
                            qk_rope_head_dim=8, v_head_dim=16, rope_interleave=rope_interleave,
                            max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,
-                           bos_token_id=0, eos_token_id=0, pad_token_id=1, **config_extra)
+                           bos_token_id=0, eos_token_id=0, pad_token_id=1, num_nextn_predict_layers=1, **config_extra)
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(cfg)
     with torch.no_grad():
@@ -277,12 +283,33 @@ def make_deepseek_dir(path: Path, tokenizer_dir: Path, q_lora_rank: int | None =
                 b.normal_(0, 0.3)
     model.save_pretrained(str(path))
     tok.save_pretrained(str(path))
+    if not (mtp_layer or bigram):
+        return path
+    # the decoder layer past num_hidden_layers becomes the MTP layer's: config.json no longer counts it
+    set_config_json(path, num_hidden_layers=N)
+    f = next(path.glob("*.safetensors"))
+    sd = load_file(str(f))
+    if bigram:
+        for k in sd:
+            if k.endswith("o_proj.weight") or k.endswith("down_proj.weight"):
+                sd[k] = torch.zeros_like(sd[k])
+        e = sd["model.embed_tokens.weight"]
+        sd["model.embed_tokens.weight"] = e / e.pow(2).mean(-1, keepdim=True).sqrt()
     if mtp_layer:
-        f = next(path.glob("*.safetensors"))
-        sd = load_file(str(f))
-        last = f"model.layers.{cfg.num_hidden_layers - 1}."
-        sd.update({k.replace(last, f"model.layers.{cfg.num_hidden_layers}."): v.clone()
-                   for k, v in sd.items() if k.startswith(last)})
-        sd[f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight"] = torch.zeros(hidden, 2 * hidden)
-        save_file(sd, str(f), metadata={"format": "pt"})
+        g = torch.Generator().manual_seed(seed + 1)
+        mtp, head_std = f"model.layers.{N}.", peaked / hidden ** 0.5
+        sd.update({mtp + "enorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+                   mtp + "hnorm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+                   mtp + "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=g),
+                   mtp + "shared_head.norm.weight": 1 + 0.1 * torch.randn(hidden, generator=g),
+                   mtp + "shared_head.head.weight": torch.randn(len(tok), hidden, generator=g) * head_std})
+        if bigram:
+            eps = cfg.rms_norm_eps
+            sd[mtp + "enorm.weight"] = torch.ones(hidden)
+            # [I | 0] (times sqrt(1 + eps), undoing enorm's eps): the output is the next token's embedding
+            sd[mtp + "eh_proj.weight"] = torch.cat([torch.eye(hidden) * (1 + eps) ** 0.5,
+                                                    torch.zeros(hidden, hidden)], 1)
+            sd[mtp + "shared_head.norm.weight"] = sd["model.norm.weight"].clone()
+            sd[mtp + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
+    save_file(sd, str(f), metadata={"format": "pt"})
     return path

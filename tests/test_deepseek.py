@@ -84,7 +84,7 @@ def test_each_rank_reads_only_its_experts(deepseek):
     from types import SimpleNamespace
 
     from specdp_cli.modeldir import ModelDir
-    from specdp_cli.runtime.model import _read_weights, _target_weight
+    from specdp_cli.runtime.model import _read_weights, _weights_of
 
     for rank, want in ((0, range(2)), (1, range(2, 3)), (2, range(3, 4))):
         m = load(deepseek["lora"], ep=SimpleNamespace(world=3, rank=rank))
@@ -97,21 +97,28 @@ def test_each_rank_reads_only_its_experts(deepseek):
             assert moe.shared_gate_up.shape == (64, 64) and moe.shared_down.shape == (64, 32)
     md = ModelDir.open(str(deepseek["lora"]), "model")
     assert any(name.startswith("model.layers.3.") for name in md.tensor_headers)
-    names = set(_read_weights(md.weight_files, torch.device("cpu"), _target_weight(3, {2})))
+    names = set(_read_weights(md.weight_files, torch.device("cpu"), _weights_of(range(3), {2})))
     assert not any(name.startswith("model.layers.3.") for name in names)
     assert {n for n in names if ".experts." in n} == {f"model.layers.{i}.mlp.experts.2.{w}_proj.weight"
                                                       for i in (1, 2) for w in ("gate", "up", "down")}
     assert "model.layers.1.mlp.shared_experts.gate_proj.weight" in names
 
 
-def test_expert_share_counts_routed_experts_only(deepseek):
+def test_loaded_share_counts_held_experts_and_the_mtp_layer(deepseek):
+    """Preflight's weight bytes per rank: routed experts (not the shared one) scaled by the share a rank holds,
+    the MTP layer (model.layers.3.*) counted only for method mtp."""
     from specdp_cli.modeldir import ModelDir, _numel
 
     md = ModelDir.open(str(deepseek["lora"]), "model")
     sizes = {n: _numel(shape) for n, (_, shape) in md.tensor_headers.items()}
-    routed = sum(v for n, v in sizes.items() if ".mlp.experts." in n)
-    assert md.num_experts == 4
-    assert md.expert_share() == pytest.approx(routed / sum(sizes.values()))
+    total = sum(sizes.values())
+    mtp = sum(v for n, v in sizes.items() if n.startswith("model.layers.3."))
+    routed = sum(v for n, v in sizes.items() if ".mlp.experts." in n and not n.startswith("model.layers.3."))
+    routed_mtp = sum(v for n, v in sizes.items() if ".mlp.experts." in n and n.startswith("model.layers.3."))
+    assert md.num_experts == 4 and md.mtp_layers == 1 and mtp > 0
+    assert md.loaded_share() == pytest.approx((total - mtp) / total)
+    assert md.loaded_share(experts_held=0.5) == pytest.approx((total - mtp - routed / 2) / total)
+    assert md.loaded_share(mtp=True, experts_held=0.5) == pytest.approx((total - (routed + routed_mtp) / 2) / total)
 
 
 def test_expert_parallel_preflight(models, deepseek):

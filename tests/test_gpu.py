@@ -142,20 +142,21 @@ def test_lockstep_dp2_nccl_with_checked_collectives(tmp_path, models):
     assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
 
 
-@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
-def test_moe_graphs_equal_eager_float32(models, tmp_path, family):
+@pytest.mark.parametrize("family,method", [("mixtral", "draft_model"), ("deepseek_v3", "draft_model"),
+                                           ("deepseek_v3", "mtp")])
+def test_moe_graphs_equal_eager_float32(models, tmp_path, family, method):
     """A Mixtral target: its sparse MLP (every expert over every token, weighted) inside CUDA graphs; a
     DeepSeek-V3 target: also its latent attention (rotation and KV store in plain torch), sigmoid routing
-    and shared expert."""
+    and shared expert, with a drafter model or its own MTP layer."""
     from helpers import make_deepseek_dir, make_moe_dir
 
     target = (make_moe_dir(tmp_path / family, models["tokenizer"], "mixtral", seed=3) if family == "mixtral"
               else make_deepseek_dir(tmp_path / family, models["tokenizer"], seed=3))
     prompts = prompts_of_lengths([3, 9, 17, 26, 33])
-    kw = dict(method="draft_model", k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda", cache=ROOM)
+    kw = dict(method=method, k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda", cache=ROOM)
     out = {}
     for eager in (True, False):
-        cfg, plan = make_config(target, models["draft"], enforce_eager=eager, **kw)
+        cfg, plan = make_config(target, models["draft"] if method == "draft_model" else None, enforce_eager=eager, **kw)
         out[eager] = run_engine(cuda_engine(cfg, plan), prompts, max_tokens=30)
     for i, p in enumerate(prompts):
         assert out[False][i].generated == out[True][i].generated == hf_reference(target, p, min(30, 64 - len(p))), i

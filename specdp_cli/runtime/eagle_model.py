@@ -1,4 +1,5 @@
-"""EAGLE heads on specdp's decoder: EAGLE-1 (Li et al., 2024) and EAGLE-3 (Li et al., 2025).
+"""Drafting heads on specdp's decoder: EAGLE-1 (Li et al., 2024), EAGLE-3 (Li et al., 2025) and
+DeepSeek-V3's multi-token-prediction (MTP) layer. Each proposes after verification (`drafters/eagle.py`).
 
 EAGLE-1: one Llama decoder layer that predicts the target's next hidden state.
 
@@ -20,29 +21,36 @@ as vLLM takes them. The `midlayer` attends over [input_layernorm(embedding), hid
 vocabulary give logits, mapped to target ids by `d2t` (target id = draft id + d2t[draft id]). The
 next draft step feeds the stream before `norm` back in. The head's own `embed_tokens` is used when the
 checkpoint has one, else the target's.
+
+MTP (`method: mtp`): the layer DeepSeek-V3 trains beside its decoder and stores in the target's own
+checkpoint as layer num_hidden_layers (`model.layers.{N}.*`; transformers skips it): `enorm`, `hnorm`,
+`eh_proj` [h, 2h] (no bias), a full decoder layer (latent attention, MoE with shared experts) and
+`shared_head.{norm, head}`, with `embed_tokens` there too in some checkpoints (else the target's embedding;
+no `shared_head.head`: the target's LM head). A step: x = eh_proj(cat(enorm(embed(token)), hnorm(feature)))
+(the embedding first), then the decoder layer; logits = shared_head.head(shared_head.norm(output)). The
+first step's feature is the target's last hidden state (after its final norm, as vLLM passes it); the next
+steps feed back the layer's output before `shared_head.norm`, as vLLM's `deepseek_mtp` does when k exceeds
+the layers it has. Only the first MTP layer is used (DeepSeek-V3 has one). Under expert parallelism its
+MoE holds this rank's experts and exchanges tokens with the other ranks like the target's.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..modeldir import ModelDir, UnsupportedModel, aux_layer_ids, eagle_layout
+from ..modeldir import FAMILIES, ModelDir, UnsupportedModel, architecture_of, aux_layer_ids, eagle_layout
 from . import ops
-from .model import CausalLM, Layer, _read_weights, rotary_tables
+from .model import (CausalLM, Layer, _read_weights, _weights_of, decoder_layer, rank_experts, rotary_tables,
+                    weight_getter)
 from .ops import AttnMeta
 
 
-class EagleHead(CausalLM):
-    """Its forward reads the features of its N tokens from `self.feats[:N]` (a buffer the drafter
-    fills, or the target runner's hidden states), so a CUDA graph of it has fixed inputs."""
-
-    def __init__(self, config, layer: Layer, fc: torch.Tensor, fc_bias: torch.Tensor | None, target: CausalLM,
-                 cos: torch.Tensor, sin: torch.Tensor):
-        super().__init__(config, [layer], target.embed, None, target.lm_head, cos, sin)
-        self.fc, self.fc_bias = fc, fc_bias
-        self.feats: torch.Tensor | None = None
-
+class TargetFeatureHead(CausalLM):
+    """A head whose forward reads the features of its N tokens from `self.feats[:N]`: the target runner's
+    last hidden states (after the target's final norm), which the drafter overwrites with the head's own
+    output for forwards 2..k. Fixed inputs, so a CUDA graph of it replays."""
     needs_target_hidden = True          # the target runner keeps every token's last hidden state
+    feats: torch.Tensor | None = None
 
     def attach(self, target_runner) -> None:
         """Read the features of forward 1 — the target's last hidden states — in place."""
@@ -51,6 +59,13 @@ class EagleHead(CausalLM):
     def prepare_features(self, n: int) -> None:
         """Nothing to do: forward 1 reads the target's hidden states in place."""
 
+
+class EagleHead(TargetFeatureHead):
+    def __init__(self, config, layer: Layer, fc: torch.Tensor, fc_bias: torch.Tensor | None, target: CausalLM,
+                 cos: torch.Tensor, sin: torch.Tensor):
+        super().__init__(config, [layer], target.embed, None, target.lm_head, cos, sin)
+        self.fc, self.fc_bias = fc, fc_bias
+
     def forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         N = ids.shape[0]
         x = F.linear(torch.cat([F.embedding(ids, self.embed), self.feats[:N]], -1), self.fc, self.fc_bias)
@@ -58,8 +73,7 @@ class EagleHead(CausalLM):
         residual = x
         a = self._attention(layer, x, meta, k_cache, v_cache)
         h = ops.rms_norm(a, layer.post_norm, self.eps, residual)          # residual += a
-        return residual + F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)),
-                                   layer.down, layer.down_bias)
+        return residual + self._mlp(layer, h)
 
 
 def _open_head(path: str, layout: str, dtype: torch.dtype, device: torch.device):
@@ -149,8 +163,7 @@ class Eagle3Head(CausalLM):
                        ops.rms_norm(residual, self.hidden_norm, self.eps)], -1)
         a = self._attention(layer, x, meta, k_cache, v_cache)
         h = ops.rms_norm(a, layer.post_norm, self.eps, residual)          # residual += a
-        m = F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
-        return residual + m
+        return residual + self._mlp(layer, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         draft = F.linear(ops.rms_norm(hidden, self.norm, self.eps), self.lm_head)
@@ -190,7 +203,55 @@ def load_eagle3_head(path: str, target: CausalLM, dtype: torch.dtype, device: to
                       target.vocab_size, cos.to(device), sin.to(device), aux)
 
 
-def load_head(method: str, path: str, target: CausalLM, dtype: torch.dtype, device: torch.device, max_len: int):
-    """The EAGLE head of `method` ("eagle" or "eagle3")."""
-    load = {"eagle": load_eagle_head, "eagle3": load_eagle3_head}[method]
-    return load(path, target, dtype, device, max_len)
+class MTPHead(TargetFeatureHead):
+    """DeepSeek-V3's MTP layer (see the module docstring). forward returns the layer's output stream (the
+    feature of the next draft step); `logits` applies shared_head.norm and shared_head.head."""
+
+    def __init__(self, config, layer: Layer, enorm: torch.Tensor, hnorm: torch.Tensor, eh_proj: torch.Tensor,
+                 embed: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, target: CausalLM):
+        super().__init__(config, [layer], embed, norm, lm_head, target.cos, target.sin)
+        self.enorm, self.hnorm, self.eh_proj = enorm, hnorm, eh_proj
+
+    def forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        N = ids.shape[0]
+        layer, (k_cache, v_cache) = self.layers[0], self.kv_caches[0]
+        residual = F.linear(torch.cat([ops.rms_norm(F.embedding(ids, self.embed), self.enorm, self.eps),
+                                       ops.rms_norm(self.feats[:N], self.hnorm, self.eps)], -1), self.eh_proj)
+        a = self._attention(layer, ops.rms_norm(residual, layer.in_norm, self.eps), meta, k_cache, v_cache)
+        h = ops.rms_norm(a, layer.post_norm, self.eps, residual)          # residual += a
+        return residual + self._mlp(layer, h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(ops.rms_norm(hidden, self.norm, self.eps), self.lm_head)
+
+
+def load_mtp_head(path: str, target: CausalLM, dtype: torch.dtype, device: torch.device, ep=None) -> MTPHead:
+    """The first MTP layer of the target checkpoint at `path` (layer num_hidden_layers of `target`'s config),
+    with this rank's routed experts only under expert parallelism (`ep`, as in load_model)."""
+    md = ModelDir.open(path, "model")
+    c, i = target.config, target.config.num_hidden_layers
+    w = _read_weights(md.weight_files, device, _weights_of(range(i, i + 1), rank_experts(md, ep), top_level=False))
+    p = f"layers.{i}."
+    prefix = "model." if f"model.{p}eh_proj.weight" in w else ""
+    if prefix + p + "eh_proj.weight" not in w:
+        raise UnsupportedModel(f"{path}: no multi-token-prediction layer (weight model.{p}eh_proj.weight)")
+    get = weight_getter(w, prefix, path, dtype)
+    layer = decoder_layer(c, FAMILIES[architecture_of(md.config)], i, get, path, ep)
+    h = target.embed.shape[1]
+    eh_proj = get(p + "eh_proj.weight")
+    if eh_proj.shape != (h, 2 * h):
+        raise UnsupportedModel(f"{path}: {prefix}{p}eh_proj.weight is {list(eh_proj.shape)}, expected [{h}, {2 * h}]")
+    embed, head = get(p + "embed_tokens.weight", False), get(p + "shared_head.head.weight", False)
+    return MTPHead(c, layer, get(p + "enorm.weight"), get(p + "hnorm.weight"), eh_proj,
+                   target.embed if embed is None else embed, get(p + "shared_head.norm.weight"),
+                   target.lm_head if head is None else head, target)
+
+
+def load_head(method: str, path: str, target: CausalLM, dtype: torch.dtype, device: torch.device, max_len: int,
+              ep=None):
+    """The drafting head of `method`: an EAGLE head from its directory ("eagle", "eagle3"), or the MTP layer
+    of the target's checkpoint ("mtp"; `ep` splits its experts as the target's)."""
+    loaders = {"eagle": lambda: load_eagle_head(path, target, dtype, device, max_len),
+               "eagle3": lambda: load_eagle3_head(path, target, dtype, device, max_len),
+               "mtp": lambda: load_mtp_head(path, target, dtype, device, ep)}
+    return loaders[method]()

@@ -11,8 +11,8 @@ One step, whatever the rank holds:
      batch), the drafts staying on the device;
   5. one target forward verifies every row's drafts and prefills the prompt chunks;
   6. the rejection sampler accepts drafts and draws one more token per row, on the device;
-     (an EAGLE head runs its drafter phase here instead, after verification: it reads the target's
-     hidden states and proposes the next step's drafts — `drafters/eagle.py`)
+     (an EAGLE head or an MTP layer runs its drafter phase here instead, after verification: it
+     reads the target's hidden states and proposes the next step's drafts — `drafters/eagle.py`)
   7. one device-to-host copy brings the new tokens (and an EAGLE head's proposals) back for
      bookkeeping (stops, frees).
 Every forward is uniform (padded rows x T tokens; a prompt chunk takes several rows) and replays a
@@ -126,9 +126,11 @@ class Engine:
 
         # rotary tables reach past M: a padding row of a drafter forward may sit up to k positions beyond
         positions = self.M + self.k + lookahead + 2
-        target = load_model(cfg.model, dtype, device, positions, ep=dp if plan.expert_parallel else None)
+        ep = dp if plan.expert_parallel else None
+        target = load_model(cfg.model, dtype, device, positions, ep=ep)
         draft = load_model(spec.model, dtype, device, positions) if meth.separate_lm else None
-        head = load_head(spec.method, spec.model, target, dtype, device, positions) if meth.after_verify else None
+        head = (load_head(spec.method, cfg.model if meth.in_target else spec.model, target, dtype, device, positions,
+                          ep) if meth.after_verify else None)
         models = [m for m in (target, draft, head) if m is not None]
         t_loaded = time.time()
 
@@ -276,12 +278,13 @@ class Engine:
         if not any(f[4] for f in fields) and len({f[5] for f in fields}) == 1:
             return None
         Ks = [f[1] for f in fields]
-        if len(set(Ks)) > 1:
+        if len(set(Ks)) > 1 and self.faults.guard:
             self.dp.out_of_step([f"step {step}, start of step: {K} drafter forward{'' if K == 1 else 's'} planned"
                                  for K in Ks])
+        K = Ks[self.dp.rank if self.dp.lockstep else 0]      # the same on every rank unless the guard is off
         T_dec = max(f[2] for f in fields)
         wide = any(f[3] for f in fields)
-        return StepSizes(R_pad=pad_rows(max(max(f[0] for f in fields), 1), self.row_sizes), K=Ks[0], T_dec=T_dec,
+        return StepSizes(R_pad=pad_rows(max(max(f[0] for f in fields), 1), self.row_sizes), K=K, T_dec=T_dec,
                          T=self.T_chunk if wide else T_dec, T1=self.T_chunk if wide else 2)
 
     def _rows(self, plan, drafts: Drafts) -> list[RowSpec]:

@@ -4,6 +4,9 @@
                            even under policy dummy (vLLM PR #40589)
   single-dummy-forward:R   rank R runs 1 drafter forward instead of k over a padding batch (vLLM PR #26217)
   exit:R:S                 rank R exits with status 3 at the start of its step S (steps count from 1)
+  no-guard                 (tests) the step sync does not compare the ranks' drafter forwards: each rank
+                           runs the count it planned. With one of the first two, this shows what the guard
+                           prevents (the ranks' collectives no longer pair up: a timeout or a backend error)
 
 Comma-separated. A malformed entry or a rank >= N is refused at start.
 """
@@ -25,6 +28,7 @@ class Faults:
     skip_drafter: set[int] = field(default_factory=set)
     single_dummy_forward: set[int] = field(default_factory=set)
     exit_at: dict[int, int] = field(default_factory=dict)    # rank -> step
+    guard: bool = True                                       # the step sync compares drafter forwards
 
     @classmethod
     def parse(cls, text: str | None, world: int) -> "Faults":
@@ -39,6 +43,9 @@ class Faults:
             except ValueError:
                 nums = None
             kind = parts[0]
+            if item == "no-guard":
+                f.guard = False
+                continue
             if kind in ("skip-drafter", "single-dummy-forward") and nums is not None and len(nums) == 1:
                 (rank,) = nums
                 (f.skip_drafter if kind == "skip-drafter" else f.single_dummy_forward).add(rank)
@@ -47,7 +54,7 @@ class Faults:
                 f.exit_at[rank] = nums[1]
             else:
                 raise FaultSpecError(f"{ENV}: cannot read {item!r}; expected skip-drafter:R, "
-                                     f"single-dummy-forward:R or exit:R:S (S >= 1), comma-separated")
+                                     f"single-dummy-forward:R, exit:R:S (S >= 1) or no-guard, comma-separated")
             if not 0 <= rank < world:
                 raise FaultSpecError(f"{ENV}: {item!r} names rank {rank}, but ranks are 0..{world - 1}")
         return f

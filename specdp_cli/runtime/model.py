@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..modeldir import FAMILIES, ModelDir, UnsupportedModel, architecture_of, expert_split
+from ..modeldir import FAMILIES, ModelDir, UnsupportedModel, architecture_of, expert_split, layer_index
 from . import ops
 from .ops import AttnMeta
 
@@ -199,11 +199,7 @@ class CausalLM:
                 self._keep_aux(i, residual)
             x = self._attention(layer, h, meta, k_cache, v_cache)
             h = ops.rms_norm(x, layer.post_norm, self.eps, residual)
-            if layer.moe is not None:
-                x = layer.moe(h)
-            else:
-                x = F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down,
-                             layer.down_bias)
+            x = self._mlp(layer, h)
         out = ops.rms_norm(x, self.norm, self.eps, residual)
         if len(self.layers) in self.aux_layers:
             self._keep_aux(len(self.layers), residual)
@@ -214,6 +210,12 @@ class CausalLM:
         for j, at in enumerate(self.aux_layers):
             if at == layer:
                 self.aux_buf[:stream.shape[0], j * h:(j + 1) * h].copy_(stream)
+
+    @staticmethod
+    def _mlp(layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        if layer.moe is not None:
+            return layer.moe(h)
+        return F.linear(ops.silu_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
 
     def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
         if layer.mla is not None:
@@ -257,7 +259,6 @@ class CausalLM:
 # loading
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")      # routed experts only: ".shared_experts." does not match
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def _read_weights(files: list[str], device: torch.device,
@@ -277,13 +278,16 @@ def _read_weights(files: list[str], device: torch.device,
     return out
 
 
-def _target_weight(num_layers: int, experts: set[int] | None) -> Callable[[str], bool]:
-    """Which tensors a target reads: not those of layers past its decoder layers (DeepSeek-V3 stores its
-    multi-token-prediction module as layer num_hidden_layers: a drafter's weights, not the target's), and
-    with `experts` set (expert parallelism) only those routed experts' per-expert tensors."""
+def _weights_of(layers: range, experts: set[int] | None, top_level: bool = True) -> Callable[[str], bool]:
+    """Which tensors a model reads: those of the decoder layers in `layers` and, with `top_level`, those of
+    no layer (embedding, final norm, LM head); with `experts` set (expert parallelism) only those routed
+    experts' per-expert tensors. A target reads layers 0..num_hidden_layers - 1: DeepSeek-V3 stores its
+    multi-token-prediction layer as layer num_hidden_layers, a drafter's weights (`method: mtp`)."""
     def wanted(name: str) -> bool:
-        layer = _LAYER.search(name)
-        if layer is not None and int(layer.group(1)) >= num_layers:
+        layer = layer_index(name)
+        if layer is None:
+            return top_level
+        if layer not in layers:
             return False
         expert = _EXPERT.search(name) if experts is not None else None
         return expert is None or int(expert.group(1)) in experts
@@ -415,6 +419,59 @@ def _mla_scale(c) -> float:
     return scale
 
 
+def weight_getter(w: dict[str, torch.Tensor], prefix: str, path: str, dtype: torch.dtype):
+    """`get(name, required=True, as_dtype=None)`: takes weight `prefix + name` out of `w`, in `dtype`."""
+    def get(name: str, required: bool = True, as_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        t = w.pop(prefix + name, None)
+        if t is None:
+            if required:
+                raise UnsupportedModel(f"{path}: weight {prefix + name} is missing")
+            return None
+        return t.to(as_dtype or dtype)
+    return get
+
+
+def _cat(path: str, *ts: torch.Tensor | None) -> torch.Tensor | None:
+    if all(t is None for t in ts):
+        return None
+    if any(t is None for t in ts):
+        raise UnsupportedModel(f"{path}: some projections of a layer have a bias and others not")
+    return torch.cat(ts, 0).contiguous()
+
+
+def decoder_layer(c, model_type: str, i: int, get, path: str, ep=None) -> Layer:
+    """Decoder layer i (weights `layers.{i}.*` through `get`); `ep` as in load_model."""
+    p = f"layers.{i}."
+    moe = _moe(c, model_type, i, p, get, path, ep)
+    mla = _mla(c, p, get)
+    types = getattr(c, "layer_types", None)
+    if types:
+        window = c.sliding_window if types[i] == "sliding_attention" else None
+    else:
+        window = getattr(c, "sliding_window", None) if model_type == "mistral" else None
+    return Layer(
+        in_norm=get(p + "input_layernorm.weight"),
+        qkv=None if mla else _cat(path, get(p + "self_attn.q_proj.weight"), get(p + "self_attn.k_proj.weight"),
+                                  get(p + "self_attn.v_proj.weight")),
+        qkv_bias=None if mla else _cat(path, get(p + "self_attn.q_proj.bias", False),
+                                       get(p + "self_attn.k_proj.bias", False),
+                                       get(p + "self_attn.v_proj.bias", False)),
+        o=get(p + "self_attn.o_proj.weight"), o_bias=get(p + "self_attn.o_proj.bias", False),
+        post_norm=get(p + "post_attention_layernorm.weight"),
+        gate_up=None if moe else _cat(path, get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")),
+        gate_up_bias=None if moe else _cat(path, get(p + "mlp.gate_proj.bias", False),
+                                           get(p + "mlp.up_proj.bias", False)),
+        down=None if moe else get(p + "mlp.down_proj.weight"),
+        down_bias=None if moe else get(p + "mlp.down_proj.bias", False), moe=moe,
+        q_norm=get(p + "self_attn.q_norm.weight", False), k_norm=get(p + "self_attn.k_norm.weight", False),
+        window=int(window) if window else None, mla=mla)
+
+
+def rank_experts(md: ModelDir, ep) -> set[int] | None:
+    """The routed experts this rank reads under expert parallelism (None: all of them)."""
+    return None if ep is None else set(expert_split(md.num_experts, ep.world, ep.rank))
+
+
 def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int, ep=None) -> CausalLM:
     """Load a supported Hugging Face causal LM directory as specdp's decoder. `ep`: the DP group over
     which a mixture-of-experts model's routed experts are split (each rank reads only its own)."""
@@ -426,52 +483,9 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     c = AutoConfig.from_pretrained(path)
     if getattr(c, "hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"{path}: hidden_act {c.hidden_act!r} is not supported (silu only)")
-    experts = None
-    if ep is not None:            # read only this rank's experts
-        experts = set(expert_split(md.num_experts, ep.world, ep.rank))
-    w = _read_weights(md.weight_files, device, _target_weight(c.num_hidden_layers, experts))
-    prefix = "model." if "model.embed_tokens.weight" in w else ""
-
-    def get(name: str, required: bool = True, as_dtype: torch.dtype | None = None) -> torch.Tensor | None:
-        t = w.pop(prefix + name, None)
-        if t is None:
-            if required:
-                raise UnsupportedModel(f"{path}: weight {prefix + name} is missing")
-            return None
-        return t.to(as_dtype or dtype)
-
-    def cat(*ts):
-        if all(t is None for t in ts):
-            return None
-        if any(t is None for t in ts):
-            raise UnsupportedModel(f"{path}: some projections of a layer have a bias and others not")
-        return torch.cat(ts, 0).contiguous()
-
-    types = getattr(c, "layer_types", None)
-    layers = []
-    for i in range(c.num_hidden_layers):
-        p = f"layers.{i}."
-        moe = _moe(c, model_type, i, p, get, path, ep)
-        mla = _mla(c, p, get)
-        if types:
-            window = c.sliding_window if types[i] == "sliding_attention" else None
-        else:
-            window = getattr(c, "sliding_window", None) if model_type == "mistral" else None
-        layers.append(Layer(
-            in_norm=get(p + "input_layernorm.weight"),
-            qkv=None if mla else cat(get(p + "self_attn.q_proj.weight"), get(p + "self_attn.k_proj.weight"),
-                                     get(p + "self_attn.v_proj.weight")),
-            qkv_bias=None if mla else cat(get(p + "self_attn.q_proj.bias", False),
-                                          get(p + "self_attn.k_proj.bias", False),
-                                          get(p + "self_attn.v_proj.bias", False)),
-            o=get(p + "self_attn.o_proj.weight"), o_bias=get(p + "self_attn.o_proj.bias", False),
-            post_norm=get(p + "post_attention_layernorm.weight"),
-            gate_up=None if moe else cat(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")),
-            gate_up_bias=None if moe else cat(get(p + "mlp.gate_proj.bias", False), get(p + "mlp.up_proj.bias", False)),
-            down=None if moe else get(p + "mlp.down_proj.weight"),
-            down_bias=None if moe else get(p + "mlp.down_proj.bias", False), moe=moe,
-            q_norm=get(p + "self_attn.q_norm.weight", False), k_norm=get(p + "self_attn.k_norm.weight", False),
-            window=int(window) if window else None, mla=mla))
+    w = _read_weights(md.weight_files, device, _weights_of(range(c.num_hidden_layers), rank_experts(md, ep)))
+    get = weight_getter(w, "model." if "model.embed_tokens.weight" in w else "", path, dtype)
+    layers = [decoder_layer(c, model_type, i, get, path, ep) for i in range(c.num_hidden_layers)]
     embed = get("embed_tokens.weight")
     norm = get("norm.weight")
     head = w.pop("lm_head.weight", None)
