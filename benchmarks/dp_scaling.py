@@ -9,7 +9,10 @@ run of a session pays cold compile caches). Padding share = padding steps / step
 phase of 256x128 lasts under a second, so single runs are noisy: list a configuration several times and
 read the medians printed at the end ("x dp1" there is against the median of the dp 1 runs).
 
-Usage: python benchmarks/dp_scaling.py --pair PAIR_DIR [--runs 1:never,1:never,2:never,2:always]
+A run's mode is a dp_sync value, or `ep`: lockstep with the routed experts split over the ranks
+(`enable_expert_parallel`; a mixture-of-experts target).
+
+Usage: python benchmarks/dp_scaling.py --pair PAIR_DIR [--runs 1:never,1:never,2:never,2:always,2:ep]
        [--requests 256] [--cuts 4] [--new 128] [--max-num-seqs 32] [--method draft_model] --work DIR --json OUT.json
 """
 import argparse
@@ -21,6 +24,9 @@ import sys
 import time
 
 import yaml
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from specdp_cli.methods import METHODS  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from workloads import cut_prompts  # noqa: E402
@@ -54,9 +60,10 @@ def main() -> None:
         seen[name] = seen.get(name, 0) + 1
         cfg = {"model": os.path.join(a.pair, "target"), "tokenizer": os.path.join(a.pair, "tokenizer"),
                "dtype": "bfloat16", "device": "cuda", "max_model_len": 2048,
-               "speculative": {"method": a.method, "model": os.path.join(a.pair, "draft"),
-                               "num_speculative_tokens": a.k},
-               "parallel": {"data_parallel_size": dp, "dp_sync": mode},
+               "speculative": {"method": a.method, "num_speculative_tokens": a.k,
+                               **({"model": os.path.join(a.pair, "draft")} if METHODS[a.method].loads else {})},
+               "parallel": ({"data_parallel_size": dp, "dp_sync": "always", "enable_expert_parallel": True}
+                            if mode == "ep" else {"data_parallel_size": dp, "dp_sync": mode}),
                "scheduler": {"max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": 16384}}
         cfg_path = os.path.join(a.work, f"{name}.yaml")
         with open(cfg_path, "w") as fh:

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from specdp_cli.config import validate  # noqa: E402
+from specdp_cli.methods import METHODS  # noqa: E402
 from specdp_cli.preflight import run_preflight  # noqa: E402
 from specdp_cli.runtime.dist import DPGroup  # noqa: E402
 from specdp_cli.runtime.engine import Engine, RankCounters  # noqa: E402
@@ -76,8 +77,9 @@ def build(a, method: str, eager: bool, max_seqs: int) -> Engine:
         "model": a.target or os.path.join(a.pair, "target"), "tokenizer": os.path.join(a.pair, "tokenizer"),
         "dtype": a.dtype, "device": "cuda" if torch.cuda.is_available() else "cpu", "max_model_len": a.max_model_len,
         "enforce_eager": eager,
-        "speculative": {"method": method, "model": os.path.join(a.pair, method if method.startswith("eagle") else "draft"),
-                        "num_speculative_tokens": a.k},
+        "speculative": {"method": method, "num_speculative_tokens": a.k,
+                        **({"model": os.path.join(a.pair, method if method.startswith("eagle") else "draft")}
+                           if METHODS[method].loads else {})},
         "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": a.max_batched_tokens}})
     report = run_preflight(cfg)
     assert report.ok, report.errors

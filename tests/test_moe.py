@@ -71,9 +71,13 @@ def test_expert_parallel_equals_dp1(tmp_path, models, moe, dp, method):
     run_in_process(ref, inp, tmp_path / "ref.jsonl")
     cfg = dp_config(tmp_path, moe["qwen3_moe"], models["draft"], dp=dp, dp_sync="auto", method=method, k=3, M=64,
                     check=True, parallel={"enable_expert_parallel": True})
-    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl")
+    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
+                   tmp_path / "s.json")
     assert r.returncode == 0, r.stdout + r.stderr
     assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
+    # each rank holds its experts only (4 experts: 2 + 2, or 2 + 1 + 1)
+    held = [rank["expert_weight_bytes"] for rank in json.load(open(tmp_path / "s.json"))["ranks"]]
+    assert held == ([held[0]] * 2 if dp == 2 else [held[0], held[0] // 2, held[0] // 2]) and held[0] > 0
 
 
 def test_expert_parallel_preflight(tmp_path, models, moe):

@@ -144,6 +144,7 @@ def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float |
         "preemptions": sum(r["preemptions"] for r in rank_reports),
         "startup": startup,
         "launch_phases": launch,
-        "ranks": [{k: r[k] for k in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps",
-                                     "generated_tokens", "preemptions")} for r in rank_reports],
+        "ranks": [{k: r.get(k) for k in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps",
+                                         "generated_tokens", "preemptions", "weight_bytes", "expert_weight_bytes")}
+                  for r in rank_reports],
     }

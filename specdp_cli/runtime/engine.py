@@ -40,7 +40,7 @@ from .drafters.ngram import NgramDrafter
 from .eagle_model import load_head
 from .faults import EXIT_STATUS, Faults
 from .kv_cache import BlockPool, allocate_kv, kv_bytes_per_token
-from .model import load_model
+from .model import load_model, routed_expert_bytes
 from .model_runner import ModelRunner, capture_sizes, pad_rows
 from .output import OutputProcessor
 from .sampling import SamplingParams, row_tensors, verify
@@ -89,13 +89,16 @@ class RankCounters:
         self.generated_tokens = 0
         self.preemptions = 0
         self.spec = SpecStats()
+        self.weight_bytes: int | None = None       # device memory the loaded weights took (CUDA), None elsewhere
+        self.expert_weight_bytes = 0               # of which routed experts (this rank's share under EP)
         self.first_step_t: float | None = None     # wall clock (comparable across ranks of a machine)
         self.last_step_t: float | None = None
 
     def report(self, rank: int, requests: int) -> dict:
         return {"rank": rank, "requests": requests, "steps": self.steps, "padding_steps": self.padding_steps,
                 "skipped_drafter_steps": self.skipped_drafter_steps, "generated_tokens": self.generated_tokens,
-                "preemptions": self.preemptions, "first_step_t": self.first_step_t,
+                "preemptions": self.preemptions, "weight_bytes": self.weight_bytes,
+                "expert_weight_bytes": self.expert_weight_bytes, "first_step_t": self.first_step_t,
                 "last_step_t": self.last_step_t, "spec": vars(self.spec)}
 
 
@@ -127,12 +130,14 @@ class Engine:
         # rotary tables reach past M: a padding row of a drafter forward may sit up to k positions beyond
         positions = self.M + self.k + lookahead + 2
         ep = dp if plan.expert_parallel else None
+        allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         target = load_model(cfg.model, dtype, device, positions, ep=ep)
         draft = load_model(spec.model, dtype, device, positions) if meth.separate_lm else None
         head = (load_head(spec.method, cfg.model if meth.in_target else spec.model, target, dtype, device, positions,
                           ep) if meth.after_verify else None)
         models = [m for m in (target, draft, head) if m is not None]
         t_loaded = time.time()
+        weight_bytes = torch.cuda.memory_allocated(device) - allocated_before if allocated_before is not None else None
 
         bs = cfg.cache.block_size
         n_seqs = cfg.scheduler.max_num_seqs
@@ -193,6 +198,8 @@ class Engine:
                            + (" (expert parallel: eager)" if plan.expert_parallel and device.type == "cuda" else "")
                            + (f"; step sync over {dp.sync_transport}" if dp.lockstep else ""))
         self.counters = RankCounters()
+        self.counters.weight_bytes = weight_bytes
+        self.counters.expert_weight_bytes = sum(routed_expert_bytes(m) for m in models)
         self.step_no = 0
 
     def _num_blocks(self, models) -> int:

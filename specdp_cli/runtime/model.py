@@ -255,6 +255,11 @@ class CausalLM:
         return F.linear(hidden, self.lm_head)
 
 
+def routed_expert_bytes(model: CausalLM) -> int:
+    """Bytes of the routed experts' weights `model` holds (under expert parallelism: this rank's share)."""
+    return sum(layer.moe.gate_up.nbytes + layer.moe.down.nbytes for layer in model.layers if layer.moe is not None)
+
+
 # ---------------------------------------------------------------------------------------------
 # loading
 
