@@ -27,6 +27,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0
     stop: list[str] = field(default_factory=list)
+    speculative: bool = True        # False: the request's rows verify no drafts (per-request opt-out)
 
     @property
     def greedy(self) -> bool:
@@ -34,9 +35,9 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, p: dict) -> "SamplingParams":
-        """From a request's validated values (max_tokens, temperature, top_p, top_k, stop)."""
+        """From a request's validated values (max_tokens, temperature, top_p, top_k, stop, speculative)."""
         return cls(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p["top_p"],
-                   top_k=p["top_k"], stop=list(p["stop"]))
+                   top_k=p["top_k"], stop=list(p["stop"]), speculative=p.get("speculative", True))
 
 
 # ---------------------------------------------------------------------------------------------
