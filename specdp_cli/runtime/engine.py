@@ -93,12 +93,14 @@ class RankCounters:
         self.spec = SpecStats()
         self.first_step_t: float | None = None     # wall clock (comparable across ranks of a machine)
         self.last_step_t: float | None = None
+        self.spec_length: SpecLength | None = None    # the step k's schedule, its counts and model
 
     def report(self, rank: int, requests: int) -> dict:
         return {"rank": rank, "requests": requests, "steps": self.steps, "padding_steps": self.padding_steps,
                 "skipped_drafter_steps": self.skipped_drafter_steps, "generated_tokens": self.generated_tokens,
                 "preemptions": self.preemptions, "first_step_t": self.first_step_t,
-                "last_step_t": self.last_step_t, "spec": vars(self.spec)}
+                "last_step_t": self.last_step_t, "spec": vars(self.spec),
+                "spec_length": self.spec_length.report() if self.spec_length else None}
 
 
 # the step sync's fields (one integer each per rank)
@@ -205,6 +207,7 @@ class Engine:
                            + (" (expert parallel: eager)" if plan.expert_parallel and device.type == "cuda" else "")
                            + (f"; step sync over {dp.sync_transport}" if dp.lockstep else ""))
         self.counters = RankCounters()
+        self.counters.spec_length = self.spec_len
         self.step_no = 0
 
     @torch.no_grad()

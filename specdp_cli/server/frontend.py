@@ -89,6 +89,8 @@ class Frontend:
 
     def on_message(self, rank: int, msg) -> None:
         if msg[0] == "out":
+            if len(msg) > 2:
+                self.metrics.steps(msg[2])
             self._call(self._dispatch, msg[1])
 
     def on_lost(self, rank: int) -> None:
