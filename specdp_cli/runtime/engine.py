@@ -212,9 +212,9 @@ class Engine:
 
     @torch.no_grad()
     def _time_forwards(self) -> None:
-        """The adaptive k's cost model: the target's forward at the smallest and largest decode batch, 1 and
-        k + 1 tokens a row, and the drafter's (1 token a row), timed over padding rows (a warm-up run,
-        then the best of three; on CUDA synchronized around each)."""
+        """The adaptive k's cost model: the target's forward at every decode batch size (a CUDA graph
+        each), 1 and k + 1 tokens a row, and the drafter's (1 token a row), timed over padding rows (a
+        warm-up run, then the best of three; on CUDA synchronized around each)."""
         cuda = self.device.type == "cuda"
 
         def timed(runner, R, T) -> float:
@@ -231,7 +231,7 @@ class Engine:
             return best
 
         self.inputs.stage([], self.decode_sizes[-1])
-        for R in (1, self.decode_sizes[-1]):
+        for R in self.decode_sizes:
             for T in (1, self.k + 1):
                 self.spec_len.target_cost[(R, T)] = timed(self.target, R, T)
             if self.drafter.has_forward and not self.drafter.after_verify:

@@ -40,15 +40,20 @@ def forced_choices(rank: int) -> list[int] | None:
     return None
 
 
-def bilinear(table: dict[tuple[int, int], float], R: float, T: float) -> float:
-    """A cost measured at the corners (R0, T0), (R0, T1), (R1, T0), (R1, T1), interpolated (and
-    extrapolated linearly) at (R, T)."""
-    (r0, t0), (r1, t1) = min(table), max(table)
+def interpolate(table: dict[tuple[int, int], float], R: float, T: float) -> float:
+    """A cost measured at rows R_i (a grid) and tokens per row T_lo, T_hi, interpolated piecewise
+    linearly in R, then linearly in T (and extrapolated past the ends)."""
+    Rs = sorted({r for r, _ in table})
+    Ts = sorted({t for _, t in table})
+    t0, t1 = Ts[0], Ts[-1]
+    i = max(0, min(len(Rs) - 2, sum(1 for r in Rs if r <= R) - 1))
+    r0, r1 = Rs[i], Rs[min(i + 1, len(Rs) - 1)]
     fr = 0.0 if r1 == r0 else (R - r0) / (r1 - r0)
     ft = 0.0 if t1 == t0 else (T - t0) / (t1 - t0)
-    a = table[(r0, t0)] + (table[(r0, t1)] - table[(r0, t0)]) * ft
-    b = table[(r1, t0)] + (table[(r1, t1)] - table[(r1, t0)]) * ft
-    return max(a + (b - a) * fr, 1e-6)
+
+    def at(r):
+        return table[(r, t0)] + (table[(r, t1)] - table[(r, t0)]) * ft
+    return max(at(r0) + (at(r1) - at(r0)) * fr, 1e-6)
 
 
 class SpecLength:
@@ -121,10 +126,10 @@ class SpecLength:
         return self.modelled(k, rows) * self.ratio
 
     def modelled(self, k: int, rows: int) -> float:
-        t = bilinear(self.target_cost, rows, k + 1)
+        t = interpolate(self.target_cost, rows, k + 1)
         if self.drafter_cost and self.drafter_forward != "none":
             n = k if self.drafter_forward == "per_draft" else max(k, 1)
-            t += n * bilinear(self.drafter_cost, rows, 1)
+            t += n * interpolate(self.drafter_cost, rows, 1)
         return t
 
     def observe_rows(self, drafted_accepted: list[tuple[int, int]]) -> None:
@@ -149,6 +154,14 @@ class SpecLength:
         old = self.measured.get((rows, k))
         self.measured[(rows, k)] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
         self.ratio = (1 - COST_EMA) * self.ratio + COST_EMA * seconds / self.modelled(k, rows)
+
+    def reset_measurements(self) -> None:
+        """Forget acceptance and measured step times (keep the start-up timings): a fresh workload."""
+        self.accepted = [PRIOR_ACCEPT * PRIOR_WEIGHT] * self.k_max
+        self.reached = [PRIOR_WEIGHT] * self.k_max
+        self.measured.clear()
+        self.ratio = 1.0
+        self.used.clear()
 
     def describe(self, rows: int) -> list[dict]:
         """Per k, at `rows` padded rows: expected tokens per row and step, the step's cost, and their ratio."""
