@@ -42,6 +42,10 @@ class SpeculativeConfig(_Strict):
     prompt_lookup_min: int = Field(2, ge=1)
     prompt_lookup_max: int = Field(4, ge=1)
     policy: Literal["auto", "skip", "dummy"] = "auto"
+    # vLLM's form: [start, end, k] over the number of running sequences (inclusive); a batch size no range
+    # covers uses num_speculative_tokens. In lockstep the ranges apply to the largest batch of the ranks.
+    num_speculative_tokens_per_batch_size: Optional[list[list[int]]] = None
+    adaptive: bool = False                       # choose k (0..num_speculative_tokens) every step from measurements
 
     @field_validator("method")
     @classmethod
@@ -55,7 +59,31 @@ class SpeculativeConfig(_Strict):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.num_speculative_tokens_per_batch_size is not None:
+            if self.adaptive:
+                raise ValueError("set either num_speculative_tokens_per_batch_size (a fixed schedule) or adaptive: "
+                                 "true (k chosen from measurements), not both")
+            _check_ranges(self.num_speculative_tokens_per_batch_size, self.num_speculative_tokens)
         return self
+
+
+def _check_ranges(ranges: list[list[int]], k_max: int) -> None:
+    """[start, end, k] ranges: 1 <= start <= end, 0 <= k <= num_speculative_tokens, no overlaps."""
+    for r in ranges:
+        if len(r) != 3:
+            raise ValueError(f"num_speculative_tokens_per_batch_size: each entry is [start, end, k] "
+                             f"(batch sizes start..end, inclusive, draft k tokens); got {r}")
+        start, end, k = r
+        if not 1 <= start <= end:
+            raise ValueError(f"num_speculative_tokens_per_batch_size: range {r} needs 1 <= start <= end")
+        if not 0 <= k <= k_max:
+            raise ValueError(f"num_speculative_tokens_per_batch_size: range {r} drafts k = {k}; k must lie in "
+                             f"0..num_speculative_tokens ({k_max}): lower it or raise num_speculative_tokens")
+    by_start = sorted(ranges)
+    for a, b in zip(by_start, by_start[1:]):
+        if b[0] <= a[1]:
+            raise ValueError(f"num_speculative_tokens_per_batch_size: ranges {a} and {b} overlap (batch sizes "
+                             f"{b[0]}..{min(a[1], b[1])}); each batch size may have one k")
 
 
 class ParallelConfig(_Strict):

@@ -34,6 +34,7 @@ class Plan:
     model_name: str = ""
     num_blocks: Optional[int] = None              # KV blocks: cache.num_blocks, the CPU default, or None (a GPU sizes it)
     expert_parallel: bool = False                 # the target's routed experts are split over the DP ranks
+    speculation: Optional[dict] = None            # the step k's schedule: mode, ranges, k values (spec_length.py)
 
     @property
     def lockstep(self) -> bool:
@@ -77,6 +78,7 @@ class Report:
             "dp_sync": p.dp_sync,
             "drafter_max_model_len": p.drafter_max_model_len,
             "no_draft_window": p.no_draft_window,
+            "speculation": p.speculation,
             "kv_cache": self.kv_cache,
             "checks": [asdict(c) for c in self.checks],
             "errors": list(self.errors),
@@ -178,6 +180,8 @@ def run_preflight(cfg: Config) -> Report:
 
     # 5. policy ----------------------------------------------------------------------------------
     report.add("policy", _policy(cfg, plan))
+
+    report.add("speculation length", _speculation(cfg, plan))
 
     # 6. memory ----------------------------------------------------------------------------------
     if target is not None and (drafter is not None or not uses_drafter_model):
@@ -444,6 +448,38 @@ def _policy(cfg: Config, plan: Plan) -> list[tuple[str, str]]:
     else:
         why = "dp_sync never: ranks do not talk while stepping, so a rank may skip its drafter."
     return [("ok", f"{plan.policy}: {why}")]
+
+
+def _speculation(cfg: Config, plan: Plan) -> list[tuple[str, str]]:
+    """The schedule of the step's k (`runtime/spec_length.py`)."""
+    spec = cfg.speculative
+    k, ranges = spec.num_speculative_tokens, spec.num_speculative_tokens_per_batch_size
+    if not METHODS[spec.method].drafts:
+        plan.speculation = {"mode": "none", "ranges": None, "k_values": [0]}
+        if ranges or spec.adaptive:
+            return [("warn", "method none drafts nothing: num_speculative_tokens_per_batch_size / adaptive are unused.")]
+        return [("ok", "method none: k = 0.")]
+    lock = (" In lockstep every rank uses the k chosen for the largest batch among the ranks, agreed in the "
+            "step sync (it applies from the next step)." if plan.lockstep else
+            " Each rank chooses for its own batch." if cfg.parallel.data_parallel_size > 1 else "")
+    window = " The no-draft window does not depend on the step's k (a sequence fits the drafter when L + k <= D)."
+    if spec.adaptive:
+        plan.speculation = {"mode": "adaptive", "ranges": None, "k_values": list(range(k + 1))}
+        return [("ok", f"adaptive: each step drafts k in 0..{k}, the k that maximises expected tokens per second "
+                       f"(acceptance per position as running averages; target and drafter forward costs timed at "
+                       f"start-up and corrected by measured step times).{lock}{window}")]
+    if ranges:
+        ks = sorted({k} | {r[2] for r in ranges})
+        plan.speculation = {"mode": "per batch size", "ranges": [list(r) for r in sorted(ranges)], "k_values": ks}
+        parts = ", ".join(f"{a}-{b} running: k {kk}" for a, b, kk in sorted(ranges))
+        unused = [r for r in ranges if r[0] > cfg.scheduler.max_num_seqs]
+        out = [("ok", f"per batch size: {parts}; any other batch size: k {k}.{lock}{window}")]
+        if unused:
+            out.append(("warn", f"ranges {unused} start above max_num_seqs ({cfg.scheduler.max_num_seqs}): a rank "
+                                f"never runs that many sequences, so they are never used."))
+        return out
+    plan.speculation = {"mode": "fixed", "ranges": None, "k_values": [k]}
+    return [("ok", f"fixed: k = {k} every step.")]
 
 
 def _fmt_bytes(n: float) -> str:

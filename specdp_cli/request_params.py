@@ -9,6 +9,7 @@ caller's 400 or error line, never a failed job or a dead rank.
   top_k        integer >= -1 (-1 and 0: off)
   seed         integer in [-2**63, 2**63 - 1], or absent
   stop         a string or a list of strings (empty ones are dropped)
+  speculative  a boolean (an extension field; false: the request's sequence verifies no drafts), or absent
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def sampling_defaults(sampling, max_tokens: bool = True) -> dict:
 def check_sampling(raw: dict, defaults: dict, max_tokens_key: str = "max_tokens") -> dict:
     """raw: the request's fields (absent or null: the default). defaults: max_tokens (may be None),
     temperature, top_p, top_k. Returns max_tokens, temperature, top_p, top_k (0 when off), seed (None
-    or an int64), stop (a list of non-empty strings). Raises ParamError naming the field."""
+    or an int64), stop (a list of non-empty strings), and speculative: False when the request opts out.
+    Raises ParamError naming the field."""
     def given(key):
         return raw.get(key) is not None
 
@@ -82,4 +84,9 @@ def check_sampling(raw: dict, defaults: dict, max_tokens_key: str = "max_tokens"
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise ParamError("stop", "stop must be a string or a list of strings")
         out["stop"] = [s for s in stop if s]
+    if given("speculative"):
+        if not isinstance(raw["speculative"], bool):
+            raise ParamError("speculative", f"speculative must be true or false (got {raw['speculative']!r})")
+        if not raw["speculative"]:
+            out["speculative"] = False      # only when off: the fields (and input hashes) of other requests stay as they were
     return out

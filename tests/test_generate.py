@@ -12,7 +12,8 @@ from specdp_cli.cli import app
 runner = CliRunner()
 SUMMARY_KEYS = {"requests", "errors", "prompt_tokens", "generated_tokens", "wall_s", "engine_s", "tok_s", "num_drafts",
                 "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
-                "accepted_per_position", "preemptions", "startup", "launch_phases", "ranks", "resumed"}
+                "accepted_per_position", "preemptions", "startup", "launch_phases", "ranks", "resumed",
+                "speculation"}
 RESULT_KEYS = {"id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "spec",
                "fingerprint"}
 
@@ -38,6 +39,21 @@ def write_jsonl(path, rows):
 
 def generate(cfg, inp, out, *args, env=None):
     return runner.invoke(app, ["generate", str(cfg), "--input", str(inp), "--output", str(out), *args], env=env)
+
+
+def test_jsonl_opt_out_and_steps_by_k(cfg, tmp_path):
+    rows = [{"id": i, "prompt": p, "speculative": i != 1} for i, p in enumerate(["def add(a, b):", "class Point:"])]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows + [{"id": 2, "prompt": "x", "speculative": "no"}])
+    out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
+    res = generate(cfg, inp, out, "--summary-json", str(summary), "--set",
+                   "speculative.num_speculative_tokens_per_batch_size=[[1, 1, 0]]")
+    assert res.exit_code == 0, res.output
+    by = {r["id"]: r for r in lines(out)}
+    assert by[1]["spec"]["num_drafts"] == 0 and by[0]["spec"]["num_drafts"] > 0
+    assert "speculative must be true or false" in by[2]["error"]
+    spec = json.load(open(summary))["speculation"]
+    assert spec["mode"] == "per batch size" and set(spec["steps_by_k"]) <= {"0", "3"}
+    assert "steps by k" in res.output
 
 
 def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):

@@ -118,6 +118,27 @@ def test_graphs_equal_eager_float32(models, method, tmp_path):
     assert out[False, "sampled"] == out[True, "sampled"]
 
 
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_graphs_per_k_equal_eager_with_k_toggling(models, method, tmp_path, monkeypatch):
+    """A step k toggling through 0 (the spec-length test hook) replays the graph of each k; greedy
+    float32 tokens equal eager ones and the target's."""
+    from specdp_cli.runtime.spec_length import TEST_ENV
+    monkeypatch.setenv(TEST_ENV, "0:3,0,0,1,2," + ",".join(["0"] * 18) + ",3")
+    prompts = prompts_of_lengths([3, 9, 17, 26, 33])
+    drafter = make_eagle_head(tmp_path / "eagle", models["target"]) if method == "eagle" else models["draft"]
+    out = {}
+    for eager in (True, False):
+        cfg, plan = make_config(models["target"], drafter, method=method, k=3, M=64, max_num_seqs=4, max_batched=64,
+                                device="cuda", cache=ROOM, enforce_eager=eager, speculative={"adaptive": True})
+        engine = cuda_engine(cfg, plan)
+        out[eager] = run_engine(engine, prompts, max_tokens=30)
+        assert engine.spec_len.used[0] and engine.spec_len.used[3]
+        if not eager:
+            assert {key[1] for key in engine.step_graphs} >= {0, 1, 2, 3}
+    for i, p in enumerate(prompts):
+        assert out[False][i].generated == out[True][i].generated == hf_reference(models["target"], p, 30), i
+
+
 def test_graphs_through_preemption(models):
     prompts = prompts_of_lengths([5, 14, 23, 9, 30, 18, 11, 26], seed=7)
     kw = dict(k=3, M=64, max_num_seqs=6, max_batched=64, device="cuda")

@@ -10,7 +10,7 @@ from specdp_cli.cli import app
 
 runner = CliRunner()
 JSON_KEYS = {"ok", "policy", "dp_sync", "drafter_max_model_len", "no_draft_window", "kv_cache", "checks", "errors",
-             "warnings"}
+             "warnings", "speculation"}
 
 
 def validate(cfg_path, *args):
@@ -58,7 +58,8 @@ def test_pr40589_dummy_and_window(pr40589):
     assert out["dp_sync"] == "always"
     assert out["drafter_max_model_len"] == 4100
     assert out["no_draft_window"] == [4098, 4099]
-    assert [c["name"] for c in out["checks"]] == ["files", "lengths", "vocab", "parallel", "policy", "memory", "scheduler"]
+    assert [c["name"] for c in out["checks"]] == ["files", "lengths", "vocab", "parallel", "policy", "speculation length",
+                                                  "memory", "scheduler"]
     assert all(set(c) == {"name", "status", "detail"} for c in out["checks"])
 
 
@@ -245,6 +246,21 @@ def test_schema_errors_in_json(base, tmp_path):
     # without --json: a readable message, no traceback
     res = runner.invoke(app, ["validate", "config", str(cfg), "--set", "speculative.num_speculative_tokens=0"])
     assert res.exit_code == 1 and "Traceback" not in res.output and "greater than or equal to 1" in res.output
+
+
+def test_speculation_schedule_is_reported(base):
+    code, out, _ = validate(base())
+    assert out["speculation"] == {"mode": "fixed", "ranges": None, "k_values": [3]}
+    code, out, _ = validate(base(speculative={"num_speculative_tokens_per_batch_size": [[5, 64, 0], [1, 4, 2]]},
+                                 parallel={"data_parallel_size": 2, "dp_sync": "always"}))
+    assert code == 0, out["errors"]
+    assert out["speculation"] == {"mode": "per batch size", "ranges": [[1, 4, 2], [5, 64, 0]], "k_values": [0, 2, 3]}
+    detail = check(out, "speculation length")["detail"]
+    assert "1-4 running: k 2, 5-64 running: k 0; any other batch size: k 3" in detail and "largest batch" in detail
+    code, out, _ = validate(base(speculative={"adaptive": True}))
+    assert out["speculation"]["mode"] == "adaptive" and out["speculation"]["k_values"] == [0, 1, 2, 3]
+    code, out, _ = validate(base(), "--set", "speculative.num_speculative_tokens_per_batch_size=[[1, 4, 7]]")
+    assert code == 1 and any("k must lie in 0..num_speculative_tokens (3)" in e for e in out["errors"])
 
 
 def test_set_values_are_yaml_scalars(base):

@@ -236,8 +236,20 @@ def test_metrics_counters(server, client):
                  'specdp:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}',
                  "specdp:time_to_first_token_seconds_bucket", "specdp:time_per_output_token_seconds_count",
                  "specdp:prompt_tokens_total", "specdp:generation_tokens_total", "specdp:num_requests_waiting",
-                 'finished_reason="length"'):
+                 'finished_reason="length"', 'specdp:spec_decode_steps_by_k_total{model_name="tiny",k="3"}'):
         assert name in text
+
+
+def test_opt_out_extension_field(server, client):
+    """"speculative": false in the body: the same greedy text, and no draft tokens counted for it."""
+    spec = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0).choices[0].text
+    before = server.metric("specdp:spec_decode_num_draft_tokens_total")
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                      extra_body={"speculative": False}).choices[0].text
+    assert plain == spec
+    assert server.metric("specdp:spec_decode_num_draft_tokens_total") == before
+    status, text, _ = server.http("POST", "/v1/completions", {"prompt": "x", "speculative": "no"})
+    assert status == 400 and "speculative" in text
 
 
 def test_disconnect_frees_the_slot(server):

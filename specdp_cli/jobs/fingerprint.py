@@ -48,6 +48,11 @@ def job_parts(cfg: Config, plan: Plan) -> dict[str, str]:
     meth = METHODS[spec.method]
     if meth.drafts:
         decoding["k"] = spec.num_speculative_tokens
+        # the step's k changes seeded sampled tokens (rejection sampling draws depend on the drafts)
+        if spec.num_speculative_tokens_per_batch_size:
+            decoding["k_per_batch_size"] = sorted(map(list, spec.num_speculative_tokens_per_batch_size))
+        if spec.adaptive:
+            decoding["adaptive"] = True
         decoding["drafter_max_model_len"] = plan.drafter_max_model_len
     if meth.prompt_lookup:
         decoding["ngram"] = [spec.prompt_lookup_min, spec.prompt_lookup_max]

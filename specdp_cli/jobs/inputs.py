@@ -1,7 +1,8 @@
 """Reading a job's input file into requests (in the CLI process, before anything is launched).
 
 `.jsonl` / `.json`: one JSON object a line, `{"prompt": ...}` or `{"messages": [...]}`, with optional
-`id`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`; other keys are ignored. Anything
+`id`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`, `speculative` (false: no drafts for
+this request); other keys are ignored. Anything
 else: plain text, one prompt a line. Blank lines are skipped. A line without `id` gets its 1-based
 line number. A line that cannot be served becomes an error record; duplicate ids refuse the job.
 """

@@ -127,6 +127,7 @@ def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float |
     startup = {k: max(r["startup"][k] for r in rank_reports) for k in STARTUP_PHASES} if rank_reports else {}
     launch = {k: max(r["launch"].get(k, 0.0) for r in rank_reports) for k in LAUNCH_PHASES} if rank_reports else {}
     return {
+        "speculation": speculation_summary(rank_reports),
         "requests": len(new_records),
         "resumed": resumed,
         "errors": errors,
@@ -148,3 +149,20 @@ def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float |
                                          "generated_tokens", "preemptions", "weight_bytes", "expert_weight_bytes")}
                   for r in rank_reports],
     }
+
+
+def speculation_summary(rank_reports: list[dict]) -> dict | None:
+    """The step k actually used (steps per k, summed over the ranks: in lockstep every rank counts the
+    same steps) and rank 0's adaptive model (per k: expected tokens per row and step, step cost)."""
+    reps = [r["spec_length"] for r in rank_reports if r.get("spec_length")]
+    if not reps:
+        return None
+    steps: dict[str, int] = {}
+    for rep in reps:
+        for k, n in rep["steps_by_k"].items():
+            steps[k] = steps.get(k, 0) + n
+    first = reps[0]
+    return {"mode": first["mode"], "k_values": first["k_values"],
+            "steps_by_k": dict(sorted(steps.items(), key=lambda kv: int(kv[0]))),
+            "acceptance_per_position": first["acceptance_per_position"],
+            "model_rows": first["model_rows"], "model": first["model"]}

@@ -259,9 +259,20 @@ def print_summary(summary: dict, console: Console) -> None:
             ("accepted per position", ", ".join(f"{a:.2f}" for a in summary["accepted_per_position"]) or "-"),
             ("preemptions", summary["preemptions"]),
             ("start-up (s)", ", ".join(f"{k[:-2]} {v:.2f}" for k, v in summary["startup"].items()) or "-")]
+    spec = summary.get("speculation")
+    if spec:
+        rows.insert(-2, ("speculation length", f"{spec['mode']} (k in {', '.join(map(str, spec['k_values']))})"))
+        rows.insert(-2, ("steps by k", ", ".join(f"k {k}: {n}" for k, n in spec["steps_by_k"].items()) or "-"))
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t)
+    if spec and spec.get("model"):
+        mt = Table(title=f"adaptive k: the model (rank 0, {spec['model_rows']} padded rows)")
+        for col in ("k", "expected tokens / row / step", "step cost (ms)", "tokens / s / row"):
+            mt.add_column(col, justify="right")
+        for m in spec["model"]:
+            mt.add_row(str(m["k"]), f"{m['tokens_per_step']:.2f}", f"{m['step_ms']:.3f}", f"{m['tokens_per_s_per_row']:.1f}")
+        console.print(mt)
     if len(summary["ranks"]) > 1 or summary["ranks"][0]["padding_steps"]:
         rt = Table(title="ranks")
         cols = ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps", "generated_tokens", "preemptions")

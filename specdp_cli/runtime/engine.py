@@ -45,6 +45,7 @@ from .model_runner import ModelRunner, capture_sizes, pad_rows
 from .output import OutputProcessor
 from .sampling import SamplingParams, row_tensors, verify
 from .scheduler import Request, Scheduler, Sequence, SpecStats
+from .spec_length import SpecLength
 from .step_inputs import FIRST, NDRAFT, NREAL, OUT, START, RowSpec, StepInputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,6 +68,7 @@ class StepSizes:
     T_dec: int            # the verification window: 1 + draft slots
     T: int                # tokens per row of the target forward (T_dec, or the prompt-chunk width)
     T1: int               # tokens per row of the first drafter forward (2, or the prompt-chunk width)
+    k: int = 0            # the step's k (agreed at the last step's sync: spec_length.py)
 
 
 @dataclass
@@ -78,7 +80,7 @@ class StepContext:
     rt: dict                                      # sampling settings of the R_pad rows
     publish: Callable[[str], None]
     graphs: bool                                  # replay CUDA graphs (where captured)
-    drafter_runs: bool                            # the drafter phase runs: it drafts or takes prompt chunks
+    drafter_runs: bool                            # the drafter phase runs: it drafts, catches up or takes prompt chunks
 
 
 class RankCounters:
@@ -93,13 +95,20 @@ class RankCounters:
         self.expert_weight_bytes = 0               # of which routed experts (this rank's share under EP)
         self.first_step_t: float | None = None     # wall clock (comparable across ranks of a machine)
         self.last_step_t: float | None = None
+        self.spec_length: SpecLength | None = None    # the step k's schedule, its counts and model
 
     def report(self, rank: int, requests: int) -> dict:
         return {"rank": rank, "requests": requests, "steps": self.steps, "padding_steps": self.padding_steps,
                 "skipped_drafter_steps": self.skipped_drafter_steps, "generated_tokens": self.generated_tokens,
                 "preemptions": self.preemptions, "weight_bytes": self.weight_bytes,
                 "expert_weight_bytes": self.expert_weight_bytes, "first_step_t": self.first_step_t,
-                "last_step_t": self.last_step_t, "spec": vars(self.spec)}
+                "last_step_t": self.last_step_t, "spec": vars(self.spec),
+                "spec_length": self.spec_length.report() if self.spec_length else None}
+
+
+# the step sync's fields (one integer each per rank)
+F_ROWS, F_K, F_TDEC, F_WIDE, F_WORK, F_RECEIVED, F_BATCH, F_PREF_K, F_FEEDS = range(9)
+WIDE_CHUNKS, WIDE_DRAFTER = 1, 2          # F_WIDE bits: prompt chunks (every forward wide); a drafter catch-up
 
 
 def _exit_process(code: int, message: str) -> None:
@@ -149,15 +158,20 @@ class Engine:
         for m in models:
             allocate_kv(m, 1, bs)                    # a trash block only, until the pool is sized
         self.inputs = StepInputs(max_rows, self.T_chunk, max_blocks, device)
+        drafter_forward = ("none" if draft is None and head is None else "always" if head is not None else "per_draft")
+        self.spec_len = SpecLength(self.k, spec.num_speculative_tokens_per_batch_size if self.k else None,
+                                   spec.adaptive and bool(self.k), dp.rank, drafter_forward)
+        self.k_next = self.k                 # the next step's k (decided at each step's sync)
+        windows = [k + 1 for k in self.spec_len.k_values]     # verification widths: a graph per k
         self.target = ModelRunner(target, device, self.inputs.block_table, bs, max_rows,
-                                  [1, self.k + 1, self.T_chunk], window=self.k + 1,
+                                  [1, *windows, self.T_chunk], window=self.k + 1,
                                   keep_hidden="all" if head is not None and head.needs_target_hidden else None)
         self.drafter: Drafter
         if draft is not None:
             runner = ModelRunner(draft, device, self.inputs.block_table, bs, max_rows, [1, 2, self.T_chunk], window=1)
             self.drafter = ModelDrafter(runner, self.D, self.k)
         elif head is not None:
-            runner = ModelRunner(head, device, self.inputs.block_table, bs, max_rows, [1, self.k + 1, self.T_chunk],
+            runner = ModelRunner(head, device, self.inputs.block_table, bs, max_rows, [1, *windows, self.T_chunk],
                                  window=1, keep_hidden="window")
             self.drafter = EagleDrafter(runner, self.target, self.k)
         elif meth.prompt_lookup:
@@ -182,6 +196,8 @@ class Engine:
                                              for T in r.t_values}, self.graph_pool) for r in self.runners)
                 self._capture_steps()
             self.graphs += len(self.step_graphs)
+        if self.spec_len.adaptive:
+            self._time_forwards()
         t_captured = time.time()
         self.startup = {"launch_s": max(0.0, t_begin - started_at) if started_at else 0.0,
                         "load_s": t_loaded - t_begin, "kv_alloc_s": t_kv - t_loaded,
@@ -200,7 +216,40 @@ class Engine:
         self.counters = RankCounters()
         self.counters.weight_bytes = weight_bytes
         self.counters.expert_weight_bytes = sum(routed_expert_bytes(m) for m in models)
+        self.counters.spec_length = self.spec_len
         self.step_no = 0
+
+    @torch.no_grad()
+    def _time_forwards(self) -> None:
+        """The adaptive k's cost model: the target's forward at every decode batch size (a CUDA graph
+        each), 1 and k + 1 tokens a row, and the drafter's (1 token a row), timed over padding rows (a
+        warm-up run, then the best of three; on CUDA synchronized around each)."""
+        cuda = self.device.type == "cuda"
+
+        def timed(runner, R, T) -> float:
+            best = float("inf")
+            for i in range(4):
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                t0 = time.perf_counter()
+                runner.forward(R, T, graphs=not self.cfg.enforce_eager)
+                if cuda:
+                    torch.cuda.synchronize(self.device)
+                if i:
+                    best = min(best, time.perf_counter() - t0)
+            return best
+
+        self.inputs.stage([], self.decode_sizes[-1])
+        for R in self.decode_sizes:
+            for T in (1, self.k + 1):
+                self.spec_len.target_cost[(R, T)] = timed(self.target, R, T)
+            if self.drafter.has_forward and not self.drafter.after_verify:
+                self.spec_len.drafter_cost[(R, 1)] = self.spec_len.drafter_cost[(R, 2)] = timed(self.drafter.runner, R, 1)
+        if self.drafter.after_verify:          # an EAGLE head: about one of its layers next to the target's
+            layers = max(1, len(getattr(self.target.model, "layers", [])) or 1)
+            for key, t in list(self.spec_len.target_cost.items()):
+                if key[1] == 1:
+                    self.spec_len.drafter_cost[key] = self.spec_len.drafter_cost[(key[0], 2)] = t / layers
 
     def _num_blocks(self, models) -> int:
         """KV blocks: what preflight resolved (`cache.num_blocks`, or on CPU enough for max_num_seqs
@@ -261,46 +310,50 @@ class Engine:
 
     # -- the step -----------------------------------------------------------------------------------
 
-    def drafter_forwards(self, rows: list[tuple[Sequence, int]], any_rows: bool) -> int:
-        """How many drafter forwards this step runs: exactly k in lockstep (the padding batch
-        included), k over a padding batch under policy dummy, otherwise as many as the longest
-        draft needs, and none when there is nothing to draft under policy skip. A drafter that
+    def drafter_forwards(self, rows: list[tuple[Sequence, int]], any_rows: bool, k: int) -> int:
+        """How many drafter forwards this step runs, for the step's k: exactly k in lockstep (the
+        padding batch included), k over a padding batch under policy dummy, otherwise as many as the
+        longest draft needs, and none when there is nothing to draft under policy skip. A drafter that
         proposes after verification drafts for the next step of every row: k whenever there are rows."""
         if not self.drafter.has_forward:
             return 0
         has_draft = any_rows if self.drafter.after_verify else bool(rows)
         if self.plan.lockstep or (not has_draft and self.plan.policy == "dummy"):
-            wanted = self.k
+            wanted = k
         elif self.drafter.after_verify:
-            wanted = self.k if has_draft else 0
+            wanted = k if has_draft else 0
         else:
             wanted = max((ke for _, ke in rows), default=0)
         return self.faults.drafter_forwards(self.dp.rank, has_draft, wanted)
 
-    def agree(self, fields: list[list[int]], step: int) -> StepSizes | None:
-        """Every rank's [rows, drafter forwards, verification window, wide, has work, messages
-        received] -> the step's sizes, computed alike on every rank ("wide": prompt chunks ride in
-        the step's forwards); None when no rank has work and every rank has received the same
-        messages (see `server/rank.py`): the ranks stop stepping together."""
-        if not any(f[4] for f in fields) and len({f[5] for f in fields}) == 1:
+    def agree(self, fields: list[list[int]], step: int, k: int) -> StepSizes | None:
+        """Every rank's fields (F_*: rows, drafter forwards, verification window, wide bits, has work,
+        messages received, batch size, preferred k, feeds the drafter) -> the step's sizes, computed
+        alike on every rank (wide bits: prompt chunks ride in the step's forwards / a drafter catches
+        up); None when no rank has work and every rank has received the same messages (see
+        `server/rank.py`): the ranks stop stepping together. Also decides the next step's k from the
+        batch sizes and preferences (`SpecLength.agree`): the same numbers give the same k everywhere."""
+        self.k_next = SpecLength.agree([f[F_BATCH] for f in fields], [f[F_PREF_K] for f in fields])
+        if not any(f[F_WORK] for f in fields) and len({f[F_RECEIVED] for f in fields}) == 1:
             return None
-        Ks = [f[1] for f in fields]
+        Ks = [f[F_K] for f in fields]
         if len(set(Ks)) > 1 and self.faults.guard:
             self.dp.out_of_step([f"step {step}, start of step: {K} drafter forward{'' if K == 1 else 's'} planned"
                                  for K in Ks])
         K = Ks[self.dp.rank if self.dp.lockstep else 0]      # the same on every rank unless the guard is off
-        T_dec = max(f[2] for f in fields)
-        wide = any(f[3] for f in fields)
-        return StepSizes(R_pad=pad_rows(max(max(f[0] for f in fields), 1), self.row_sizes), K=K, T_dec=T_dec,
-                         T=self.T_chunk if wide else T_dec, T1=self.T_chunk if wide else 2)
+        T_dec = max(f[F_TDEC] for f in fields)
+        chunks = any(f[F_WIDE] & WIDE_CHUNKS for f in fields)
+        wide_drafter = any(f[F_WIDE] for f in fields)
+        return StepSizes(R_pad=pad_rows(max(max(f[F_ROWS] for f in fields), 1), self.row_sizes), K=K, T_dec=T_dec,
+                         T=self.T_chunk if chunks else T_dec, T1=self.T_chunk if wide_drafter else 2, k=k)
 
     def _rows(self, plan, drafts: Drafts) -> list[RowSpec]:
         """The step's rows: each decode row (its last token and drafts), then each prompt chunk cut
         into rows of T_chunk tokens."""
         rows = []
         for i, ((s, _), n) in enumerate(zip(plan.decode, drafts.n)):
-            toks = [s.tokens[-1]] + (drafts.host[i] if drafts.host is not None else [])
-            d_start, d_toks = self.drafter.catch_up(s) if n else (0, [])
+            d_start, d_toks, n = self.drafter.catch_up(s, n, self.T_chunk) if n else (0, [], 0)
+            toks = [s.tokens[-1]] + (drafts.host[i][:n] if drafts.host is not None else [])
             rows.append(RowSpec(s, start=s.L - 1, tokens=toks, n_real=1 + n, first_pos=s.L, n_drafts=n,
                                 d_start=d_start, d_tokens=tuple(d_toks)))
         W = self.T_chunk
@@ -331,27 +384,35 @@ class Engine:
         if c.first_step_t is None:
             c.first_step_t = time.time()
 
+        t_start = time.perf_counter()
+        k = self.scheduler.k_step = self.k_next
         plan = self.scheduler.schedule()
         c.preemptions += plan.preempted
         drafting = [(s, ke) for s, ke in plan.decode if ke >= 1]
-        K = self.drafter_forwards(drafting, bool(plan.decode or plan.prefill))
+        K = self.drafter_forwards(drafting, bool(plan.decode or plan.prefill), k)
         if self.drafter.has_forward and not drafting and K == 0:
             c.skipped_drafter_steps += 1
         drafts = self.drafter.host_drafts(plan.decode, K)
         rows = self._rows(plan, drafts)
-        wide = bool(plan.prefill) or any(len(r.d_tokens) > 2 for r in rows)
-        fields = [len(rows), K, 1 + self.k if (K or any(drafts.n)) else 1, int(wide),
-                  int(bool(rows) or self.has_work), received]
-        sizes = self.agree(self.dp.sync_step(fields, step), step)
+        n_drafts = [r.n_drafts for r in rows[:len(plan.decode)]]
+        wide = (WIDE_CHUNKS if plan.prefill else 0) | (WIDE_DRAFTER if any(len(r.d_tokens) > 2 for r in rows) else 0)
+        batch = len(self.scheduler.running)
+        fields = [len(rows), K, 1 + k if (K or any(n_drafts)) else 1, wide, int(bool(rows) or self.has_work), received,
+                  batch, self.spec_len.preferred(batch, pad_rows(max(batch, 1), self.row_sizes)),
+                  int(any(r.d_tokens for r in rows))]
+        synced = self.dp.sync_step(fields, step)
+        sizes = self.agree(synced, step, k)
         if sizes is None:
             return None
 
         self.inputs.stage(rows, sizes.R_pad)
-        drafter_fed = any(r.d_tokens for r in rows)
+        # the drafter phase runs when it drafts, when an EAGLE head learns the verified positions (every
+        # step: their features exist only now), or when some rank feeds it prompt chunks or a catch-up
         ctx = StepContext(step, rows, sizes, self.inputs,
                           row_tensors([r.seq.req.params for r in rows], self.device, pad_to=sizes.R_pad),
                           lambda what: self.dp.publish(step, what), graphs=not self.cfg.enforce_eager,
-                          drafter_runs=self.drafter.has_forward and bool(sizes.K or drafter_fed))
+                          drafter_runs=self.drafter.has_forward and bool(sizes.K or self.drafter.after_verify
+                                                                        or any(f[F_FEEDS] for f in synced)))
         out, n_out, proposed = self._run_device_step(ctx)
         if while_device_runs is not None:
             while_device_runs()
@@ -360,7 +421,7 @@ class Engine:
         if self.drafter.after_verify:
             drafter_padding = ctx.drafter_runs and not rows
         else:
-            drafter_padding = ctx.drafter_runs and (not drafter_fed or sizes.K > max(drafts.n, default=0))
+            drafter_padding = ctx.drafter_runs and (not fields[F_FEEDS] or sizes.K > max(n_drafts, default=0))
         if not rows or drafter_padding:
             c.padding_steps += 1                  # some forward of the step ran over padding rows only
         self.drafter.after_step(ctx)
@@ -369,11 +430,18 @@ class Engine:
             s.target_len = end
         n_decode = len(plan.decode)
         outputs = []
+        verified = []                       # (drafts, accepted) of each drafting row: the acceptance averages
         for i, (row, res) in enumerate(zip(rows, result)):
             if i < n_decode or row.done:
                 outputs.append(self._accept(row.seq, row.n_drafts, [int(t) for t in res[:res[W]]]))
+                if row.n_drafts:
+                    verified.append((row.n_drafts, int(res[W]) - 1))
                 if proposed is not None:
                     row.seq.next_drafts = [int(t) for t in res[W + 1:]]
+        self.spec_len.used[k] += 1
+        self.spec_len.observe_rows(verified)
+        if rows and sizes.T1 == 2 and sizes.T == sizes.T_dec:        # a plain decode step: its cost
+            self.spec_len.observe_step(sizes.R_pad, sizes.T_dec - 1, time.perf_counter() - t_start)
         for out in outputs:
             if out.finished:
                 c.spec.merge(out.seq.stats)
@@ -396,18 +464,21 @@ class Engine:
     def _step_kinds(self) -> list[tuple[list[int], StepSizes, bool]]:
         """The steps captured whole: (row counts, sizes with R_pad unset, drafter phase runs) of a
         decode step and of a step with prompt chunks, as this job's method and policy run them. Rarer
-        kinds (fewer drafts near the drafter's limit, a fault's drafter count) are not captured."""
+        kinds (fewer drafts near the drafter's limit, a drafter catching up, prompt chunks at a k other
+        than num_speculative_tokens, a fault's drafter count) run their forwards' graphs one by one."""
         k, Tc = self.k, self.T_chunk
         dec, wide = self.decode_sizes, self.row_sizes
+        ks = self.spec_len.k_values        # decode steps: one kind per k the schedule can choose
         if self.drafter.has_forward:
-            kinds = [(dec, StepSizes(0, k, k + 1, k + 1, 2), True), (wide, StepSizes(0, k, k + 1, Tc, Tc), True)]
+            kinds = [(dec, StepSizes(0, j, j + 1, j + 1, 2, k=j), bool(j) or self.drafter.after_verify) for j in ks]
+            kinds.append((wide, StepSizes(0, k, k + 1, Tc, Tc, k=k), True))
             if not self.plan.lockstep and self.plan.policy == "skip" and not self.drafter.after_verify:
                 # prompt chunks with nothing to draft (a drafter proposing after verification drafts for every row)
                 kinds.append((wide, StepSizes(0, 0, 1, Tc, Tc), True))
             return kinds
-        windows = [1, k + 1] if k else [1]         # ngram: a step drafts or it does not
+        windows = sorted({1} | {j + 1 for j in ks})     # ngram: a step drafts (up to its k) or it does not
         return ([(dec, StepSizes(0, 0, W, W, 2), False) for W in windows]
-                + [(wide, StepSizes(0, 0, W, Tc, Tc), False) for W in windows])
+                + [(wide, StepSizes(0, 0, W, Tc, Tc), False) for W in sorted({1, k + 1})])
 
     def _capture_steps(self) -> None:
         """Capture the whole device work of each step kind over a padding batch (every row padding:

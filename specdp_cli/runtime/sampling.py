@@ -2,7 +2,9 @@
 
 Randomness is a pure function of (request seed, token position, purpose), computed by an integer
 hash on the device. A seeded request therefore gets the same tokens whatever batch, rank or step
-it lands in, and every draw of a step is made in one batched operation.
+it lands in — for the same k schedule: the accept/reject draws and residual tokens depend on the
+drafts, so a k that varies with the batch or with timings (spec_length.py) can change sampled
+tokens (greedy tokens never change) — and every draw of a step is made in one batched operation.
 
 `verify` is the rejection sampler of Leviathan et al. (2023): draft x at a position is accepted
 with probability min(1, p(x) / q(x)); at the first rejection a token is drawn from
@@ -27,6 +29,7 @@ class SamplingParams:
     top_k: int = 0
     seed: int = 0
     stop: list[str] = field(default_factory=list)
+    speculative: bool = True        # False: the request's rows verify no drafts (per-request opt-out)
 
     @property
     def greedy(self) -> bool:
@@ -34,9 +37,9 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, p: dict) -> "SamplingParams":
-        """From a request's validated values (max_tokens, temperature, top_p, top_k, stop)."""
+        """From a request's validated values (max_tokens, temperature, top_p, top_k, stop, speculative)."""
         return cls(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p["top_p"],
-                   top_k=p["top_k"], stop=list(p["stop"]))
+                   top_k=p["top_k"], stop=list(p["stop"]), speculative=p.get("speculative", True))
 
 
 # ---------------------------------------------------------------------------------------------

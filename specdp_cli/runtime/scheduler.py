@@ -11,7 +11,8 @@ prefilled within `max_num_batched_tokens` minus what the decode rows need, in ch
 not fit whole.
 
 Lengths follow DESIGN.md's contract: L = prompt + generated; a sequence fits the drafter when
-L + k <= D and then drafts k_eff = min(k, M - L - 1, max_tokens_left - 1).
+L + k <= D and then drafts k_eff = min(k, M - L - 1, max_tokens_left - 1), at most the step's k
+(`spec_length.py`; k stays num_speculative_tokens in the fit, so the no-draft window is unchanged).
 """
 from __future__ import annotations
 
@@ -94,8 +95,8 @@ class Sequence:
         return self.prefill_len == self.L
 
     def k_eff(self, k: int, D: int) -> int:
-        """Draft tokens this step (0 while prefilling, or when L + k > D)."""
-        if self.in_prefill or self.L + k > D:
+        """Draft tokens this step (0 while prefilling, when L + k > D, or when the request opted out)."""
+        if self.in_prefill or self.L + k > D or not self.req.params.speculative:
             return 0
         left = self.req.params.max_tokens - (self.L - self.num_prompt)
         return max(0, min(k, self.M - self.L - 1, left - 1))
@@ -119,6 +120,7 @@ class Scheduler:
         self.max_rows = max_rows if max_rows is not None else max_num_seqs + max_batched_tokens
         self.row_tokens = row_tokens
         self.k, self.M, self.D = k, max_model_len, D
+        self.k_step = k                      # this step's k (spec_length.py): caps k_eff; fitting uses k
         self.lookahead = lookahead           # positions past a step's tokens its drafter writes (EAGLE: k - 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # admission order: the last is the newest
@@ -140,7 +142,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.blocks = self.pool.allocate(need)
             self.running.append(seq)
-        decode = [(s, s.k_eff(self.k, self.D)) for s in self.running if not s.in_prefill]
+        decode = [(s, min(s.k_eff(self.k, self.D), self.k_step)) for s in self.running if not s.in_prefill]
         budget = self.max_batched_tokens - sum(1 + ke for _, ke in decode)
         rows = self.max_rows - len(decode)
         prefill = []

@@ -89,6 +89,8 @@ class Frontend:
 
     def on_message(self, rank: int, msg) -> None:
         if msg[0] == "out":
+            if len(msg) > 2:
+                self.metrics.steps(msg[2])
             self._call(self._dispatch, msg[1])
 
     def on_lost(self, rank: int) -> None:
@@ -130,7 +132,7 @@ class Frontend:
         self.inflight[rid] = inf
         self.rank_cost[rank] += cost
         params = {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                  "top_k": req.top_k, "stop": req.stop}
+                  "top_k": req.top_k, "stop": req.stop, "speculative": req.speculative}
         if not self._send_waking_all(rank, ("add", rid, req.prompt_ids, params, req.seed)):
             self.release(inf)
             raise APIError(503, f"rank {rank} is not reachable")

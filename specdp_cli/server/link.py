@@ -3,7 +3,7 @@
 
 frontend -> rank: ("add", id, prompt_ids, params, seed) | ("abort", id) | ("wake",) | ("shutdown",)
 rank -> frontend: ("hello", rank) | ("out", [(id, new_token_ids, finish_reason|None, final_text|None,
-                  stats|None), ...]) | ("bye", rank)
+                  stats|None), ...], {k: steps run with k since the last "out"}) | ("bye", rank)
 """
 from __future__ import annotations
 

@@ -47,6 +47,13 @@ class Metrics:
         self.num_accepted_tokens = 0
         self.accepted_per_pos: list[int] = []
         self.preemptions = 0
+        self.steps_by_k: dict[int, int] = {}
+
+    def steps(self, by_k: dict[int, int]) -> None:
+        """Steps each rank ran with each k (the step k actually used: spec_length.py)."""
+        with self.lock:
+            for k, n in by_k.items():
+                self.steps_by_k[k] = self.steps_by_k.get(k, 0) + n
 
     def finished(self, outcome: str, stats: dict | None, ttft: float | None, tpot: float | None) -> None:
         with self.lock:
@@ -98,6 +105,10 @@ class Metrics:
                       "# TYPE specdp:spec_decode_num_accepted_tokens_per_pos_total counter"]
             for i, v in enumerate(self.accepted_per_pos):
                 lines.append(f'specdp:spec_decode_num_accepted_tokens_per_pos_total{{{m},position="{i}"}} {v}')
+            # the step k actually used: steps per k, summed over the ranks (a histogram over steps)
+            lines.append("# TYPE specdp:spec_decode_steps_by_k_total counter")
+            for k, v in sorted(self.steps_by_k.items()):
+                lines.append(f'specdp:spec_decode_steps_by_k_total{{{m},k="{k}"}} {v}')
         return "\n".join(lines) + "\n"
 
 

@@ -44,6 +44,7 @@ class GenRequest:
     include_usage: bool
     chat: bool
     echo_model: str
+    speculative: bool = True       # the extension field "speculative": false opts the request out of drafting
     extra: dict = field(default_factory=dict)
 
 
@@ -117,7 +118,8 @@ def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: st
     return GenRequest(
         prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=p["temperature"], top_p=p["top_p"],
         top_k=p["top_k"], seed=p["seed"], stop=p["stop"], stream=stream,
-        include_usage=bool((opts or {}).get("include_usage")), chat=chat, echo_model=model_name)
+        include_usage=bool((opts or {}).get("include_usage")), chat=chat, echo_model=model_name,
+        speculative=p.get("speculative", True))
 
 
 def _flatten_content(m):

@@ -42,6 +42,7 @@ def serve_rank(engine, dp, job: dict) -> None:
     shutting_down = False
     active = False            # lockstep: stepping together until a step finds no work on any rank
     received = 0              # messages from the frontend (see the module docstring)
+    sent_k: dict[int, int] = {}   # steps per k already reported to the frontend (/metrics)
     while True:
         if not active and not engine.has_work:
             if shutting_down:
@@ -80,7 +81,10 @@ def serve_rank(engine, dp, job: dict) -> None:
                    engine.output.text(o.seq) if o.finished else None,
                    _stats(o.seq) if o.finished else None) for o in outs if o.new_tokens or o.finished]
         if events:
-            send(("out", events))
+            used = engine.spec_len.used
+            delta = {k: n - sent_k.get(k, 0) for k, n in used.items() if n != sent_k.get(k, 0)}
+            sent_k = dict(used)
+            send(("out", events, delta))
     send(("bye", dp.rank))
 
 

@@ -16,6 +16,8 @@ SAMPLING = {
     "stream": {"type": "boolean", "default": False},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}, "nullable": True},
     "n": {"type": "integer", "enum": [1], "nullable": True},
+    "speculative": {"type": "boolean", "nullable": True,
+                    "description": "specdp extension: false = this request verifies no drafts (others still speculate)"},
 }
 
 COMPLETION = {

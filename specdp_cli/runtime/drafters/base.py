@@ -30,9 +30,10 @@ class Drafter:
         """rows: (sequence, k_eff) of every decode row; n_forwards: the drafter forwards of this step."""
         return Drafts([0] * len(rows))
 
-    def catch_up(self, seq: Sequence) -> tuple[int, list[int]]:
-        """(first position, tokens) the first drafter forward feeds for a drafting decode row."""
-        return 0, []
+    def catch_up(self, seq: Sequence, n: int, width: int) -> tuple[int, list[int], int]:
+        """For a decode row that would draft n >= 1 tokens: (first position, tokens) the first drafter
+        forward feeds it (at most `width`), and the drafts it makes this step (0 while it catches up)."""
+        return 0, [], n
 
     def prefills(self, seq: Sequence) -> bool:
         """Whether the drafter's cache takes this sequence's prompt chunks beside the target's."""

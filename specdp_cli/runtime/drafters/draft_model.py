@@ -1,7 +1,9 @@
 """A small Hugging Face model as drafter, with its own KV cache over the shared block tables.
 
 Forward 1 catches the drafter's cache up with each drafting row — the one or two tokens verified
-last step (the bonus token, and the last draft when all were accepted) — and takes the step's
+last step (the bonus token, and the last draft when all were accepted), or every token since the
+row last drafted when steps with k = 0 let the drafter sit out (up to a prompt chunk's width per
+step: a row further behind feeds that much and drafts again once caught up) — and takes the step's
 prompt chunks beside the target. Forwards 2..n feed each row its previous draft, on the device:
 the drafts, positions and row masks never leave the GPU, so the n forwards run back to back (CUDA
 graph replays) with no host sync. A row stops taking part after its own drafts; a forward with no
@@ -30,13 +32,17 @@ class ModelDrafter(Drafter):
         """Whether the sequence drafts at all: at its first decode step (L = prefill + 1) it must fit
         the drafter (L + k <= D) and have two tokens left (k_eff >= 1)."""
         L = seq.prefill_len + 1
-        return L + self.k <= self.D and seq.req.params.max_tokens - (L - seq.num_prompt) >= 2
+        return (L + self.k <= self.D and seq.req.params.max_tokens - (L - seq.num_prompt) >= 2
+                and seq.req.params.speculative)
 
     def host_drafts(self, rows, n_forwards) -> Drafts:
         return Drafts([min(ke, n_forwards) for _, ke in rows])
 
-    def catch_up(self, seq: Sequence) -> tuple[int, list[int]]:
-        return seq.draft_len, seq.tokens[seq.draft_len:]
+    def catch_up(self, seq: Sequence, n: int, width: int) -> tuple[int, list[int], int]:
+        missed = seq.tokens[seq.draft_len:]
+        if len(missed) > width:
+            return seq.draft_len, missed[:width], 0
+        return seq.draft_len, missed, n
 
     def propose(self, ctx):
         sz, inp, r = ctx.sizes, ctx.inputs, self.runner

@@ -4,7 +4,8 @@ The head needs the target's hidden states, which exist only once the target has 
 step the head works after the target's forward and the rejection sampler, on the device, over
 the very rows of the target's forward:
 
-  forward 1 (R x T, the target's shape): at each row position j the head takes (token j+1, the
+  forward 1 (R x T, the target's shape; it runs in every step, k = 0 included, because the target's
+    features of the verified positions exist only in that step — so the head never falls behind): at each row position j the head takes (token j+1, the
     target's feature at j: its last hidden state for EAGLE-1, `fc` over three layers' for EAGLE-3)
     — the row's tokens shifted by one, with the token that follows the
     row put in at its place: for a decode row the token the step drew after its accepted drafts
@@ -53,11 +54,13 @@ class EagleDrafter(Drafter):
         follow = torch.where(nxt >= 0, nxt, drawn)
         ids = t.ids[:R * T].view(R, T)
         shifted = torch.cat([ids[:, 1:], ids[:, :1]], 1).scatter(1, col.view(R, 1), follow.view(R, 1))
-        ctx.publish(f"drafter forward 1/{K}")
+        ctx.publish(f"drafter forward 1/{max(K, 1)}")
         self.head.prepare_features(R * T)
         r.set_rows(R, shifted, start, n_real, col)
         d = r.forward(R, T, ctx.graphs)[:, 0].argmax(-1)
         drafts = torch.zeros((R, K), dtype=torch.long, device=r.device)
+        if not K:           # a step with k = 0: the head still learns the verified positions, drafts nothing
+            return drafts
         drafts[:, 0] = d
         drafting = ((nxt < 0) & (n_real > 0)).long()          # decode rows and rows ending a prompt
         if K > 1:     # forwards 2..K: the rows' positions advance by one in place (from start + col + 1)

@@ -1,0 +1,130 @@
+"""Adaptive k against every fixed k, per batch size, in one process (the models load once).
+
+One engine is built with `adaptive: true` and num_speculative_tokens = the largest k (so CUDA graphs
+exist for every k in 0..K); a fixed-k row forces the step k through the spec-length hook (every step
+prefers that k), an adaptive row lets the engine choose, its measurements reset first (start-up
+timings kept) so it learns the workload from scratch like a fresh job. Each figure is the median
+tok/s of --repeats runs. Greedy; "=k0" counts outputs equal to the k = 0 row's.
+
+Usage (GPU: the codepair, and the 8B-shaped target with --target):
+  python benchmarks/adaptive_k.py --pair PAIR_DIR [--target DIR] [--requests 256] [--new 128]
+      [--batches 1,4,16,32,64] [--ks 0,1,2,3,4,5,6] [--repeats 3] [--dtype bfloat16] --json OUT.json
+CPU smoke run: --requests 8 --new 8 --batches 1,4 --dtype float32 --repeats 1
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from specdp_cli.config import validate  # noqa: E402
+from specdp_cli.preflight import run_preflight  # noqa: E402
+from specdp_cli.runtime.dist import DPGroup  # noqa: E402
+from specdp_cli.runtime.engine import Engine, RankCounters  # noqa: E402
+from offline import run  # noqa: E402
+from workloads import cut_prompts  # noqa: E402
+
+
+def build(a, k_max: int, max_seqs: int) -> Engine:
+    cfg = validate({
+        "model": a.target or os.path.join(a.pair, "target"), "tokenizer": os.path.join(a.pair, "tokenizer"),
+        "dtype": a.dtype, "device": "cuda" if torch.cuda.is_available() else "cpu", "max_model_len": a.max_model_len,
+        "speculative": {"method": a.method, "model": os.path.join(a.pair, "draft"), "num_speculative_tokens": k_max,
+                        "adaptive": True},
+        "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": a.max_batched_tokens}})
+    report = run_preflight(cfg)
+    assert report.ok, report.errors
+    dev = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+    return Engine(cfg, report.plan, DPGroup.solo(), dev)
+
+
+def one_run(engine: Engine, prompts, new: int, k: int | None) -> tuple[list, float, RankCounters]:
+    """k: a fixed step k, or None for adaptive (its measurements reset first)."""
+    sl = engine.spec_len
+    sl.forced = [k] if k is not None else None
+    if k is None:
+        sl.reset_measurements()
+    engine.k_next = k if k is not None else sl.k_max
+    engine.counters = RankCounters()
+    engine.counters.spec_length = sl
+    sl.used.clear()
+    done, secs = run(engine, prompts, new)
+    return [done[i].generated for i in range(len(prompts))], secs, engine.counters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pair", required=True)
+    ap.add_argument("--target")
+    ap.add_argument("--method", default="draft_model")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--cuts", type=int, default=4)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--batches", default="1,4,16,32,64")
+    ap.add_argument("--ks", default="0,1,2,3,4,5,6")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-batched-tokens", type=int, default=16384)
+    ap.add_argument("--label", default="codepair")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(a.pair, "tokenizer"))
+    prompts = [tok(t)["input_ids"] for t in cut_prompts(a.pair, a.cuts, a.requests)]
+    batches = [int(b) for b in a.batches.split(",")]
+    ks = [int(k) for k in a.ks.split(",")]
+    engine = build(a, max(ks), max(batches))
+    rows = []
+    for B in batches:
+        engine.scheduler.max_num_seqs = B
+        run(engine, prompts[:2], 8)                            # warm-up
+        reference = None
+        for k in ks + [None]:
+            tok_s, detail = [], {}
+            for _ in range(a.repeats):
+                outs, secs, c = one_run(engine, prompts, a.new, k)
+                gen = sum(len(o) for o in outs)
+                tok_s.append(gen / secs)
+                if k == 0 and reference is None:
+                    reference = outs
+                s = c.spec
+                detail = {"steps": c.steps, "steps_by_k": {str(j): n for j, n in sorted(engine.spec_len.used.items())},
+                          "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else None,
+                          "equal_k0": f"{sum(o == r for o, r in zip(outs, reference))}/{len(outs)}" if reference else None}
+            row = {"label": a.label, "batch": B, "k": "adaptive" if k is None else k, "tok_s": statistics.median(tok_s),
+                   "runs": tok_s, **detail}
+            if k is None:
+                row["model"] = engine.spec_len.describe(max(engine.spec_len.measured, default=(1, 0))[0])
+            rows.append(row)
+            print(json.dumps({x: y for x, y in row.items() if x != "model"}), flush=True)
+    summary = []
+    for B in batches:
+        fixed = {r["k"]: r["tok_s"] for r in rows if r["batch"] == B and r["k"] != "adaptive"}
+        best_k = max(fixed, key=fixed.get)
+        ad = next(r["tok_s"] for r in rows if r["batch"] == B and r["k"] == "adaptive")
+        summary.append({"batch": B, "best_fixed_k": best_k, "best_fixed_tok_s": fixed[best_k], "adaptive_tok_s": ad,
+                        "ratio": ad / fixed[best_k], "fixed": fixed})
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "requests": len(prompts), "new_tokens": a.new, "dtype": a.dtype,
+            "repeats": a.repeats, "target": a.target or os.path.join(a.pair, "target"), "argv": sys.argv[1:]}
+    with open(a.json, "w") as fh:
+        json.dump({"meta": meta, "rows": rows, "summary": summary}, fh, indent=1)
+    head = "".join(f"{'k=' + str(k):>9}" for k in ks)
+    print(f"{'batch':>6}{head}{'adaptive':>10}{'best k':>7}{'ratio':>7}")
+    for s in summary:
+        print(f"{s['batch']:>6}" + "".join(f"{s['fixed'][k]:>9.1f}" for k in ks)
+              + f"{s['adaptive_tok_s']:>10.1f}{s['best_fixed_k']:>7}{s['ratio']:>7.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""How many tokens a step drafts (k_step, 0..num_speculative_tokens), and how ranks agree on it.
+
+Three modes, read from `speculative`:
+  fixed           k_step = num_speculative_tokens;
+  per batch size  `num_speculative_tokens_per_batch_size` ranges [start, end, k] over the number of
+                  running sequences (vLLM's form); a batch size no range covers uses num_speculative_tokens;
+  adaptive        k_step = argmax_k E[tokens per row | k] / cost(k, rows): acceptance per position as
+                  running (decayed) averages, forward costs timed at start-up and corrected by the
+                  measured step times.
+
+Agreement. The k of step s + 1 is decided at step s's sync, from what that sync carried: every rank
+puts its batch size and its preferred k into the sync's fields, and every rank applies the same
+rule to the same numbers — the preference of the rank holding the largest batch (lowest rank on
+ties), which for ranges is "the ranges applied to the largest batch". So no extra collective, and
+the step's drafter-forward count is known *before* the step is scheduled: it travels in the step's
+own sync like any other size, and a rank that then plans a different count than the others is
+out of step exactly as before (`Engine.agree`). Under `dp_sync: never` each rank follows its own
+preference. The cost of this order is a lag of one step between a batch size and its k.
+
+Test hook: SPECDP_TEST_K="R:k,k,...;R:..." makes rank R prefer those k in turn (one per step), so
+tests can force ranks' local choices to differ.
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+TEST_ENV = "SPECDP_TEST_K"
+PRIOR_ACCEPT, PRIOR_WEIGHT = 0.6, 2.0     # acceptance before any measurement, as pseudo-counts
+DECAY = 0.98                              # per-step decay of the acceptance counts (running averages)
+COST_EMA = 0.1                            # weight of a new step-time measurement
+
+
+def forced_choices(rank: int) -> list[int] | None:
+    text = os.environ.get(TEST_ENV, "")
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        r, _, ks = part.partition(":")
+        if int(r) == rank:
+            return [int(k) for k in ks.split(",")]
+    return None
+
+
+def interpolate(table: dict[tuple[int, int], float], R: float, T: float) -> float:
+    """A cost measured at rows R_i (a grid) and tokens per row T_lo, T_hi, interpolated piecewise
+    linearly in R, then linearly in T (and extrapolated past the ends)."""
+    Rs = sorted({r for r, _ in table})
+    Ts = sorted({t for _, t in table})
+    t0, t1 = Ts[0], Ts[-1]
+    i = max(0, min(len(Rs) - 2, sum(1 for r in Rs if r <= R) - 1))
+    r0, r1 = Rs[i], Rs[min(i + 1, len(Rs) - 1)]
+    fr = 0.0 if r1 == r0 else (R - r0) / (r1 - r0)
+    ft = 0.0 if t1 == t0 else (T - t0) / (t1 - t0)
+
+    def at(r):
+        return table[(r, t0)] + (table[(r, t1)] - table[(r, t0)]) * ft
+    return max(at(r0) + (at(r1) - at(r0)) * fr, 1e-6)
+
+
+class SpecLength:
+    def __init__(self, k_max: int, ranges: list[list[int]] | None, adaptive: bool, rank: int = 0,
+                 drafter_forward: str = "none"):
+        """drafter_forward: "none" (no drafter model), "per_draft" (a draft model: one forward per draft),
+        "always" (an EAGLE head: its first forward runs every step, drafting or not)."""
+        self.k_max, self.ranges, self.adaptive = k_max, ranges, adaptive
+        self.mode = "adaptive" if adaptive else "per batch size" if ranges else "fixed"
+        self.drafter_forward = drafter_forward
+        self.forced = forced_choices(rank)
+        self.calls = 0
+        self.used: Counter = Counter()               # steps run with each k
+        self.accepted = [PRIOR_ACCEPT * PRIOR_WEIGHT] * k_max
+        self.reached = [PRIOR_WEIGHT] * k_max
+        self.target_cost: dict[tuple[int, int], float] = {}     # (rows, tokens per row) -> seconds
+        self.drafter_cost: dict[tuple[int, int], float] = {}
+        self.measured: dict[tuple[int, int], float] = {}        # (rows, k) -> seconds of a decode step
+        self.ratio = 1.0                                        # measured / modelled step time
+
+    # -- the choice -----------------------------------------------------------------------------
+
+    @property
+    def k_values(self) -> list[int]:
+        """Every k a step can use (CUDA graphs are captured for each)."""
+        if self.adaptive:
+            return list(range(self.k_max + 1))
+        if self.ranges:
+            return sorted({self.k_max} | {k for _, _, k in self.ranges})
+        return [self.k_max]
+
+    def for_batch(self, n: int) -> int:
+        for start, end, k in self.ranges or ():
+            if start <= n <= end:
+                return k
+        return self.k_max
+
+    def preferred(self, n: int, rows: int) -> int:
+        """This rank's k for its next step: n running sequences, which take `rows` padded rows."""
+        self.calls += 1
+        if self.forced:
+            return min(self.forced[(self.calls - 1) % len(self.forced)], self.k_max)
+        if self.adaptive and n and self.target_cost:
+            return max(range(self.k_max + 1), key=lambda k: (self.tokens(k) / self.cost(k, rows), -k))
+        return self.for_batch(n)
+
+    @staticmethod
+    def agree(batches: list[int], prefs: list[int]) -> int:
+        """The step's k from every rank's (batch size, preferred k): the preference of the rank with the
+        largest batch, the lowest rank on ties — the same number on every rank."""
+        best = max(range(len(batches)), key=lambda r: (batches[r], -r))
+        return prefs[best]
+
+    # -- the model ------------------------------------------------------------------------------
+
+    def tokens(self, k: int) -> float:
+        """Expected tokens a row gains in a step that drafts k: 1 + sum_i prod_{j <= i} alpha_j."""
+        total, p = 1.0, 1.0
+        for j in range(k):
+            p *= self.accepted[j] / self.reached[j]
+            total += p
+        return total
+
+    def cost(self, k: int, rows: int) -> float:
+        """Seconds of a decode step of `rows` padded rows drafting k: measured when such a step ran,
+        else the start-up timings (target forward of k + 1 tokens a row, k drafter forwards) scaled by
+        how measured steps compared with them."""
+        if (rows, k) in self.measured:
+            return self.measured[(rows, k)]
+        return self.modelled(k, rows) * self.ratio
+
+    def modelled(self, k: int, rows: int) -> float:
+        t = interpolate(self.target_cost, rows, k + 1)
+        if self.drafter_cost and self.drafter_forward != "none":
+            n = k if self.drafter_forward == "per_draft" else max(k, 1)
+            t += n * interpolate(self.drafter_cost, rows, 1)
+        return t
+
+    def observe_rows(self, drafted_accepted: list[tuple[int, int]]) -> None:
+        """After a step: each drafting row's (drafts, accepted). Position j is reached when the first
+        j - 1 drafts were accepted; its average is accepted / reached, both decayed each step."""
+        if not drafted_accepted:
+            return
+        acc, reach = [0] * self.k_max, [0] * self.k_max
+        for n, a in drafted_accepted:
+            for j in range(min(a + 1, n)):
+                reach[j] += 1
+                acc[j] += j < a
+        for j in range(self.k_max):
+            if reach[j]:
+                self.accepted[j] = DECAY * self.accepted[j] + acc[j]
+                self.reached[j] = DECAY * self.reached[j] + reach[j]
+
+    def observe_step(self, rows: int, k: int, seconds: float) -> None:
+        """A decode step's measured time (the host waits for its result, so this is the device time too)."""
+        if not self.target_cost or seconds <= 0:
+            return
+        old = self.measured.get((rows, k))
+        self.measured[(rows, k)] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        self.ratio = (1 - COST_EMA) * self.ratio + COST_EMA * seconds / self.modelled(k, rows)
+
+    def reset_measurements(self) -> None:
+        """Forget acceptance and measured step times (keep the start-up timings): a fresh workload."""
+        self.accepted = [PRIOR_ACCEPT * PRIOR_WEIGHT] * self.k_max
+        self.reached = [PRIOR_WEIGHT] * self.k_max
+        self.measured.clear()
+        self.ratio = 1.0
+        self.used.clear()
+
+    def describe(self, rows: int) -> list[dict]:
+        """Per k, at `rows` padded rows: expected tokens per row and step, the step's cost, and their ratio."""
+        if not self.target_cost:
+            return []
+        return [{"k": k, "tokens_per_step": round(self.tokens(k), 3), "step_ms": round(1e3 * self.cost(k, rows), 3),
+                 "tokens_per_s_per_row": round(self.tokens(k) / self.cost(k, rows), 1)}
+                for k in range(self.k_max + 1)]
+
+    def report(self) -> dict:
+        rows = max(self.measured, default=(1, 0))[0]
+        return {"mode": self.mode, "k_values": self.k_values, "steps_by_k": {str(k): v for k, v in sorted(self.used.items())},
+                "acceptance_per_position": [round(a / r, 3) for a, r in zip(self.accepted, self.reached)],
+                "model_rows": rows, "model": self.describe(rows) if self.adaptive else []}

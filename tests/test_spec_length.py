@@ -1,0 +1,115 @@
+"""The step's k (spec_length.py) on one rank: greedy float32 output equals target-only output whatever
+the schedule (fixed ranges, adaptive, k toggling to 0 and back: the drafter catches up, also past a
+chunk's width), the per-request opt-out is lossless and its sequence drafts nothing, and the
+configuration refuses bad schedules with a sentence."""
+import pytest
+
+from engine_util import hf_reference, make_config, make_engine, prompts_of_lengths, run_engine
+from helpers import make_eagle_head
+from specdp_cli.config import ConfigError, validate
+from specdp_cli.runtime.sampling import SamplingParams
+from specdp_cli.runtime.spec_length import TEST_ENV, SpecLength
+
+LENGTHS = [3, 9, 17, 26, 33, 41]
+M = 64
+
+
+def check(target, done, prompts, max_tokens):
+    for i, p in enumerate(prompts):
+        ref = hf_reference(target, p, min(max_tokens, M - len(p)))
+        assert done[i].generated == ref, f"prompt {i} (length {len(p)}): {done[i].generated} != {ref}"
+
+
+def run(models, monkeypatch, forced=None, draft=None, method="draft_model", max_tokens=30, **spec):
+    if forced is not None:
+        monkeypatch.setenv(TEST_ENV, f"0:{forced}")
+    cfg, plan = make_config(models["target"], draft or models["draft"], method=method, k=3, M=M, max_num_seqs=4,
+                            max_batched=64, speculative={"prompt_lookup_min": 1, "prompt_lookup_max": 3, **spec})
+    engine = make_engine(cfg, plan)
+    prompts = prompts_of_lengths(LENGTHS, seed=3)
+    done = run_engine(engine, prompts, max_tokens=max_tokens)
+    return engine, done, prompts
+
+
+@pytest.mark.parametrize("method", ["draft_model", "ngram"])
+def test_ranges_are_lossless_and_counted(models, monkeypatch, method):
+    engine, done, prompts = run(models, monkeypatch, method=method,
+                                num_speculative_tokens_per_batch_size=[[1, 2, 1], [3, 4, 0]])
+    check(models["target"], done, prompts, 30)
+    used = engine.spec_len.used
+    assert used[0] and used[1], used                      # 3-4 running: k 0, 1-2: k 1
+    assert sum(used.values()) == engine.counters.steps
+
+
+def test_adaptive_is_lossless_and_reports_its_model(models, monkeypatch):
+    engine, done, prompts = run(models, monkeypatch, adaptive=True)
+    check(models["target"], done, prompts, 30)
+    rep = engine.spec_len.report()
+    assert rep["mode"] == "adaptive" and rep["k_values"] == [0, 1, 2, 3]
+    assert [m["k"] for m in rep["model"]] == [0, 1, 2, 3]
+    assert all(m["step_ms"] > 0 and m["tokens_per_step"] >= 1 for m in rep["model"])
+
+
+def test_k_toggling_to_zero_and_back_catches_the_drafter_up(models, monkeypatch, tmp_path):
+    """A drafter identical to the target accepts every draft only if its cache holds every token:
+    after long runs of k = 0 (more missed tokens than a row's width) it must catch up exactly."""
+    import shutil
+    copy = shutil.copytree(models["target"], tmp_path / "copy")
+    forced = ",".join(["3", "0", "0", "2"] + ["0"] * 20 + ["3", "1"])
+    engine, done, prompts = run(models, monkeypatch, forced=forced, draft=copy, max_tokens=40)
+    check(models["target"], done, prompts, 40)
+    s = engine.counters.spec
+    assert s.num_draft_tokens > 0 and s.num_accepted_tokens == s.num_draft_tokens
+    assert engine.spec_len.used[0] > 20 and engine.spec_len.used[3]
+
+
+def test_eagle_with_k_toggling_is_lossless(models, monkeypatch, tmp_path):
+    head = make_eagle_head(tmp_path / "head", models["target"])
+    engine, done, prompts = run(models, monkeypatch, forced="3,0,0,1,0,3,2", draft=head, method="eagle")
+    check(models["target"], done, prompts, 30)
+    assert engine.counters.spec.num_drafts > 0 and engine.spec_len.used[0]
+
+
+def test_opt_out_is_lossless_and_drafts_nothing(models):
+    cfg, plan = make_config(models["target"], models["draft"], k=3, M=M, max_num_seqs=4)
+    engine = make_engine(cfg, plan)
+    prompts = prompts_of_lengths(LENGTHS, seed=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(engine.make_request(i, p, SamplingParams(max_tokens=20, speculative=i % 2 == 0), None))
+    done = {}
+    while engine.has_work:
+        for out in engine.step():
+            if out.finished:
+                done[out.seq.req.id] = out.seq
+    check(models["target"], done, prompts, 20)
+    assert all(done[i].stats.num_drafts == 0 for i in done if i % 2)
+    assert all(done[i].stats.num_drafts > 0 for i in done if i % 2 == 0)
+
+
+def test_agreement_rule_takes_the_largest_batch():
+    assert SpecLength.agree([3, 7, 7], [1, 4, 0]) == 4       # ties: the lower rank
+    assert SpecLength.agree([0, 0], [2, 3]) == 2
+    s = SpecLength(4, [[1, 4, 3], [5, 16, 1], [17, 64, 0]], False)
+    assert [s.for_batch(n) for n in (0, 1, 4, 5, 16, 17, 64, 65)] == [4, 3, 3, 1, 1, 0, 0, 4]
+    assert s.k_values == [0, 1, 3, 4]
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ({"num_speculative_tokens_per_batch_size": [[1, 4, 5]]}, "k must lie in 0..num_speculative_tokens (4)"),
+    ({"num_speculative_tokens_per_batch_size": [[1, 8, 2], [8, 16, 1]]}, "overlap"),
+    ({"num_speculative_tokens_per_batch_size": [[1, 8]]}, "[start, end, k]"),
+    ({"num_speculative_tokens_per_batch_size": [[5, 2, 1]]}, "1 <= start <= end"),
+    ({"num_speculative_tokens_per_batch_size": [[1, 8, 2]], "adaptive": True}, "not both"),
+])
+def test_bad_schedules_are_refused(spec, needle):
+    with pytest.raises(ConfigError) as e:
+        validate({"model": "m", "speculative": {"num_speculative_tokens": 4, **spec}})
+    assert needle in str(e.value)
+
+
+def test_opt_out_field_is_checked():
+    from specdp_cli.request_params import ParamError, check_sampling
+    assert check_sampling({"speculative": False}, {"max_tokens": 4})["speculative"] is False
+    assert "speculative" not in check_sampling({"speculative": True}, {"max_tokens": 4})
+    with pytest.raises(ParamError, match="true or false"):
+        check_sampling({"speculative": "no"}, {"max_tokens": 4})
