@@ -99,7 +99,9 @@ def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
     assert s["generated_tokens"] == sum(by[g]["completion_tokens"] for g in (1, "point", 8, 10))
     assert s["acceptance_rate"] is None or 0 <= s["acceptance_rate"] <= 1
     assert len(s["ranks"]) == 1 and set(s["ranks"][0]) == {"rank", "requests", "steps", "padding_steps",
-                                                           "skipped_drafter_steps", "generated_tokens", "preemptions"}
+                                                           "skipped_drafter_steps", "generated_tokens", "preemptions",
+                                                           "weight_bytes", "expert_weight_bytes"}
+    assert s["ranks"][0]["weight_bytes"] is None and s["ranks"][0]["expert_weight_bytes"] == 0     # CPU, dense
     assert s["preemptions"] == 0
     assert set(s["startup"]) == {"launch_s", "load_s", "kv_alloc_s", "capture_s"}
     assert all(v >= 0 for v in s["startup"].values()) and s["startup"]["load_s"] > 0

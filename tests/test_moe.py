@@ -2,12 +2,13 @@
 decoder: greedy float32 output equals transformers' token for token, with and without a drafter,
 sequences reaching M; with dp 2 preflight puts the ranks in lockstep and the outputs equal dp 1."""
 import json
+import shutil
 
 import pytest
 
-from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, run_in_process, same_tokens, write_jsonl
+from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, run_in_process, same_tokens, text_rows, write_jsonl
 from engine_util import hf_reference, make_config, make_engine, prompts_of_lengths, run_engine
-from helpers import make_moe_dir
+from helpers import make_moe_dir, set_eos
 
 LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]
 
@@ -78,6 +79,53 @@ def test_expert_parallel_equals_dp1(tmp_path, models, moe, dp, method):
     # each rank holds its experts only (4 experts: 2 + 2, or 2 + 1 + 1)
     held = [rank["expert_weight_bytes"] for rank in json.load(open(tmp_path / "s.json"))["ranks"]]
     assert held == ([held[0]] * 2 if dp == 2 else [held[0], held[0] // 2, held[0] // 2]) and held[0] > 0
+
+
+SHORT = [4, 7, 10, 13]        # prompts that never reach the no-draft window
+
+
+@pytest.fixture(scope="module")
+def moe_eos(tmp_path_factory, moe):
+    """Each MoE target with a token it often emits made eos, so some sequences stop early."""
+    prompts = prompts_of_lengths([30] + SHORT, seed=22)          # the prompts of the edge-case test below
+    out = {}
+    for family, target in moe.items():
+        counts: dict[int, int] = {}
+        for o in (hf_reference(target, p, 16, eos=None) for p in prompts):
+            for t in set(o[2:]):
+                counts[t] = counts.get(t, 0) + 1
+        eos = max((t for t, c in counts.items() if c < len(prompts)), key=counts.get)
+        out[family] = shutil.copytree(target, tmp_path_factory.mktemp(f"{family}_eos") / "target")
+        set_eos(out[family], eos)
+    return out
+
+
+@pytest.mark.timeout(HARD_TIMEOUT_S * 2)
+@pytest.mark.parametrize("family,dp,n_short", [("mixtral", 2, 4), ("qwen3_moe", 3, 1)])
+def test_expert_parallel_edges_equal_dp1(tmp_path, models, moe_eos, family, dp, n_short):
+    """Experts split over the ranks, with a drafter model: one long request crossing the no-draft window
+    [38, 63] on one rank only, early stops, and (dp 3, two requests) a rank with no request that runs every
+    forward over padding — the tokens of one rank holding every expert."""
+    rows = text_rows(models["tokenizer"], [30] + SHORT[:n_short], [30, 9, 16, 5, 12][:1 + n_short], seed=22)
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    kw = dict(method="draft_model", k=3, M=64, D=40)
+    run_in_process(dp_config(tmp_path, moe_eos[family], models["draft"], dp=1, name="ref.yaml", **kw), inp,
+                   tmp_path / "ref.jsonl")
+    want = read_out(tmp_path / "ref.jsonl")
+    long = want[json.dumps("r0")]
+    assert long["prompt_tokens"] + long["completion_tokens"] > 40 - 3, "the long request never reached the window"
+    if n_short > 1:
+        assert any(r["finish_reason"] == "stop" for r in want.values()), "no early stop in the reference"
+    cfg = dp_config(tmp_path, moe_eos[family], models["draft"], dp=dp, dp_sync="auto", check=True,
+                    parallel={"enable_expert_parallel": True}, **kw)
+    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
+                   tmp_path / "s.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert same_tokens(want, read_out(tmp_path / "out.jsonl")) == []
+    ranks = json.load(open(tmp_path / "s.json"))["ranks"]
+    assert len({x["steps"] for x in ranks}) == 1 and any(x["padding_steps"] > 0 for x in ranks)
+    if dp == 3:
+        assert min(x["requests"] for x in ranks) == 0
 
 
 def test_expert_parallel_preflight(tmp_path, models, moe):

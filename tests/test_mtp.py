@@ -217,15 +217,16 @@ def test_a_short_dummy_step_is_caught(tmp_path, models, mtp, fault):
 
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
-@pytest.mark.parametrize("fault,stuck_at", [("skip-drafter:1", "drafter forward 1/3"),
-                                            ("single-dummy-forward:1", "drafter forward 2/3")])
-def test_without_the_guard_the_fault_cannot_finish(tmp_path, models, mtp, fault, stuck_at):
+@pytest.mark.parametrize("fault", ["skip-drafter:1", "single-dummy-forward:1"])
+def test_without_the_guard_the_fault_cannot_finish(tmp_path, models, mtp, fault):
     """The MTP layer's forwards are real collectives: with the step sync's comparison switched off (test-only
-    `no-guard`), rank 1 runs fewer of them while rank 0 waits in its MoE's all-gather, and the job dies of
+    `no-guard`), rank 1 runs fewer of them — its first, which learns the verified positions, runs every step;
+    the fault cuts the rest — while rank 0 waits in its second forward's MoE all-gather, and the job dies of
     the collective timeout (or the backend's error once rank 1 is gone) instead of producing output."""
     r, _ = run_fault(tmp_path, models, mtp["lora"], fault + ",no-guard", timeout_s=8)
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "out of step" not in r.stderr and "rank 0 stopped:" in r.stderr and stuck_at in r.stderr, r.stderr
+    assert "out of step" not in r.stderr and "rank 0 stopped:" in r.stderr, r.stderr
+    assert "drafter forward 2/3" in r.stderr, r.stderr
     assert not (tmp_path / "out.jsonl").exists()
 
 

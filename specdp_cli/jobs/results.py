@@ -164,5 +164,5 @@ def speculation_summary(rank_reports: list[dict]) -> dict | None:
     first = reps[0]
     return {"mode": first["mode"], "k_values": first["k_values"],
             "steps_by_k": dict(sorted(steps.items(), key=lambda kv: int(kv[0]))),
-            "acceptance_per_position": first["acceptance_per_position"],
+            "model_acceptance_per_position": first["model_acceptance_per_position"],
             "model_rows": first["model_rows"], "model": first["model"]}

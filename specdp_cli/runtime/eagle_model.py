@@ -42,6 +42,7 @@ from ..modeldir import FAMILIES, ModelDir, UnsupportedModel, architecture_of, au
 from . import ops
 from .model import (CausalLM, Layer, _read_weights, _weights_of, decoder_layer, rank_experts, rotary_tables,
                     weight_getter)
+from .hf_config import head_config
 from .ops import AttnMeta
 
 
@@ -80,15 +81,13 @@ def _open_head(path: str, layout: str, dtype: torch.dtype, device: torch.device)
     """A head directory of `layout` ("eagle" / "eagle3"): its Llama config (the config class gives the
     same defaults and rope handling as a target's) and `get(name, required=True)`, which takes a weight
     out of the checkpoint in `dtype`."""
-    from transformers import LlamaConfig
-
     md = ModelDir.open(path, "EAGLE head")
     w = _read_weights(md.weight_files, device)
     if eagle_layout(w) != layout:
         want = "fc.weight and layers.0.*" if layout == "eagle" else "midlayer.* and fc.weight"
         raise UnsupportedModel(f"{path}: not an {'EAGLE-1' if layout == 'eagle' else 'EAGLE-3'} head "
                                f"(expected {want})")
-    config = LlamaConfig(**{k: v for k, v in md.config.items() if k not in ("architectures", "model_type")})
+    config = head_config(md.config)
 
     def get(name: str, required: bool = True):
         t = w.pop(name, None)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..modeldir import FAMILIES, ModelDir, UnsupportedModel, architecture_of, expert_split, layer_index
 from . import ops
+from .hf_config import load_config
 from .ops import AttnMeta
 
 
@@ -480,12 +481,10 @@ def rank_experts(md: ModelDir, ep) -> set[int] | None:
 def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int, ep=None) -> CausalLM:
     """Load a supported Hugging Face causal LM directory as specdp's decoder. `ep`: the DP group over
     which a mixture-of-experts model's routed experts are split (each rank reads only its own)."""
-    from transformers import AutoConfig
-
     md = ModelDir.open(path, "model")
     arch = architecture_of(md.config)
     model_type = FAMILIES[arch]
-    c = AutoConfig.from_pretrained(path)
+    c = load_config(path, md.config, model_type)
     if getattr(c, "hidden_act", "silu") != "silu":
         raise UnsupportedModel(f"{path}: hidden_act {c.hidden_act!r} is not supported (silu only)")
     w = _read_weights(md.weight_files, device, _weights_of(range(c.num_hidden_layers), rank_experts(md, ep)))

@@ -135,7 +135,7 @@ class SpecLength:
     def observe_rows(self, drafted_accepted: list[tuple[int, int]]) -> None:
         """After a step: each drafting row's (drafts, accepted). Position j is reached when the first
         j - 1 drafts were accepted; its average is accepted / reached, both decayed each step."""
-        if not drafted_accepted:
+        if not (self.adaptive and drafted_accepted):      # the model's input only (the summary counts acceptance itself)
             return
         acc, reach = [0] * self.k_max, [0] * self.k_max
         for n, a in drafted_accepted:
@@ -174,5 +174,6 @@ class SpecLength:
     def report(self) -> dict:
         rows = max(self.measured, default=(1, 0))[0]
         return {"mode": self.mode, "k_values": self.k_values, "steps_by_k": {str(k): v for k, v in sorted(self.used.items())},
-                "acceptance_per_position": [round(a / r, 3) for a, r in zip(self.accepted, self.reached)],
+                "model_acceptance_per_position": ([round(a / r, 3) for a, r in zip(self.accepted, self.reached)]
+                                                  if self.adaptive else []),
                 "model_rows": rows, "model": self.describe(rows) if self.adaptive else []}
