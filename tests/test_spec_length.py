@@ -41,13 +41,16 @@ def test_ranges_are_lossless_and_counted(models, monkeypatch, method):
     assert sum(used.values()) == engine.counters.steps
 
 
-def test_adaptive_is_lossless_and_reports_its_model(models, monkeypatch):
-    engine, done, prompts = run(models, monkeypatch, adaptive=True)
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_adaptive_is_lossless_and_reports_its_model(models, monkeypatch, tmp_path, method):
+    draft = make_eagle_head(tmp_path / "head", models["target"]) if method == "eagle" else None
+    engine, done, prompts = run(models, monkeypatch, adaptive=True, method=method, draft=draft)
     check(models["target"], done, prompts, 30)
     rep = engine.spec_len.report()
     assert rep["mode"] == "adaptive" and rep["k_values"] == [0, 1, 2, 3]
     assert [m["k"] for m in rep["model"]] == [0, 1, 2, 3]
     assert all(m["step_ms"] > 0 and m["tokens_per_step"] >= 1 for m in rep["model"])
+    assert all(cost > 0 for cost in engine.spec_len.drafter_cost.values()) and engine.spec_len.drafter_cost
 
 
 def test_k_toggling_to_zero_and_back_catches_the_drafter_up(models, monkeypatch, tmp_path):

@@ -243,13 +243,8 @@ class Engine:
         for R in self.decode_sizes:
             for T in (1, self.k + 1):
                 self.spec_len.target_cost[(R, T)] = timed(self.target, R, T)
-            if self.drafter.has_forward and not self.drafter.after_verify:
+            if self.drafter.has_forward:      # a draft model, or an EAGLE head / MTP layer (its forwards 2..k)
                 self.spec_len.drafter_cost[(R, 1)] = self.spec_len.drafter_cost[(R, 2)] = timed(self.drafter.runner, R, 1)
-        if self.drafter.after_verify:          # an EAGLE head: about one of its layers next to the target's
-            layers = max(1, len(getattr(self.target.model, "layers", [])) or 1)
-            for key, t in list(self.spec_len.target_cost.items()):
-                if key[1] == 1:
-                    self.spec_len.drafter_cost[key] = self.spec_len.drafter_cost[(key[0], 2)] = t / layers
 
     def _num_blocks(self, models) -> int:
         """KV blocks: what preflight resolved (`cache.num_blocks`, or on CPU enough for max_num_seqs
