@@ -5,7 +5,8 @@ step the head works after the target's forward and the rejection sampler, on the
 the very rows of the target's forward:
 
   forward 1 (R x T, the target's shape; it runs in every step, k = 0 included, because the target's
-    features of the verified positions exist only in that step — so the head never falls behind): at each row position j the head takes (token j+1, the
+    features of the verified positions exist only in that step — so the head never falls behind): at
+    each row position j the head takes (token j+1, the
     target's feature at j: its last hidden state for EAGLE-1, `fc` over three layers' for EAGLE-3)
     — the row's tokens shifted by one, with the token that follows the
     row put in at its place: for a decode row the token the step drew after its accepted drafts
