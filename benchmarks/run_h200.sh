@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive OUT_DIR
 # Needs .bench/codepair (a copy of ../shared/models/codepair) and .bench/{hf_baselines,widen,graph_floor}.py
 # (copies of ../shared/bench/); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -36,13 +36,13 @@ all)
     python3 benchmarks/hf_rows.py .bench/hf_baselines.py $W --prompts 16 --cases generate_bs1,static:16
     python3 .bench/graph_floor.py $W/target --bs 1,16 --label _8b ) > "$out/hf.jsonl" 2> /tmp/hf.err &
   hf=$!
-  timeout 150 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
+  timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
   tail -3 "$out/gpu_tests.log"
   m=none,ngram,draft_model; [ -d $P/eagle ] && m=$m,eagle; [ -d $P/eagle3 ] && m=$m,eagle3
   offline offline_codepair_bs1 --pair $P --batches 1 --methods $m
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/step_probe.py --pair $P --methods none,draft_model,eagle \
     --json "$out/step_probe.json" > /tmp/step_probe.log 2>&1 || tail -5 /tmp/step_probe.log
-  offline offline_codepair_256 --pair $P --requests 256 --batches 32
+  offline offline_codepair_256 --pair $P --requests 256 --batches 32 --methods $m
   offline offline_codepair_eager --pair $P --batches 32 --methods none,draft_model --eager
   for i in $(seq 120); do [ -f /tmp/widened ] && break; sleep 2; done
   offline offline_widened --pair $P --target $W/target --prompts 16 --batches 1,16 --methods none,draft_model --label widened
@@ -55,6 +55,18 @@ all)
   for f in offline_codepair_bs1 offline_codepair_256 offline_codepair_eager offline_widened offline_memory; do
     grep -A8 "^method" /tmp/$f.log; done
   cat "$out/hf.jsonl"
+  ;;
+adaptive)
+  # issue 14's table: adaptive vs every fixed k per batch size (codepair on GPU 0, the 8B shape on GPU 1); a
+  # 10-minute call holds only a few batch sizes of the 8B shape: pick them with BATCHES (and REQUESTS)
+  widen || exit 1
+  CUDA_VISIBLE_DEVICES=0 timeout 580 python3 benchmarks/adaptive_k.py --pair $P --batches "${BATCHES:-1,4,16,32,64}" \
+    --requests "${REQUESTS:-256}" --json "$out/adaptive_codepair.json" > "$out/adaptive_codepair.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 timeout 580 python3 benchmarks/adaptive_k.py --pair $P --target $W/target \
+    --batches "${BATCHES:-16,32,64}" --requests "${REQUESTS:-256}" --json "$out/adaptive_8b.json" \
+    > "$out/adaptive_8b.log" 2>&1
+  wait
+  tail -20 "$out/adaptive_codepair.log" "$out/adaptive_8b.log"
   ;;
 gpu-tests)
   nvidia-smi -L
