@@ -39,9 +39,23 @@ class Terminated(KeyboardInterrupt):
 LAUNCH_PHASES = ("cli_s", "spawn_s", "imports_s", "job_wait_s", "join_s")
 
 
+# more than this between a process's start and its import of specdp: the process was started by another
+# program that later exec'ed specdp (the last command of `bash -c '...; specdp ...'`)
+EXEC_SLACK_S = 30.0
+
+
 def process_start_time() -> float:
-    """Wall-clock time this process started (Linux: from /proc; elsewhere: now), so a command's
-    figures include its own interpreter and import time."""
+    """Wall-clock time this process started (Linux: from /proc; elsewhere: when it imported specdp), so a
+    command's figures include its own interpreter and import time. /proc gives the time of the fork: when
+    that is long before specdp was imported, a shell exec'ed specdp after other work, and the import
+    time is the start."""
+    from . import IMPORTED_AT
+
+    started = _forked_at()
+    return started if started is not None and IMPORTED_AT - started < EXEC_SLACK_S else IMPORTED_AT
+
+
+def _forked_at() -> float | None:
     try:
         with open("/proc/self/stat") as fh:
             ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
@@ -49,7 +63,7 @@ def process_start_time() -> float:
             boot = next(int(line.split()[1]) for line in fh if line.startswith("btime"))
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
+        return None
 
 
 class RunDir:

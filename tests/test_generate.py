@@ -319,3 +319,19 @@ def test_resume_reuses_only_what_the_same_job_made(cfg, tmp_path):
                    "--summary-json", str(tmp_path / "s3.json"))                       # dp size is not in it
     assert res.exit_code == 0, res.output
     assert json.load(open(tmp_path / "s3.json"))["resumed"] == 2
+
+
+def test_start_time_of_a_process_a_shell_exec_ed(monkeypatch):
+    """`bash -c 'pip install ...; specdp generate ...'` execs specdp in the shell's process: its fork time
+    is the shell's, so the start-up figures would count the shell's earlier work; the import time is used."""
+    import time
+
+    import specdp_cli
+    from specdp_cli import launch
+
+    now = time.time()
+    monkeypatch.setattr(specdp_cli, "IMPORTED_AT", now)
+    monkeypatch.setattr(launch, "_forked_at", lambda: now - 0.8)          # started, then imported specdp
+    assert launch.process_start_time() == now - 0.8
+    monkeypatch.setattr(launch, "_forked_at", lambda: now - 80)           # a shell's pip install, then exec
+    assert launch.process_start_time() == now
