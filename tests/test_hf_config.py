@@ -68,3 +68,18 @@ def test_configs_the_fast_path_cannot_vouch_for(tmp_path):
     for other in (missing, legacy, scaled):
         assert hf_config.from_json(other, "llama") is None
     assert hf_config.from_json(config, "deepseek_v3") is None and hf_config.from_json(config, "qwen3_moe") is None
+
+
+def test_loading_a_model_and_its_tokenizer_skips_transformers_auto_classes(models):
+    """What a rank loads for a Hugging Face-written Llama directory: no AutoConfig, no AutoTokenizer (their
+    auto machinery is seconds of start-up under some transformers releases)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; import transformers.tokenization_utils_tokenizers; "
+            "from specdp_cli.runtime.model import load_model; from specdp_cli.modeldir import load_tokenizer; "
+            "load_model(sys.argv[1], torch.float32, torch.device('cpu'), 64); load_tokenizer(sys.argv[1]); "
+            "print(sorted(m for m in sys.modules if m.startswith('transformers.models.auto')))")
+    out = subprocess.run([sys.executable, "-c", code, str(models["target"])], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr

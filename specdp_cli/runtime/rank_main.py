@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
         from .engine import Engine
         from .faults import Faults
 
-        from transformers import AutoConfig, AutoTokenizer  # noqa: F401 - the engine's, imported while waiting
+        # the tokenizers' backend, imported while waiting for the job (not AutoTokenizer / AutoConfig: under
+        # transformers 5.17 those import its generation stack, ~3 s; modeldir and hf_config avoid them)
+        import transformers.tokenization_utils_tokenizers  # noqa: F401
 
         imported_at = time.time()
         job = wait_for_job(run_dir, status)
