@@ -78,10 +78,10 @@ def text_rows(tokenizer_dir, lengths: list[int], max_tokens: list[int], seed: in
             for i, (p, mt) in enumerate(zip(prompts_of_lengths(lengths, seed=seed), max_tokens))]
 
 
-def lockstep_run_equals_dp1(tmp: Path, inp: Path, cfg: Path) -> list[dict]:
-    """Run `cfg` in this process at dp 1 and as the real command; assert the same tokens; return the
-    command's per-rank reports."""
-    run_in_process(cfg, inp, tmp / "ref.jsonl")
+def lockstep_run_equals_dp1(tmp: Path, inp: Path, cfg: Path, ref: Path | None = None) -> list[dict]:
+    """Run `ref` (default: `cfg`) in this process at dp 1 and `cfg` as the real command; assert the same
+    tokens; return the command's per-rank reports. The reference's output is tmp / "ref.jsonl"."""
+    run_in_process(ref or cfg, inp, tmp / "ref.jsonl")
     r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp / "out.jsonl", "--summary-json", tmp / "s.json")
     assert r.returncode == 0, r.stdout + r.stderr
     assert same_tokens(read_out(tmp / "ref.jsonl"), read_out(tmp / "out.jsonl")) == []

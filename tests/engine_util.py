@@ -48,6 +48,42 @@ def run_engine(engine: Engine, prompts: list[list[int]], max_tokens=30, **params
 _ref_cache: dict = {}
 
 
+def single_row_runner(model, N: int, bs: int = 4):
+    """A CPU ModelRunner over one row of N tokens of `model` (an EAGLE head, an MTP layer) keeping the
+    window's hidden states, with a KV cache of 16 blocks of `bs` tokens and a row on blocks 1..6."""
+    from specdp_cli.runtime.kv_cache import allocate_kv
+    from specdp_cli.runtime.model_runner import ModelRunner
+
+    allocate_kv(model, 16, bs)
+    table = torch.zeros((1, 8), dtype=torch.int32)
+    table[0, :6] = torch.arange(1, 7)
+    return ModelRunner(model, torch.device("cpu"), table, bs, 1, [N], window=N, keep_hidden="window")
+
+
+def check_against_reference(target, done, prompts, max_tokens, M, label="") -> None:
+    """Each prompt's greedy tokens (done: run_engine's result) equal transformers' for `target`."""
+    for i, p in enumerate(prompts):
+        ref = hf_reference(target, p, min(max_tokens, M - len(p)))
+        assert done[i].generated == ref, f"{label} prompt {i} (length {len(p)}): {done[i].generated} != {ref}"
+
+
+def eos_variant(target, prompts, dest):
+    """A copy of `target` at `dest` whose eos is a token it often emits after these prompts (greedy, 16
+    tokens) but not after every one of them: some sequences then stop early."""
+    import shutil
+
+    from helpers import set_eos
+
+    counts: dict[int, int] = {}
+    for o in (hf_reference(target, p, 16, eos=None) for p in prompts):
+        for t in set(o[2:]):
+            counts[t] = counts.get(t, 0) + 1
+    eos = max((t for t, c in counts.items() if c < len(prompts)), key=counts.get)
+    out = shutil.copytree(target, dest)
+    set_eos(out, eos)
+    return out
+
+
 def hf_reference(model_dir, prompt: list[int], max_new: int, eos: int | None = 0) -> list[int]:
     """transformers' greedy `generate` at batch 1, float32; the eos token (if any) stripped."""
     from transformers import AutoModelForCausalLM

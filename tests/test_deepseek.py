@@ -3,13 +3,12 @@ and plain rotary pairs, yarn's attention scale), dense layers before sigmoid-rou
 choice, a correction bias and a shared expert. Logits equal transformers' and greedy float32 output equals
 it token for token, with and without a drafter; with the routed experts split over 2 or 3 ranks the outputs
 equal one rank's."""
-import json
 
 import pytest
 import torch
 
-from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, run_in_process, same_tokens, text_rows, write_jsonl
-from engine_util import hf_reference, make_config, make_engine, prompts_of_lengths, run_engine
+from dp_util import HARD_TIMEOUT_S, dp_config, lockstep_run_equals_dp1, text_rows, write_jsonl
+from engine_util import check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine
 from helpers import make_deepseek_dir
 
 LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]
@@ -64,9 +63,7 @@ def test_greedy_equals_reference(models, deepseek, variant, method):
     engine = make_engine(cfg, plan)
     prompts = prompts_of_lengths(LENGTHS, seed=6)
     done = run_engine(engine, prompts, max_tokens=30)
-    for i, p in enumerate(prompts):
-        ref = hf_reference(deepseek[variant], p, min(30, M - len(p)))
-        assert done[i].generated == ref, f"{variant} prompt {i} (length {len(p)})"
+    check_against_reference(deepseek[variant], done, prompts, 30, M, variant)
 
 
 def test_kv_shapes_known_before_loading(deepseek):
@@ -153,11 +150,6 @@ def test_expert_parallel_equals_dp1(tmp_path, models, deepseek, dp, method):
                                                        seed=25))
     ref = dp_config(tmp_path, deepseek["lora"], models["draft"], dp=1, dp_sync="auto", method=method, k=3, M=64,
                     name="ref.yaml")
-    run_in_process(ref, inp, tmp_path / "ref.jsonl")
     cfg = dp_config(tmp_path, deepseek["lora"], models["draft"], dp=dp, dp_sync="auto", method=method, k=3, M=64,
                     check=True, parallel={"enable_expert_parallel": True})
-    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
-                   tmp_path / "s.json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
-    assert len(json.load(open(tmp_path / "s.json"))["ranks"]) == dp
+    assert len(lockstep_run_equals_dp1(tmp_path, inp, cfg, ref)) == dp

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dp_util import HARD_TIMEOUT_S, dp_config, lockstep_run_equals_dp1, run_cli, text_rows, write_jsonl
-from engine_util import hf_reference, make_config, make_engine, prompts_of_lengths, run_engine
+from engine_util import (check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine,
+                         single_row_runner)
 from helpers import bigram_target, make_eagle_head
 
 LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]      # M = 64: the longest prompts reach M within a few tokens
@@ -22,12 +23,6 @@ def eagle(tmp_path_factory, models):
             "bigram": bigram, "perfect": make_eagle_head(root / "perfect", bigram, perfect=True)}
 
 
-def check_against_reference(target, done, prompts, max_tokens, M):
-    for i, p in enumerate(prompts):
-        ref = hf_reference(target, p, min(max_tokens, M - len(p)))
-        assert done[i].generated == ref, f"prompt {i} (length {len(p)}): {done[i].generated} != {ref}"
-
-
 def test_head_forward_equals_the_published_head(models, eagle):
     """specdp's head over paged KV = fc + a Llama decoder layer without its input norm (RoPE at the
     feature's position), as EAGLE-1 trains it."""
@@ -36,17 +31,12 @@ def test_head_forward_equals_the_published_head(models, eagle):
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     from specdp_cli.runtime.eagle_model import load_eagle_head
-    from specdp_cli.runtime.kv_cache import allocate_kv
     from specdp_cli.runtime.model import load_model
-    from specdp_cli.runtime.model_runner import ModelRunner
 
     cpu, N, bs = torch.device("cpu"), 21, 4
     target = load_model(str(models["target"]), torch.float32, cpu, 64)
     head = load_eagle_head(str(eagle["head"]), target, torch.float32, cpu, 64)
-    allocate_kv(head, 16, bs)
-    table = torch.zeros((1, 8), dtype=torch.int32)
-    table[0, :6] = torch.arange(1, 7)
-    runner = ModelRunner(head, cpu, table, bs, 1, [N], window=N, keep_hidden="window")
+    runner = single_row_runner(head, N, bs)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, head.vocab_size, (N,), generator=g)
     feats = torch.randn(N, head.embed.shape[1], generator=g)

@@ -2,13 +2,12 @@
 decoder: greedy float32 output equals transformers' token for token, with and without a drafter,
 sequences reaching M; with dp 2 preflight puts the ranks in lockstep and the outputs equal dp 1."""
 import json
-import shutil
 
 import pytest
 
-from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, run_in_process, same_tokens, text_rows, write_jsonl
-from engine_util import hf_reference, make_config, make_engine, prompts_of_lengths, run_engine
-from helpers import make_moe_dir, set_eos
+from dp_util import HARD_TIMEOUT_S, dp_config, lockstep_run_equals_dp1, read_out, text_rows, write_jsonl
+from engine_util import check_against_reference, eos_variant, make_config, make_engine, prompts_of_lengths, run_engine
+from helpers import make_moe_dir
 
 LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]
 
@@ -29,31 +28,19 @@ def test_greedy_equals_reference(models, moe, family, method):
     engine = make_engine(cfg, plan)
     prompts = prompts_of_lengths(LENGTHS, seed=6)
     done = run_engine(engine, prompts, max_tokens=30)
-    for i, p in enumerate(prompts):
-        ref = hf_reference(moe[family], p, min(30, M - len(p)))
-        assert done[i].generated == ref, f"{family} prompt {i} (length {len(p)})"
+    check_against_reference(moe[family], done, prompts, 30, M, family)
 
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
 def test_dp2_is_lockstep_and_equals_dp1(tmp_path, models, moe):
-    from transformers import AutoTokenizer
-
     from specdp_cli.config import load_config
     from specdp_cli.preflight import run_preflight
 
-    tok = AutoTokenizer.from_pretrained(str(models["tokenizer"]))
-    rows = [{"id": f"r{i}", "prompt": tok.decode(p), "max_tokens": mt}
-            for i, (p, mt) in enumerate(zip(prompts_of_lengths([20, 4, 9, 13], seed=24), [20, 3, 12, 7]))]
-    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    inp = write_jsonl(tmp_path / "in.jsonl", text_rows(models["tokenizer"], [20, 4, 9, 13], [20, 3, 12, 7], seed=24))
     cfg = dp_config(tmp_path, moe["mixtral"], models["draft"], dp=2, dp_sync="auto", k=3, M=64)
     plan = run_preflight(load_config(cfg)).plan
     assert plan.dp_sync == "always" and plan.policy == "dummy"
-    run_in_process(cfg, inp, tmp_path / "ref.jsonl")
-    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
-                   tmp_path / "s.json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
-    assert len({x["steps"] for x in json.load(open(tmp_path / "s.json"))["ranks"]}) == 1
+    assert len({x["steps"] for x in lockstep_run_equals_dp1(tmp_path, inp, cfg)}) == 1
 
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 3)
@@ -61,23 +48,15 @@ def test_dp2_is_lockstep_and_equals_dp1(tmp_path, models, moe):
 def test_expert_parallel_equals_dp1(tmp_path, models, moe, dp, method):
     """The experts split over the ranks (3 ranks, 4 experts: 2 + 1 + 1), tokens gathered and results
     reduce-scattered in every MoE forward: the outputs of one rank holding every expert."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(models["tokenizer"]))
-    rows = [{"id": f"r{i}", "prompt": tok.decode(p), "max_tokens": mt}
-            for i, (p, mt) in enumerate(zip(prompts_of_lengths([20, 4, 9, 13, 6], seed=25), [20, 3, 12, 7, 15]))]
-    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    inp = write_jsonl(tmp_path / "in.jsonl", text_rows(models["tokenizer"], [20, 4, 9, 13, 6], [20, 3, 12, 7, 15],
+                                                       seed=25))
     ref = dp_config(tmp_path, moe["qwen3_moe"], models["draft"], dp=1, dp_sync="auto", method=method, k=3, M=64,
                     name="ref.yaml")
-    run_in_process(ref, inp, tmp_path / "ref.jsonl")
     cfg = dp_config(tmp_path, moe["qwen3_moe"], models["draft"], dp=dp, dp_sync="auto", method=method, k=3, M=64,
                     check=True, parallel={"enable_expert_parallel": True})
-    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
-                   tmp_path / "s.json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
+    ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg, ref)
     # each rank holds its experts only (4 experts: 2 + 2, or 2 + 1 + 1)
-    held = [rank["expert_weight_bytes"] for rank in json.load(open(tmp_path / "s.json"))["ranks"]]
+    held = [rank["expert_weight_bytes"] for rank in ranks]
     assert held == ([held[0]] * 2 if dp == 2 else [held[0], held[0] // 2, held[0] // 2]) and held[0] > 0
 
 
@@ -88,16 +67,8 @@ SHORT = [4, 7, 10, 13]        # prompts that never reach the no-draft window
 def moe_eos(tmp_path_factory, moe):
     """Each MoE target with a token it often emits made eos, so some sequences stop early."""
     prompts = prompts_of_lengths([30] + SHORT, seed=22)          # the prompts of the edge-case test below
-    out = {}
-    for family, target in moe.items():
-        counts: dict[int, int] = {}
-        for o in (hf_reference(target, p, 16, eos=None) for p in prompts):
-            for t in set(o[2:]):
-                counts[t] = counts.get(t, 0) + 1
-        eos = max((t for t, c in counts.items() if c < len(prompts)), key=counts.get)
-        out[family] = shutil.copytree(target, tmp_path_factory.mktemp(f"{family}_eos") / "target")
-        set_eos(out[family], eos)
-    return out
+    return {family: eos_variant(target, prompts, tmp_path_factory.mktemp(f"{family}_eos") / "target")
+            for family, target in moe.items()}
 
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
@@ -110,20 +81,15 @@ def test_expert_parallel_edges_equal_dp1(tmp_path, models, moe_eos, family, dp, 
     rows = text_rows(models["tokenizer"], [30] + SHORT[:n_short], [30, 9, 16, 5, 12][:1 + n_short], seed=22)
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     kw = dict(method="draft_model", k=3, M=64, D=40)
-    run_in_process(dp_config(tmp_path, moe_eos[family], models["draft"], dp=1, name="ref.yaml", **kw), inp,
-                   tmp_path / "ref.jsonl")
+    ref = dp_config(tmp_path, moe_eos[family], models["draft"], dp=1, name="ref.yaml", **kw)
+    cfg = dp_config(tmp_path, moe_eos[family], models["draft"], dp=dp, dp_sync="auto", check=True,
+                    parallel={"enable_expert_parallel": True}, **kw)
+    ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg, ref)
     want = read_out(tmp_path / "ref.jsonl")
     long = want[json.dumps("r0")]
     assert long["prompt_tokens"] + long["completion_tokens"] > 40 - 3, "the long request never reached the window"
     if n_short > 1:
         assert any(r["finish_reason"] == "stop" for r in want.values()), "no early stop in the reference"
-    cfg = dp_config(tmp_path, moe_eos[family], models["draft"], dp=dp, dp_sync="auto", check=True,
-                    parallel={"enable_expert_parallel": True}, **kw)
-    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
-                   tmp_path / "s.json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert same_tokens(want, read_out(tmp_path / "out.jsonl")) == []
-    ranks = json.load(open(tmp_path / "s.json"))["ranks"]
     assert len({x["steps"] for x in ranks}) == 1 and any(x["padding_steps"] > 0 for x in ranks)
     if dp == 3:
         assert min(x["requests"] for x in ranks) == 0

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from dp_util import (HARD_TIMEOUT_S, dp_config, read_out, run_cli, run_in_process, same_tokens, text_rows,
-                     write_jsonl)
-from engine_util import hf_reference, make_config, make_engine, prompts_of_lengths, run_engine
-from helpers import make_deepseek_dir, set_eos, write_config
+from dp_util import HARD_TIMEOUT_S, dp_config, lockstep_run_equals_dp1, read_out, run_cli, text_rows, write_jsonl
+from engine_util import (check_against_reference, eos_variant, hf_reference, make_config, make_engine,
+                         prompts_of_lengths, run_engine, single_row_runner)
+from helpers import make_deepseek_dir, write_config
 
 LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]      # M = 64: the longest prompts reach M within a few tokens
 MTP = "model.layers.3."                             # the tiny DeepSeek-V3 targets have 3 decoder layers
@@ -45,19 +45,14 @@ def test_a_draft_step_is_the_mtp_layer(mtp):
     from transformers import AutoModelForCausalLM
 
     from specdp_cli.runtime.eagle_model import load_mtp_head
-    from specdp_cli.runtime.kv_cache import allocate_kv
     from specdp_cli.runtime.model import load_model
-    from specdp_cli.runtime.model_runner import ModelRunner
 
     torch.set_num_threads(1)
     cpu, N, bs = torch.device("cpu"), 21, 4
     target = load_model(str(mtp["lora"]), torch.float32, cpu, 64)
     head = load_mtp_head(str(mtp["lora"]), target, torch.float32, cpu)
     assert head.layers[0].moe is not None and head.layers[0].mla is not None
-    allocate_kv(head, 16, bs)
-    table = torch.zeros((1, 8), dtype=torch.int32)
-    table[0, :6] = torch.arange(1, 7)
-    runner = ModelRunner(head, cpu, table, bs, 1, [N], window=N, keep_hidden="window")
+    runner = single_row_runner(head, N, bs)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, head.vocab_size, (N,), generator=g)
     feats = torch.randn(N, 64, generator=g)
@@ -120,9 +115,7 @@ def test_greedy_equals_target_only(models, mtp, variant, D):
     engine = make_engine(cfg, plan)
     prompts = prompts_of_lengths(LENGTHS, seed=6)
     done = run_engine(engine, prompts, max_tokens=30)
-    for i, p in enumerate(prompts):
-        ref = hf_reference(mtp[variant], p, min(30, M - len(p)))
-        assert done[i].generated == ref, f"{variant} prompt {i} (length {len(p)})"
+    check_against_reference(mtp[variant], done, prompts, 30, M, variant)
     assert engine.counters.spec.num_drafts > 0
 
 
@@ -144,15 +137,7 @@ def test_an_mtp_layer_that_predicts_the_target_has_every_draft_accepted(mtp):
 def eos_target(tmp_path_factory, mtp):
     """The lora target with a token it often emits made eos, so some sequences stop early."""
     prompts = prompts_of_lengths([30] + SHORT, seed=22)        # ep_inputs' prompts
-    outs = [hf_reference(mtp["lora"], p, 16, eos=None) for p in prompts]
-    counts: dict[int, int] = {}
-    for o in outs:
-        for t in set(o[2:]):
-            counts[t] = counts.get(t, 0) + 1
-    eos = max((t for t, c in counts.items() if c < len(outs)), key=counts.get)
-    tdir = shutil.copytree(mtp["lora"], tmp_path_factory.mktemp("mtp_eos") / "target")
-    set_eos(tdir, eos)
-    return tdir
+    return eos_variant(mtp["lora"], prompts, tmp_path_factory.mktemp("mtp_eos") / "target")
 
 
 SHORT = [4, 7, 10, 13]        # prompts that never reach the no-draft window
@@ -177,18 +162,12 @@ def test_expert_parallel_equals_dp1(tmp_path, models, eos_target, dp, n_short):
     and (dp 3, two requests) a rank that holds none and runs every forward over padding."""
     inp = ep_inputs(tmp_path, models["tokenizer"], n_short)
     ref = dp_config(tmp_path, eos_target, None, dp=1, method="mtp", k=3, M=64, D=40, name="ref.yaml")
-    run_in_process(ref, inp, tmp_path / "ref.jsonl")
+    ranks = lockstep_run_equals_dp1(tmp_path, inp, ep_config(tmp_path, eos_target, dp, check=True), ref)
     want = read_out(tmp_path / "ref.jsonl")
     long = want[json.dumps("r0")]
     assert long["prompt_tokens"] + long["completion_tokens"] > 40 - 3, "the long request never reached the window"
     if n_short > 1:
         assert any(r["finish_reason"] == "stop" for r in want.values()), "no early stop in the reference"
-    cfg = ep_config(tmp_path, eos_target, dp, check=True)
-    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
-                   tmp_path / "s.json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert same_tokens(want, read_out(tmp_path / "out.jsonl")) == []
-    ranks = json.load(open(tmp_path / "s.json"))["ranks"]
     assert len(ranks) == dp and len({x["steps"] for x in ranks}) == 1
     assert any(x["padding_steps"] > 0 for x in ranks) and all(x["skipped_drafter_steps"] == 0 for x in ranks)
     if dp == 3:

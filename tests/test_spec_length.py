@@ -4,7 +4,7 @@ chunk's width), the per-request opt-out is lossless and its sequence drafts noth
 configuration refuses bad schedules with a sentence."""
 import pytest
 
-from engine_util import hf_reference, make_config, make_engine, prompts_of_lengths, run_engine
+from engine_util import check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine
 from helpers import make_eagle_head
 from specdp_cli.config import ConfigError, validate
 from specdp_cli.runtime.sampling import SamplingParams
@@ -15,9 +15,7 @@ M = 64
 
 
 def check(target, done, prompts, max_tokens):
-    for i, p in enumerate(prompts):
-        ref = hf_reference(target, p, min(max_tokens, M - len(p)))
-        assert done[i].generated == ref, f"prompt {i} (length {len(p)}): {done[i].generated} != {ref}"
+    check_against_reference(target, done, prompts, max_tokens, M)
 
 
 def run(models, monkeypatch, forced=None, draft=None, method="draft_model", max_tokens=30, **spec):
