@@ -18,15 +18,18 @@ Prints held-out top-1 agreement with the target at drafting steps 1 and 2; write
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
+import sys
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workloads import training_corpus  # noqa: E402
 
 
 def rms(x, w, eps):
@@ -93,18 +96,13 @@ def main() -> None:
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    spec = importlib.util.spec_from_file_location("train_pair", a.corpus)
-    corpus = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(corpus)
     tok = AutoTokenizer.from_pretrained(os.path.join(a.pair, "tokenizer"))
     tgt = AutoModelForCausalLM.from_pretrained(os.path.join(a.pair, "target"), dtype=torch.float32).to(dev).eval()
     for p in tgt.parameters():
         p.requires_grad_(False)
     N = tgt.config.num_hidden_layers
     aux = tuple(int(x) for x in a.aux.split(",")) if a.aux else (2, N // 2, N - 3)
-    files, held = corpus.corpus_files(2e6 if a.tiny else 200e6)
-    data = corpus.encode_corpus(tok, files[:100] if a.tiny else files, dev)
-    held_data = corpus.encode_corpus(tok, held[:20] if a.tiny else held, dev)
+    data, held_data = training_corpus(a.corpus, tok, a.tiny, dev)
     cfg = LlamaConfig(**{k: v for k, v in tgt.config.to_dict().items() if k in LlamaConfig().to_dict()})
     cfg.num_hidden_layers = 1
     head = Eagle3Trainee(cfg, len(aux), tgt.get_output_embeddings().weight).to(dev)

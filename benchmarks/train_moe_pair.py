@@ -17,16 +17,19 @@ and the MTP layer's top-1 agreement with the model's own next-but-one prediction
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
+import sys
 import shutil
 import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from workloads import training_corpus  # noqa: E402
 
 
 def rms_norm(h: int) -> nn.Module:
@@ -71,13 +74,8 @@ def main() -> None:
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    spec = importlib.util.spec_from_file_location("train_pair", a.corpus)
-    corpus = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(corpus)
     tok = AutoTokenizer.from_pretrained(os.path.join(a.pair, "tokenizer"))
-    files, held = corpus.corpus_files(2e6 if a.tiny else 200e6)
-    data = corpus.encode_corpus(tok, files[:100] if a.tiny else files, dev)
-    held_data = corpus.encode_corpus(tok, held[:20] if a.tiny else held, dev)
+    data, held_data = training_corpus(a.corpus, tok, a.tiny, dev)
 
     N, hidden = (2, 64) if a.tiny else (4, 256)
     cfg = DeepseekV3Config(

@@ -1,6 +1,8 @@
-"""The prompt sets of the benchmarks, from a pair directory's held-out prompts."""
+"""The prompt sets of the benchmarks, from a pair directory's held-out prompts, and the training corpus
+of the scripts that train drafters and demo models for a pair."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 
@@ -16,3 +18,15 @@ def cut_prompts(pair: str, cuts: int, n: int | None = None) -> list[str]:
         for c in range(1, cuts + 1):
             out.append(text[: max(80, len(text) * c // cuts)])
     return out[:n] if n else out
+
+
+def training_corpus(corpus_py: str, tok, tiny: bool, device):
+    """(train ids, held-out ids) as int32 tensors on `device`: the corpus split of the pair's training script
+    (`corpus_py`, a train_pair.py defining corpus_files and encode_corpus) encoded with `tok`; `tiny`: a small
+    slice (a dry run)."""
+    spec = importlib.util.spec_from_file_location("train_pair", corpus_py)
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    files, held = corpus.corpus_files(2e6 if tiny else 200e6)
+    return (corpus.encode_corpus(tok, files[:100] if tiny else files, device),
+            corpus.encode_corpus(tok, held[:20] if tiny else held, device))
