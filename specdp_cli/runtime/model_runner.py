@@ -61,6 +61,10 @@ class ModelRunner:
         self.n_real = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.out_start = torch.zeros(max_rows, dtype=torch.long, device=device)
         self._t = torch.arange(T, device=device)
+        self._forward_layout = None                # CUDA: the Triton kernel of `_layout` (CPU: its torch reference)
+        if device.type == "cuda":
+            from .triton_kernels import forward_layout
+            self._forward_layout = forward_layout
         self._pos = torch.zeros(max_rows * T, dtype=torch.long, device=device)
         self._slots = torch.zeros(max_rows * T, dtype=torch.long, device=device)
         self._out_rows = torch.zeros(max_rows * window, dtype=torch.long, device=device)
@@ -105,12 +109,10 @@ class ModelRunner:
     def _layout(self, R: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each token's position and cache slot [R * T], and the token rows of the logits window [R * W]."""
         W, BS = self.window, self.block_size
-        if self.device.type == "cuda":
-            from .triton_kernels import forward_layout
-
+        if self._forward_layout is not None:
             pos, slots, rows = self._pos[:R * T], self._slots[:R * T], self._out_rows[:R * W]
-            forward_layout(self.start[:R], self.n_real[:R], self.out_start[:R], self.block_table[:R], T, W, BS,
-                           TRASH_BLOCK, pos, slots, rows)
+            self._forward_layout(self.start[:R], self.n_real[:R], self.out_start[:R], self.block_table[:R], T, W,
+                                 BS, TRASH_BLOCK, pos, slots, rows)
             return pos, slots, rows
         start = self.start[:R].clamp(min=0).view(R, 1)
         n_real = self.n_real[:R].view(R, 1)
