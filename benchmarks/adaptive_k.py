@@ -60,6 +60,25 @@ def one_run(engine: Engine, prompts, new: int, k: int | None) -> tuple[list, flo
     return [done[i].generated for i in range(len(prompts))], secs, engine.counters
 
 
+def write_results(a, rows, n_prompts) -> list[dict]:
+    """The JSON so far (rewritten after every batch size: a run cut short keeps what it measured)."""
+    summary = []
+    for B in dict.fromkeys(r["batch"] for r in rows):
+        fixed = {r["k"]: r["tok_s"] for r in rows if r["batch"] == B and r["k"] != "adaptive"}
+        ad = next((r["tok_s"] for r in rows if r["batch"] == B and r["k"] == "adaptive"), None)
+        if not fixed or ad is None:
+            continue
+        best_k = max(fixed, key=fixed.get)
+        summary.append({"batch": B, "best_fixed_k": best_k, "best_fixed_tok_s": fixed[best_k], "adaptive_tok_s": ad,
+                        "ratio": ad / fixed[best_k], "fixed": fixed})
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "requests": n_prompts, "new_tokens": a.new, "dtype": a.dtype,
+            "repeats": a.repeats, "target": a.target or os.path.join(a.pair, "target"), "argv": sys.argv[1:]}
+    with open(a.json, "w") as fh:
+        json.dump({"meta": meta, "rows": rows, "summary": summary}, fh, indent=1)
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pair", required=True)
@@ -107,18 +126,7 @@ def main() -> None:
                 row["model"] = engine.spec_len.describe(max(engine.spec_len.measured, default=(1, 0))[0])
             rows.append(row)
             print(json.dumps({x: y for x, y in row.items() if x != "model"}), flush=True)
-    summary = []
-    for B in batches:
-        fixed = {r["k"]: r["tok_s"] for r in rows if r["batch"] == B and r["k"] != "adaptive"}
-        best_k = max(fixed, key=fixed.get)
-        ad = next(r["tok_s"] for r in rows if r["batch"] == B and r["k"] == "adaptive")
-        summary.append({"batch": B, "best_fixed_k": best_k, "best_fixed_tok_s": fixed[best_k], "adaptive_tok_s": ad,
-                        "ratio": ad / fixed[best_k], "fixed": fixed})
-    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
-            "torch": torch.__version__, "requests": len(prompts), "new_tokens": a.new, "dtype": a.dtype,
-            "repeats": a.repeats, "target": a.target or os.path.join(a.pair, "target"), "argv": sys.argv[1:]}
-    with open(a.json, "w") as fh:
-        json.dump({"meta": meta, "rows": rows, "summary": summary}, fh, indent=1)
+        summary = write_results(a, rows, len(prompts))
     head = "".join(f"{'k=' + str(k):>9}" for k in ks)
     print(f"{'batch':>6}{head}{'adaptive':>10}{'best k':>7}{'ratio':>7}")
     for s in summary:

@@ -36,10 +36,12 @@ all)
     python3 benchmarks/hf_rows.py .bench/hf_baselines.py $W --prompts 16 --cases generate_bs1,static:16
     python3 .bench/graph_floor.py $W/target --bs 1,16 --label _8b ) > "$out/hf.jsonl" 2> /tmp/hf.err &
   hf=$!
-  timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
-  tail -3 "$out/gpu_tests.log"
+  if [ "${GPU_TESTS:-1}" = 1 ]; then      # GPU_TESTS=0: the adaptive stage runs them instead
+    timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
+    tail -3 "$out/gpu_tests.log"
+  fi
   m=none,ngram,draft_model; [ -d $P/eagle ] && m=$m,eagle; [ -d $P/eagle3 ] && m=$m,eagle3
-  offline offline_codepair_bs1 --pair $P --batches 1 --methods $m
+  offline offline_codepair_bs1 --pair $P --batches 1,32 --methods $m
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 benchmarks/step_probe.py --pair $P --methods none,draft_model,eagle \
     --json "$out/step_probe.json" > /tmp/step_probe.log 2>&1 || tail -5 /tmp/step_probe.log
   offline offline_codepair_256 --pair $P --requests 256 --batches 32 --methods $m
@@ -49,24 +51,48 @@ all)
   offline offline_memory --pair $P --target $W/target --requests 256 --batches 256 --methods none --max-model-len 4096 \
     --label widened-memory
   for i in $(seq 60); do kill -0 $hf 2>/dev/null || break; sleep 2; done
-  timeout ${DP_TIMEOUT:-170} python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
-    --json "$out/dp_scaling.json" > /tmp/dp.log 2>&1; grep -v "^{" /tmp/dp.log | tail -28
+  for dm in ${DP_METHODS:-draft_model}; do     # DP scaling per method (both GPUs)
+    timeout ${DP_TIMEOUT:-170} python3 benchmarks/dp_scaling.py --pair $P --method $dm \
+      --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork-$dm \
+      --json "$out/dp_scaling_$dm.json" > /tmp/dp-$dm.log 2>&1; grep -v "^{" /tmp/dp-$dm.log | tail -28
+  done
   grep '"wall_ms_per_step"' /tmp/step_probe.log | cut -c1-400
   for f in offline_codepair_bs1 offline_codepair_256 offline_codepair_eager offline_widened offline_memory; do
     grep -A8 "^method" /tmp/$f.log; done
   cat "$out/hf.jsonl"
   ;;
 adaptive)
-  # issue 14's table: adaptive vs every fixed k per batch size (codepair on GPU 0, the 8B shape on GPU 1); a
-  # 10-minute call holds only a few batch sizes of the 8B shape: pick them with BATCHES (and REQUESTS)
-  widen || exit 1
-  CUDA_VISIBLE_DEVICES=0 timeout 580 python3 benchmarks/adaptive_k.py --pair $P --batches "${BATCHES:-1,4,16,32,64}" \
-    --requests "${REQUESTS:-256}" --json "$out/adaptive_codepair.json" > "$out/adaptive_codepair.log" 2>&1 &
-  CUDA_VISIBLE_DEVICES=1 timeout 580 python3 benchmarks/adaptive_k.py --pair $P --target $W/target \
-    --batches "${BATCHES:-16,32,64}" --requests "${REQUESTS:-256}" --json "$out/adaptive_8b.json" \
-    > "$out/adaptive_8b.log" 2>&1
+  # issue 14's table: adaptive vs every fixed k per batch size, one process per model (adaptive_k.py). GPU 0:
+  # the codepair at CP_BATCHES (empty: none); GPU 1: the GPU tests first when GPU_TESTS=1 (the 2-GPU one
+  # after everything), then the 8B shape at B8_BATCHES (a 10-minute call holds only a few of its batch
+  # sizes); LOCKSTEP=1 then compares adaptive with fixed k = 4 on 2 GPUs in lockstep (dp_scaling.py).
+  # Every step gets what is left of LIMIT seconds, and the JSON is rewritten after each batch size.
+  end=$((SECONDS + ${LIMIT:-570})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
+  if [ -n "${CP_BATCHES-1,4,16,32,64}" ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 benchmarks/adaptive_k.py --pair $P --batches "${CP_BATCHES-1,4,16,32,64}" \
+      --requests "${REQUESTS:-256}" --json "$out/adaptive_codepair.json" > "$out/adaptive_codepair.log" 2>&1 &
+  fi
+  ( export CUDA_VISIBLE_DEVICES=1
+    if [ "${GPU_TESTS:-0}" = 1 ]; then
+      timeout $(left) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "not nccl" \
+        > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
+    fi
+    if [ -n "${B8_BATCHES:-}" ]; then
+      widen || exit 1
+      timeout $(left) python3 benchmarks/adaptive_k.py --pair $P --target $W/target --label 8b-shape \
+        --batches "$B8_BATCHES" --requests "${REQUESTS:-256}" --json "$out/adaptive_8b.json" > "$out/adaptive_8b.log" 2>&1
+    fi )
   wait
-  tail -20 "$out/adaptive_codepair.log" "$out/adaptive_8b.log"
+  if [ "${GPU_TESTS:-0}" = 1 ]; then
+    timeout $(left) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k nccl >> "$out/gpu_tests.log" 2>&1
+    tail -3 "$out/gpu_tests.log"
+  fi
+  if [ "${LOCKSTEP:-0}" = 1 ]; then
+    timeout $(left) python3 benchmarks/dp_scaling.py --pair $P --method draft_model --work /tmp/dpwork-adaptive \
+      --runs 2:always,2:always:adaptive,2:always,2:always:adaptive,2:always,2:always:adaptive \
+      --json "$out/dp_adaptive.json" > /tmp/dp-adaptive.log 2>&1; grep -v "^{" /tmp/dp-adaptive.log | tail -20
+  fi
+  tail -n 8 "$out"/adaptive_*.log 2>/dev/null
   ;;
 gpu-tests)
   nvidia-smi -L
