@@ -4,7 +4,7 @@ One engine is built with `adaptive: true` and num_speculative_tokens = the large
 exist for every k in 0..K); a fixed-k row forces the step k through the spec-length hook (every step
 prefers that k), an adaptive row lets the engine choose, its measurements reset first (start-up
 timings kept) so it learns the workload from scratch like a fresh job. Each figure is the median
-tok/s of --repeats runs. Greedy; "=k0" counts outputs equal to the k = 0 row's.
+tok/s of --repeats runs, the rows interleaved (k = 0, 1, ..., adaptive, then again). Greedy; "=k0" counts outputs equal to the k = 0 row's.
 
 Usage (GPU: the codepair, and the 8B-shaped target with --target):
   python benchmarks/adaptive_k.py --pair PAIR_DIR [--target DIR] [--requests 256] [--new 128]
@@ -108,22 +108,23 @@ def main() -> None:
         engine.scheduler.max_num_seqs = B
         run(engine, prompts[:2], 8)                            # warm-up
         reference = None
-        for k in ks + [None]:
-            tok_s, detail = [], {}
-            for _ in range(a.repeats):
+        tok_s: dict = {k: [] for k in ks + [None]}
+        detail: dict = {}
+        for _ in range(a.repeats):          # interleaved: a slow spell of the machine hits every row alike
+            for k in ks + [None]:
                 outs, secs, c = one_run(engine, prompts, a.new, k)
-                gen = sum(len(o) for o in outs)
-                tok_s.append(gen / secs)
+                tok_s[k].append(sum(len(o) for o in outs) / secs)
                 if k == 0 and reference is None:
                     reference = outs
                 s = c.spec
-                detail = {"steps": c.steps, "steps_by_k": {str(j): n for j, n in sorted(engine.spec_len.used.items())},
-                          "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else None,
-                          "equal_k0": f"{sum(o == r for o, r in zip(outs, reference))}/{len(outs)}" if reference else None}
-            row = {"label": a.label, "batch": B, "k": "adaptive" if k is None else k, "tok_s": statistics.median(tok_s),
-                   "runs": tok_s, **detail}
-            if k is None:
-                row["model"] = engine.spec_len.describe(max(engine.spec_len.measured, default=(1, 0))[0])
+                detail[k] = {"steps": c.steps, "steps_by_k": {str(j): n for j, n in sorted(engine.spec_len.used.items())},
+                             "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else None,
+                             "equal_k0": f"{sum(o == r for o, r in zip(outs, reference))}/{len(outs)}" if reference else None}
+                if k is None:
+                    detail[k]["model"] = engine.spec_len.describe(max(engine.spec_len.measured, default=(1, 0))[0])
+        for k in ks + [None]:
+            row = {"label": a.label, "batch": B, "k": "adaptive" if k is None else k, "tok_s": statistics.median(tok_s[k]),
+                   "runs": tok_s[k], **detail[k]}
             rows.append(row)
             print(json.dumps({x: y for x, y in row.items() if x != "model"}), flush=True)
         summary = write_results(a, rows, len(prompts))

@@ -133,8 +133,9 @@ def test_graphs_per_k_equal_eager_with_k_toggling(models, method, tmp_path, monk
         engine = cuda_engine(cfg, plan)
         out[eager] = run_engine(engine, prompts, max_tokens=30)
         assert engine.spec_len.used[0] and engine.spec_len.used[3]
-        if not eager:
-            assert {key[1] for key in engine.step_graphs} >= {0, 1, 2, 3}
+        if not eager:       # decode steps and steps with prompt chunks, at every k
+            assert {key[1] for key in engine.step_graphs if key[3] == key[2]} >= {0, 1, 2, 3}
+            assert {key[1] for key in engine.step_graphs if key[3] == engine.T_chunk} >= {0, 1, 2, 3}
     for i, p in enumerate(prompts):
         assert out[False][i].generated == out[True][i].generated == hf_reference(models["target"], p, 30), i
 

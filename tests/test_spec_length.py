@@ -114,3 +114,25 @@ def test_opt_out_field_is_checked():
     assert "speculative" not in check_sampling({"speculative": True}, {"max_tokens": 4})
     with pytest.raises(ParamError, match="true or false"):
         check_sampling({"speculative": "no"}, {"max_tokens": 4})
+
+
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_every_k_has_whole_step_kinds(models, tmp_path, method, adaptive):
+    """The step kinds a GPU captures whole (one CUDA graph per kind and row count): a decode step and a
+    step with prompt chunks at every k the schedule can choose (with continuous batching, prompt chunks
+    ride in a large share of the steps: a k without its chunk kind ran its forwards one by one)."""
+    draft = make_eagle_head(tmp_path / "head", models["target"]) if method == "eagle" else models["draft"]
+    cfg, plan = make_config(models["target"], draft, method=method, k=3, M=M, max_num_seqs=4, max_batched=64,
+                            speculative={"prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                                         **({"adaptive": True} if adaptive else {})})
+    engine = make_engine(cfg, plan)
+    kinds = [sz for _, sz, _ in engine._step_kinds()]
+    ks = [0] if method == "none" else [0, 1, 2, 3] if adaptive else [3]
+    if engine.drafter.has_forward:
+        assert {sz.K for sz in kinds if sz.T == sz.T_dec} == set(ks)
+        assert {sz.K for sz in kinds if sz.T == engine.T_chunk} >= set(ks)
+    else:       # no drafter forward: a step verifies a window of drafts or none
+        windows = {1} | {k + 1 for k in ks}
+        assert {sz.T_dec for sz in kinds if sz.T == sz.T_dec} == windows
+        assert {sz.T_dec for sz in kinds if sz.T == engine.T_chunk} == windows

@@ -458,22 +458,24 @@ class Engine:
 
     def _step_kinds(self) -> list[tuple[list[int], StepSizes, bool]]:
         """The steps captured whole: (row counts, sizes with R_pad unset, drafter phase runs) of a
-        decode step and of a step with prompt chunks, as this job's method and policy run them. Rarer
-        kinds (fewer drafts near the drafter's limit, a drafter catching up, prompt chunks at a k other
-        than num_speculative_tokens, a fault's drafter count) run their forwards' graphs one by one."""
-        k, Tc = self.k, self.T_chunk
+        decode step and of a step with prompt chunks, for every k the schedule can choose (with
+        continuous batching, prompt chunks ride in a large share of the steps), as this job's method and
+        policy run them. Rarer kinds (fewer drafts near the drafter's limit, a drafter catching up, a
+        fault's drafter count) run their forwards' graphs one by one."""
+        Tc = self.T_chunk
         dec, wide = self.decode_sizes, self.row_sizes
-        ks = self.spec_len.k_values        # decode steps: one kind per k the schedule can choose
+        ks = self.spec_len.k_values
         if self.drafter.has_forward:
             kinds = [(dec, StepSizes(0, j, j + 1, j + 1, 2, k=j), bool(j) or self.drafter.after_verify) for j in ks]
-            kinds.append((wide, StepSizes(0, k, k + 1, Tc, Tc, k=k), True))
-            if not self.plan.lockstep and self.plan.policy == "skip" and not self.drafter.after_verify:
-                # prompt chunks with nothing to draft (a drafter proposing after verification drafts for every row)
+            kinds += [(wide, StepSizes(0, j, j + 1, Tc, Tc, k=j), True) for j in ks if j]
+            if 0 in ks or (not self.plan.lockstep and self.plan.policy == "skip" and not self.drafter.after_verify):
+                # prompt chunks with nothing to draft: a step at k = 0, or (skip policy, a drafter drafting
+                # before verification) no decode row that fits the drafter
                 kinds.append((wide, StepSizes(0, 0, 1, Tc, Tc), True))
             return kinds
         windows = sorted({1} | {j + 1 for j in ks})     # ngram: a step drafts (up to its k) or it does not
-        return ([(dec, StepSizes(0, 0, W, W, 2), False) for W in windows]
-                + [(wide, StepSizes(0, 0, W, Tc, Tc), False) for W in sorted({1, k + 1})])
+        return [(sizes, StepSizes(0, 0, W, T, T1), False) for W in windows
+                for sizes, T, T1 in ((dec, W, 2), (wide, Tc, Tc))]
 
     def _capture_steps(self) -> None:
         """Capture the whole device work of each step kind over a padding batch (every row padding:
