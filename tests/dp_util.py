@@ -86,3 +86,13 @@ def lockstep_run_equals_dp1(tmp: Path, inp: Path, cfg: Path, ref: Path | None = 
     assert r.returncode == 0, r.stdout + r.stderr
     assert same_tokens(read_out(tmp / "ref.jsonl"), read_out(tmp / "out.jsonl")) == []
     return json.load(open(tmp / "s.json"))["ranks"]
+
+
+def expert_parallel_equals_dp1(tmp: Path, models, target, dp: int, method: str) -> list[dict]:
+    """A MoE `target` with its routed experts split over `dp` lockstep ranks (collectives checked) gives
+    the tokens of one rank holding every expert; returns the command's per-rank reports."""
+    inp = write_jsonl(tmp / "in.jsonl", text_rows(models["tokenizer"], [20, 4, 9, 13, 6], [20, 3, 12, 7, 15], seed=25))
+    ref = dp_config(tmp, target, models["draft"], dp=1, dp_sync="auto", method=method, k=3, M=64, name="ref.yaml")
+    cfg = dp_config(tmp, target, models["draft"], dp=dp, dp_sync="auto", method=method, k=3, M=64, check=True,
+                    parallel={"enable_expert_parallel": True})
+    return lockstep_run_equals_dp1(tmp, inp, cfg, ref)

@@ -7,7 +7,7 @@ equal one rank's."""
 import pytest
 import torch
 
-from dp_util import HARD_TIMEOUT_S, dp_config, lockstep_run_equals_dp1, text_rows, write_jsonl
+from dp_util import HARD_TIMEOUT_S, expert_parallel_equals_dp1
 from engine_util import check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine
 from helpers import make_deepseek_dir
 
@@ -146,10 +146,4 @@ def test_quantized_checkpoint_is_refused():
 def test_expert_parallel_equals_dp1(tmp_path, models, deepseek, dp, method):
     """The routed experts split over the ranks (3 ranks, 4 experts: 2 + 1 + 1), the shared expert on every
     rank added once: the outputs of one rank holding every expert."""
-    inp = write_jsonl(tmp_path / "in.jsonl", text_rows(models["tokenizer"], [20, 4, 9, 13, 6], [20, 3, 12, 7, 15],
-                                                       seed=25))
-    ref = dp_config(tmp_path, deepseek["lora"], models["draft"], dp=1, dp_sync="auto", method=method, k=3, M=64,
-                    name="ref.yaml")
-    cfg = dp_config(tmp_path, deepseek["lora"], models["draft"], dp=dp, dp_sync="auto", method=method, k=3, M=64,
-                    check=True, parallel={"enable_expert_parallel": True})
-    assert len(lockstep_run_equals_dp1(tmp_path, inp, cfg, ref)) == dp
+    assert len(expert_parallel_equals_dp1(tmp_path, models, deepseek["lora"], dp, method)) == dp

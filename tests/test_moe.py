@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from dp_util import HARD_TIMEOUT_S, dp_config, lockstep_run_equals_dp1, read_out, text_rows, write_jsonl
+from dp_util import (HARD_TIMEOUT_S, dp_config, expert_parallel_equals_dp1, lockstep_run_equals_dp1, read_out, text_rows,
+                     write_jsonl)
 from engine_util import check_against_reference, eos_variant, make_config, make_engine, prompts_of_lengths, run_engine
 from helpers import make_moe_dir
 
@@ -48,13 +49,7 @@ def test_dp2_is_lockstep_and_equals_dp1(tmp_path, models, moe):
 def test_expert_parallel_equals_dp1(tmp_path, models, moe, dp, method):
     """The experts split over the ranks (3 ranks, 4 experts: 2 + 1 + 1), tokens gathered and results
     reduce-scattered in every MoE forward: the outputs of one rank holding every expert."""
-    inp = write_jsonl(tmp_path / "in.jsonl", text_rows(models["tokenizer"], [20, 4, 9, 13, 6], [20, 3, 12, 7, 15],
-                                                       seed=25))
-    ref = dp_config(tmp_path, moe["qwen3_moe"], models["draft"], dp=1, dp_sync="auto", method=method, k=3, M=64,
-                    name="ref.yaml")
-    cfg = dp_config(tmp_path, moe["qwen3_moe"], models["draft"], dp=dp, dp_sync="auto", method=method, k=3, M=64,
-                    check=True, parallel={"enable_expert_parallel": True})
-    ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg, ref)
+    ranks = expert_parallel_equals_dp1(tmp_path, models, moe["qwen3_moe"], dp, method)
     # each rank holds its experts only (4 experts: 2 + 2, or 2 + 1 + 1)
     held = [rank["expert_weight_bytes"] for rank in ranks]
     assert held == ([held[0]] * 2 if dp == 2 else [held[0], held[0] // 2, held[0] // 2]) and held[0] > 0
