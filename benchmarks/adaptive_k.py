@@ -8,7 +8,9 @@ tok/s of --repeats runs, the rows interleaved (k = 0, 1, ..., adaptive, then aga
 
 Usage (GPU: the codepair, and the 8B-shaped target with --target):
   python benchmarks/adaptive_k.py --pair PAIR_DIR [--target DIR] [--requests 256] [--new 128]
-      [--batches 1,4,16,32,64] [--ks 0,1,2,3,4,5,6] [--repeats 3] [--dtype bfloat16] --json OUT.json
+      [--batches 1,4,16,32,64] [--ks 0,1,2,3,4,5,6] [--no-adaptive] [--repeats 3] [--dtype bfloat16] --json OUT.json
+A table too long for one call (the 8B shape at batch 1: ~11 min a repeat) can be split over GPUs and calls
+with --ks / --no-adaptive / --repeats; `plot_adaptive.py` pools the runs of the same row across files.
 CPU smoke run: --requests 8 --new 8 --batches 1,4 --dtype float32 --repeats 1
 """
 from __future__ import annotations
@@ -90,6 +92,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16,32,64")
     ap.add_argument("--ks", default="0,1,2,3,4,5,6")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-adaptive", action="store_true",
+                    help="fixed k rows only (a table split over GPUs or calls; plot_adaptive.py merges the runs)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-batched-tokens", type=int, default=16384)
@@ -108,10 +112,11 @@ def main() -> None:
         engine.scheduler.max_num_seqs = B
         run(engine, prompts[:2], 8)                            # warm-up
         reference = None
-        tok_s: dict = {k: [] for k in ks + [None]}
+        kinds = ks + ([] if a.no_adaptive else [None])
+        tok_s: dict = {k: [] for k in kinds}
         detail: dict = {}
         for _ in range(a.repeats):          # interleaved: a slow spell of the machine hits every row alike
-            for k in ks + [None]:
+            for k in kinds:
                 outs, secs, c = one_run(engine, prompts, a.new, k)
                 tok_s[k].append(sum(len(o) for o in outs) / secs)
                 if k == 0 and reference is None:
@@ -122,7 +127,7 @@ def main() -> None:
                              "equal_k0": f"{sum(o == r for o, r in zip(outs, reference))}/{len(outs)}" if reference else None}
                 if k is None:
                     detail[k]["model"] = engine.spec_len.describe(max(engine.spec_len.measured, default=(1, 0))[0])
-        for k in ks + [None]:
+        for k in kinds:
             row = {"label": a.label, "batch": B, "k": "adaptive" if k is None else k, "tok_s": statistics.median(tok_s[k]),
                    "runs": tok_s[k], **detail[k]}
             rows.append(row)

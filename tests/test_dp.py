@@ -75,6 +75,10 @@ def test_dp_equals_dp1(tmp_path, models, eos_target, dp, dp_sync, n_short):
     ranks = summary["ranks"]
     assert [x["rank"] for x in ranks] == list(range(dp))
     assert sum(x["requests"] for x in ranks) == len(rows)
+    stepped = [x for x in ranks if x["steps"]]
+    assert min(x["start_offset_s"] for x in stepped) == 0
+    assert all(0 < x["engine_s"] <= summary["engine_s"] + 1e-9 for x in stepped)
+    assert all(x["start_offset_s"] + x["engine_s"] <= summary["engine_s"] + 1e-9 for x in stepped)
     if dp_sync == "always":
         steps = {x["steps"] for x in ranks}
         assert len(steps) == 1, "lockstep ranks ran different numbers of steps"
@@ -125,7 +129,12 @@ def test_check_collectives_without_faults_passes_and_faults_refused(tmp_path, mo
 
 
 def test_resume_after_dead_rank_in_never_mode(tmp_path, models):
-    rows = [{"prompt": f"def f{i}(x):", "max_tokens": 10 + i} for i in range(10)]
+    # the ranks take inputs as they have room (which rank takes which depends on timing): the first four
+    # finish within a few steps wherever they run; the rest need over 6 steps (at most k + 1 = 4 tokens a
+    # step), so rank 1 still holds unfinished ones when it dies at its step 6
+    rows = [{"prompt": r["prompt"], "max_tokens": r["max_tokens"]}          # ids: the line numbers
+            for r in as_prompts(models, [{"prompt_ids": p, "max_tokens": 2 if i < 4 else 30}
+                                         for i, p in enumerate(prompts_of_lengths([5] * 10, seed=31))])]
     inp = write_jsonl(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     cfg = dp_config(tmp_path, models["target"], models["draft"], dp=2, dp_sync="never", max_num_seqs=2)
@@ -142,6 +151,24 @@ def test_resume_after_dead_rank_in_never_mode(tmp_path, models):
     assert not list(tmp_path.glob("out.jsonl.rank*.part"))
     run_in_process(cfg, inp, tmp_path / "ref.jsonl")
     assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(out)) == []
+
+
+def test_straggler_rank_serves_fewer_inputs_without_lockstep(tmp_path, models):
+    """Ranks take inputs as they have room: with rank 1 made 100 ms slower per step, rank 0 serves
+    most of the inputs and the tokens still equal one rank's."""
+    rows = [{"prompt": r["prompt"], "max_tokens": 8}
+            for r in as_prompts(models, [{"prompt_ids": p, "max_tokens": 8}
+                                         for p in prompts_of_lengths([4, 6, 8] * 4, seed=41)])]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    cfg = dp_config(tmp_path, models["target"], models["draft"], dp=2, dp_sync="never", max_num_seqs=2)
+    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
+                   "--summary-json", tmp_path / "s.json", env={"SPECDP_FAULT": "slow:1:100"})
+    assert r.returncode == 0, r.stderr
+    ranks = json.load(open(tmp_path / "s.json"))["ranks"]
+    assert sum(x["requests"] for x in ranks) == len(rows)
+    assert ranks[0]["requests"] > ranks[1]["requests"] >= 1, ranks
+    run_in_process(cfg, inp, tmp_path / "ref.jsonl")
+    assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
 
 
 def free_port() -> int:

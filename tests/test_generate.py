@@ -100,7 +100,9 @@ def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
     assert s["acceptance_rate"] is None or 0 <= s["acceptance_rate"] <= 1
     assert len(s["ranks"]) == 1 and set(s["ranks"][0]) == {"rank", "requests", "steps", "padding_steps",
                                                            "skipped_drafter_steps", "generated_tokens", "preemptions",
-                                                           "weight_bytes", "expert_weight_bytes"}
+                                                           "weight_bytes", "expert_weight_bytes", "engine_s",
+                                                           "start_offset_s"}
+    assert s["ranks"][0]["start_offset_s"] == 0 and abs(s["ranks"][0]["engine_s"] - s["engine_s"]) < 1e-9
     assert s["ranks"][0]["weight_bytes"] is None and s["ranks"][0]["expert_weight_bytes"] == 0     # CPU, dense
     assert s["preemptions"] == 0
     assert set(s["startup"]) == {"launch_s", "load_s", "kv_alloc_s", "capture_s"}

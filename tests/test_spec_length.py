@@ -136,3 +136,38 @@ def test_every_k_has_whole_step_kinds(models, tmp_path, method, adaptive):
         windows = {1} | {k + 1 for k in ks}
         assert {sz.T_dec for sz in kinds if sz.T == sz.T_dec} == windows
         assert {sz.T_dec for sz in kinds if sz.T == engine.T_chunk} == windows
+
+
+def test_adaptive_prices_unmeasured_k_from_the_measured_ones():
+    s = SpecLength(6, None, True)
+    s.target_cost = {(8, 1): 1.0, (8, 7): 7.0}          # start-up timings: 1 s a token per row (pessimistic)
+    for k in (0, 1, 2):
+        s.observe_step(8, k, 1 + 0.1 * k)              # measured decode steps: 1 + 0.1 k
+    assert abs(s.cost(5, 8) - 1.5) < 1e-9               # the line through them, not the start-up timings
+    for _ in range(100):
+        s.observe_step(8, 2, 3.0, chunks=True)          # steps with prompt chunks, measured at k = 2 only
+    share = s.chunk_share
+    assert 0.9 < share < 1
+    # a chunk step at k = 5: the measured one at k = 2 plus the decode costs' difference
+    assert abs(s.cost(5, 8) - ((1 - share) * 1.5 + share * (3.0 + 1.5 - 1.2))) < 1e-9
+    s.reset_measurements()
+    assert s.chunk_share == 0 and not s.measured_chunk and abs(s.cost(5, 8) - 6.0) < 1e-9
+
+
+def test_adaptive_explores_a_neighbour_and_climbs_to_the_best_k():
+    """Start-up timings that overprice k make k = 0 look best; every 16th choice tries a neighbour, and
+    once a second k is measured the line through the measured costs prices every k truly."""
+    s = SpecLength(6, None, True)
+    s.target_cost = {(8, 1): 1.0, (8, 7): 7.0}
+    true_cost = {k: 1 + 0.1 * k for k in range(7)}
+    # expected tokens at the prior acceptance 0.6 over the true cost: k = 3 is best
+    best = max(range(7), key=lambda k: s.tokens(k) / true_cost[k])
+    assert best == 3
+    choices = []
+    for _ in range(64):
+        k = s.preferred(8, 8)
+        choices.append(k)
+        s.observe_step(8, k, true_cost[k])
+    assert choices[0] == 0 and choices[15] == 1          # the 16th choice explores k = 1
+    assert choices[20:31] == [best] * 11
+    assert choices[31] in (best - 1, best + 1) and choices[47] in (best - 1, best + 1)

@@ -1,12 +1,15 @@
 """`specdp generate`: an offline batch job over N data-parallel ranks.
 
-Rank side (`run_rank`): gather earlier results, split the remaining inputs over the ranks, serve
+Rank side (`run_rank`): gather earlier results, split the remaining inputs over the machines, serve
 them, append each finished result to this rank's part file, and bring every result to rank 0,
 which writes the output in input order.
 
-Splitting rule (deterministic, so a test knows which rank gets what): inputs are taken by cost
-(prompt tokens + max_tokens), largest first, ties in input order; each goes to the rank with the
-least cost so far, ties to the lower rank. Within a rank, inputs are served in input order.
+Splitting, by a fixed rule: inputs taken by cost (prompt tokens + max_tokens), largest first, ties in
+input order, each to the rank (in lockstep) or machine (dp_sync never) with the least cost so far,
+ties to the lower one; a rank serves its inputs in input order. In lockstep the ranks step together,
+so a fixed split loses nothing to unequal hosts and which rank serves what stays reproducible.
+Without lockstep a machine's ranks take its inputs in input order from one pool (`work_pool.py`)
+whenever they have free batch slots: a faster rank serves more and the ranks end together.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from ..runtime.sampling import SamplingParams
 from .inputs import JobRequest, id_key
 from .results import (PartWriter, error_record, load_prior, part_path, remove_parts, success_record,
                       summarize, write_output)
+from .work_pool import WorkPool
 
 
 def assign_shards(requests: list[JobRequest], world: int) -> list[list[JobRequest]]:
@@ -28,14 +32,19 @@ def assign_shards(requests: list[JobRequest], world: int) -> list[list[JobReques
     return shards
 
 
-def serve_requests(engine, dp, requests: list[JobRequest], writer: PartWriter, on_result=None) -> list[dict]:
-    """Run this rank's requests to the end. In lockstep every rank keeps stepping (over padding
-    batches once its own work is done) until a step finds no work on any rank."""
-    for r in requests:
-        engine.add_request(engine.make_request(r.id, r.prompt_ids, SamplingParams.from_dict(r.params), r.params.get("seed")))
+def serve_requests(engine, dp, pool: WorkPool, writer: PartWriter, on_result=None) -> list[dict]:
+    """Run requests taken from `pool` to the end, taking more whenever the batch has free slots. In
+    lockstep every rank keeps stepping (over padding batches once its own work is done) until a step
+    finds no work on any rank."""
     records: list[dict] = []
-    fingerprints = {id_key(r.id): r.fingerprint for r in requests}
+    fingerprints = {}
     finished = []            # the last step's finished sequences: recorded while the next step's device work runs
+
+    def top_up() -> None:
+        for r in pool.take(engine.free_slots):
+            fingerprints[id_key(r.id)] = r.fingerprint
+            engine.add_request(engine.make_request(r.id, r.prompt_ids, SamplingParams.from_dict(r.params),
+                                                   r.params.get("seed")))
 
     def record_finished() -> None:
         for seq in finished:
@@ -47,7 +56,10 @@ def serve_requests(engine, dp, requests: list[JobRequest], writer: PartWriter, o
                 on_result(rec)
         finished.clear()
 
-    while dp.lockstep or engine.has_work:
+    while True:
+        top_up()
+        if not (dp.lockstep or engine.has_work):
+            break
         outs = engine.step(while_device_runs=record_finished)
         if outs is None:
             break
@@ -57,8 +69,10 @@ def serve_requests(engine, dp, requests: list[JobRequest], writer: PartWriter, o
 
 
 def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequest] | None,
-             local_leader: bool, on_result=None) -> dict | None:
-    """The generate job on one rank; returns the summary on rank 0 (None elsewhere)."""
+             local_leader: bool, on_result=None, pool_path: str | None = None) -> dict | None:
+    """The generate job on one rank; returns the summary on rank 0 (None elsewhere). `pool_path`: the
+    claim counter the ranks of this machine share (in its run directory; None with one rank)."""
+    shared = not dp.lockstep and pool_path is not None and dp.world > 1   # the same on every rank
     prior = load_prior(output, retry_errors) if local_leader else {}
     priors = dp.gather_objects(prior, "gathering earlier results")
     shards = errors_now = done = None
@@ -71,8 +85,11 @@ def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequ
             done.update({k: rec for k, rec in p.items() if k in wanted and rec.get("fingerprint") == wanted[k]})
         errors_now = [r for r in requests if r.error and r.key not in done]
         todo = [r for r in requests if not r.error and r.key not in done]
-        shards = assign_shards(todo, dp.world)
+        per = engine.plan.ranks_per_machine if shared else 1       # shared: a machine's ranks share its list
+        groups = assign_shards(todo, max(1, dp.world // per))
+        shards = [groups[r // per] for r in range(dp.world)]
     mine = dp.scatter_objects(shards, "sending inputs")
+    pool = WorkPool(mine, pool_path if shared else None, engine.plan.ranks_per_machine if shared else 1)
 
     writer = PartWriter(part_path(output, dp.rank))
     try:
@@ -82,12 +99,13 @@ def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequ
                 writer.write(rec)
                 if on_result:
                     on_result(rec)
-        records = serve_requests(engine, dp, mine, writer, on_result)
+        records = serve_requests(engine, dp, pool, writer, on_result)
     finally:
         writer.close()
+        pool.close()
     if not dp.lockstep:
         dp.wait_for_all("waiting for the other ranks to finish")
-    report = {**engine.counters.report(dp.rank, len(mine)), "startup": engine.startup, "launch": engine.launch}
+    report = {**engine.counters.report(dp.rank, pool.taken), "startup": engine.startup, "launch": engine.launch}
     gathered = dp.gather_objects((records, report), "gathering results")
 
     summary = None

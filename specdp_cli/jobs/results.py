@@ -145,10 +145,19 @@ def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float |
         "preemptions": sum(r["preemptions"] for r in rank_reports),
         "startup": startup,
         "launch_phases": launch,
-        "ranks": [{k: r.get(k) for k in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps",
-                                         "generated_tokens", "preemptions", "weight_bytes", "expert_weight_bytes")}
-                  for r in rank_reports],
+        "ranks": [{**{k: r.get(k) for k in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps",
+                                            "generated_tokens", "preemptions", "weight_bytes", "expert_weight_bytes")},
+                   **rank_times(r, min(starts) if starts else None)} for r in rank_reports],
     }
+
+
+def rank_times(report: dict, first_start: float | None) -> dict:
+    """A rank's own engine time and when its first step began after the first rank's (seconds): where
+    a DP run's engine time goes when one rank starts late or ends last."""
+    a, b = report.get("first_step_t"), report.get("last_step_t")
+    if a is None or b is None or first_start is None:
+        return {"engine_s": 0.0, "start_offset_s": None}
+    return {"engine_s": b - a, "start_offset_s": a - first_start}
 
 
 def speculation_summary(rank_reports: list[dict]) -> dict | None:

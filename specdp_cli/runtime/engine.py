@@ -303,6 +303,12 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def free_slots(self) -> int:
+        """Requests the batch could take now: max_num_seqs less those running or waiting."""
+        sc = self.scheduler
+        return max(0, sc.max_num_seqs - len(sc.running) - len(sc.waiting))
+
     # -- the step -----------------------------------------------------------------------------------
 
     def drafter_forwards(self, rows: list[tuple[Sequence, int]], any_rows: bool, k: int) -> int:
@@ -375,6 +381,8 @@ class Engine:
         self.dp.publish(step, "start of step")
         if self.faults.exit_step(self.dp.rank) == step:
             self.on_fault_exit(EXIT_STATUS, f"fault injection exit:{self.dp.rank}:{step}")
+        if self.faults.slow:
+            time.sleep(self.faults.step_delay(self.dp.rank))     # fault injection: a straggler rank
         c = self.counters
         if c.first_step_t is None:
             c.first_step_t = time.time()
@@ -437,6 +445,8 @@ class Engine:
         self.spec_len.observe_rows(verified)
         if rows and sizes.T1 == 2 and sizes.T == sizes.T_dec:        # a plain decode step: its cost
             self.spec_len.observe_step(sizes.R_pad, sizes.T_dec - 1, time.perf_counter() - t_start)
+        elif rows and plan.decode and sizes.T != sizes.T_dec:        # decode rows riding in a chunk step
+            self.spec_len.observe_step(pad_rows(batch, self.row_sizes), k, time.perf_counter() - t_start, chunks=True)
         for out in outputs:
             if out.finished:
                 c.spec.merge(out.seq.stats)

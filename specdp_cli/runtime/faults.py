@@ -4,6 +4,8 @@
                            even under policy dummy (vLLM PR #40589)
   single-dummy-forward:R   rank R runs 1 drafter forward instead of k over a padding batch (vLLM PR #26217)
   exit:R:S                 rank R exits with status 3 at the start of its step S (steps count from 1)
+  slow:R:MS                rank R is a straggler: each of its steps takes MS milliseconds longer (a slower
+                           host); without lockstep its rank then serves fewer of the inputs
   no-guard                 (tests) the step sync does not compare the ranks' drafter forwards: each rank
                            runs the count it planned. With one of the first two, this shows what the guard
                            prevents (the ranks' collectives no longer pair up: a timeout or a backend error)
@@ -28,6 +30,7 @@ class Faults:
     skip_drafter: set[int] = field(default_factory=set)
     single_dummy_forward: set[int] = field(default_factory=set)
     exit_at: dict[int, int] = field(default_factory=dict)    # rank -> step
+    slow: dict[int, float] = field(default_factory=dict)     # rank -> seconds added to each step
     guard: bool = True                                       # the step sync compares drafter forwards
 
     @classmethod
@@ -52,9 +55,13 @@ class Faults:
             elif kind == "exit" and nums is not None and len(nums) == 2 and nums[1] >= 1:
                 rank = nums[0]
                 f.exit_at[rank] = nums[1]
+            elif kind == "slow" and nums is not None and len(nums) == 2 and nums[1] >= 0:
+                rank = nums[0]
+                f.slow[rank] = nums[1] / 1000
             else:
                 raise FaultSpecError(f"{ENV}: cannot read {item!r}; expected skip-drafter:R, "
-                                     f"single-dummy-forward:R, exit:R:S (S >= 1) or no-guard, comma-separated")
+                                     f"single-dummy-forward:R, exit:R:S (S >= 1), slow:R:MS or no-guard, "
+                                     f"comma-separated")
             if not 0 <= rank < world:
                 raise FaultSpecError(f"{ENV}: {item!r} names rank {rank}, but ranks are 0..{world - 1}")
         return f
@@ -74,3 +81,6 @@ class Faults:
 
     def exit_step(self, rank: int) -> int | None:
         return self.exit_at.get(rank)
+
+    def step_delay(self, rank: int) -> float:
+        return self.slow.get(rank, 0.0)

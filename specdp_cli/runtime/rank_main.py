@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
             if rank == 0:
                 with open(os.path.join(run_dir, "payload.pkl"), "rb") as fh:
                     requests = pickle.load(fh)
-            summary = run_rank(engine, dp, job["output"], job["retry_errors"], requests, local_rank == 0)
+            summary = run_rank(engine, dp, job["output"], job["retry_errors"], requests, local_rank == 0,
+                               pool_path=os.path.join(run_dir, "work_pool.claims") if world > 1 else None)
             if summary is not None:
                 with open(os.path.join(run_dir, "summary.json"), "w") as fh:
                     json.dump(summary, fh)

@@ -4,9 +4,13 @@ Three modes, read from `speculative`:
   fixed           k_step = num_speculative_tokens;
   per batch size  `num_speculative_tokens_per_batch_size` ranges [start, end, k] over the number of
                   running sequences (vLLM's form); a batch size no range covers uses num_speculative_tokens;
-  adaptive        k_step = argmax_k E[tokens per row | k] / cost(k, rows): acceptance per position as
-                  running (decayed) averages, forward costs timed at start-up and corrected by the
-                  measured step times.
+  adaptive        k_step = argmax_k E[tokens per row | k] / E[step cost | k, rows]: acceptance per position
+                  as running (decayed) averages; the step cost is measured per k, separately for decode
+                  steps and steps carrying prompt chunks (every row of those is T_chunk wide, so there k
+                  costs little), mixed by the measured share of chunk steps. A k not yet measured is
+                  priced by a line through the measured ones (step time is near-linear in k), else by
+                  the start-up timings; every EXPLORE_EVERY-th choice tries a neighbour of the best k,
+                  so a k the estimate undervalues gets measured and the choice can climb to it.
 
 Agreement. The k of step s + 1 is decided at step s's sync, from what that sync carried: every rank
 puts its batch size and its preferred k into the sync's fields, and every rank applies the same
@@ -29,6 +33,8 @@ TEST_ENV = "SPECDP_TEST_K"
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.6, 2.0     # acceptance before any measurement, as pseudo-counts
 DECAY = 0.98                              # per-step decay of the acceptance counts (running averages)
 COST_EMA = 0.1                            # weight of a new step-time measurement
+SHARE_EMA = 0.05                          # weight of one step in the share of steps carrying prompt chunks
+EXPLORE_EVERY = 16                        # every so many choices, a neighbour of the best k is tried
 
 
 def forced_choices(rank: int) -> list[int] | None:
@@ -72,6 +78,8 @@ class SpecLength:
         self.target_cost: dict[tuple[int, int], float] = {}     # (rows, tokens per row) -> seconds
         self.drafter_cost: dict[tuple[int, int], float] = {}
         self.measured: dict[tuple[int, int], float] = {}        # (rows, k) -> seconds of a decode step
+        self.measured_chunk: dict[tuple[int, int], float] = {}  # (rows, k) -> seconds of a step with prompt chunks
+        self.chunk_share = 0.0                                  # running share of steps with prompt chunks
         self.ratio = 1.0                                        # measured / modelled step time
 
     # -- the choice -----------------------------------------------------------------------------
@@ -97,7 +105,11 @@ class SpecLength:
         if self.forced:
             return min(self.forced[(self.calls - 1) % len(self.forced)], self.k_max)
         if self.adaptive and n and self.target_cost:
-            return max(range(self.k_max + 1), key=lambda k: (self.tokens(k) / self.cost(k, rows), -k))
+            best = max(range(self.k_max + 1), key=lambda k: (self.tokens(k) / self.cost(k, rows), -k))
+            if self.calls % EXPLORE_EVERY == 0:          # deterministic: the same calls on every run
+                near = [k for k in (best + 1, best - 1) if 0 <= k <= self.k_max]
+                return near[(self.calls // EXPLORE_EVERY) % len(near)] if near else best
+            return best
         return self.for_batch(n)
 
     @staticmethod
@@ -118,12 +130,43 @@ class SpecLength:
         return total
 
     def cost(self, k: int, rows: int) -> float:
-        """Seconds of a decode step of `rows` padded rows drafting k: measured when such a step ran,
-        else the start-up timings (target forward of k + 1 tokens a row, k drafter forwards) scaled by
-        how measured steps compared with them."""
+        """Expected seconds of a step of `rows` padded decode rows drafting k: decode and chunk steps
+        mixed by the share of chunk steps."""
+        d = self.decode_cost(k, rows)
+        if not self.chunk_share:
+            return d
+        return (1 - self.chunk_share) * d + self.chunk_share * self.chunk_cost(k, rows, d)
+
+    def decode_cost(self, k: int, rows: int) -> float:
+        """A decode step: measured when such a step ran; else on the least-squares line through the
+        k measured at these rows (two or more), scaled from the one measured, or the start-up timings
+        (target forward of k + 1 tokens a row, k drafter forwards) scaled by how measured steps
+        compared with them."""
         if (rows, k) in self.measured:
             return self.measured[(rows, k)]
+        pts = [(j, t) for (r, j), t in self.measured.items() if r == rows]
+        if len(pts) >= 2:
+            mk = sum(j for j, _ in pts) / len(pts)
+            mt = sum(t for _, t in pts) / len(pts)
+            var = sum((j - mk) ** 2 for j, _ in pts)
+            slope = max(0.0, sum((j - mk) * (t - mt) for j, t in pts) / var)
+            return max(mt + slope * (k - mk), 1e-6)
+        if pts:
+            j, t = pts[0]
+            return self.modelled(k, rows) * t / self.modelled(j, rows)
         return self.modelled(k, rows) * self.ratio
+
+    def chunk_cost(self, k: int, rows: int, decode: float) -> float:
+        """A step carrying prompt chunks: measured, else the nearest measured k's (such a step's rows
+        are T_chunk tokens wide whatever k is, so its cost moves with k only by the drafter's
+        forwards: the decode costs' difference), else the decode cost."""
+        if (rows, k) in self.measured_chunk:
+            return self.measured_chunk[(rows, k)]
+        pts = [(j, t) for (r, j), t in self.measured_chunk.items() if r == rows]
+        if not pts:
+            return decode
+        j, t = min(pts, key=lambda p: (abs(p[0] - k), p[0]))
+        return max(t + decode - self.decode_cost(j, rows), 1e-6)
 
     def modelled(self, k: int, rows: int) -> float:
         t = interpolate(self.target_cost, rows, k + 1)
@@ -147,19 +190,25 @@ class SpecLength:
                 self.accepted[j] = DECAY * self.accepted[j] + acc[j]
                 self.reached[j] = DECAY * self.reached[j] + reach[j]
 
-    def observe_step(self, rows: int, k: int, seconds: float) -> None:
-        """A decode step's measured time (the host waits for its result, so this is the device time too)."""
+    def observe_step(self, rows: int, k: int, seconds: float, chunks: bool = False) -> None:
+        """A step's measured time (the host waits for its result, so this is the device time too);
+        `chunks`: the step carried prompt chunks (then `rows` is the decode rows' padded count)."""
         if not self.target_cost or seconds <= 0:
             return
-        old = self.measured.get((rows, k))
-        self.measured[(rows, k)] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
-        self.ratio = (1 - COST_EMA) * self.ratio + COST_EMA * seconds / self.modelled(k, rows)
+        self.chunk_share = (1 - SHARE_EMA) * self.chunk_share + SHARE_EMA * chunks
+        table = self.measured_chunk if chunks else self.measured
+        old = table.get((rows, k))
+        table[(rows, k)] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        if not chunks:
+            self.ratio = (1 - COST_EMA) * self.ratio + COST_EMA * seconds / self.modelled(k, rows)
 
     def reset_measurements(self) -> None:
         """Forget acceptance and measured step times (keep the start-up timings): a fresh workload."""
         self.accepted = [PRIOR_ACCEPT * PRIOR_WEIGHT] * self.k_max
         self.reached = [PRIOR_WEIGHT] * self.k_max
         self.measured.clear()
+        self.measured_chunk.clear()
+        self.chunk_share = 0.0
         self.ratio = 1.0
         self.used.clear()
 
