@@ -117,6 +117,11 @@ def main() -> None:
     for r in rows:
         print(f"{r['run']:<20}{r['attempt']:>2}{r['engine_tok_s']:>14.1f}{(r['speedup_vs_dp1'] or 0):>8.2f}"
               f"{r['with_load_tok_s']:>11.1f}{r['startup_s']:>11.2f}{r['padding_share']:>9.2f}")
+    print(f"{'per rank:':<22} requests / steps / engine s (a fixed split ends with the slowest rank; the pool of")
+    print(f"{'':<22} dp_sync never lets faster ranks serve more)")
+    for r in rows:
+        print(f"{r['run']:<20}{r['attempt']:>2} " + "   ".join(
+            f"{x['requests']}/{x['steps']}/{x.get('engine_s') or 0:.3f}" for x in r["ranks"]))
     print(f"{'start-up, s:':<22} " + " ".join(f"{p:>8}" for p in ("cli", "spawn", "imports", "job wait", "join", "load", "kv",
                                                           "capture", "after")))
     for r in rows:
