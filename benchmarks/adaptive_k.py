@@ -4,7 +4,8 @@ One engine is built with `adaptive: true` and num_speculative_tokens = the large
 exist for every k in 0..K); a fixed-k row forces the step k through the spec-length hook (every step
 prefers that k), an adaptive row lets the engine choose, its measurements reset first (start-up
 timings kept) so it learns the workload from scratch like a fresh job. Each figure is the median
-tok/s of --repeats runs, the rows interleaved (k = 0, 1, ..., adaptive, then again). Greedy; "=k0" counts outputs equal to the k = 0 row's.
+tok/s of --repeats runs, the rows interleaved (k = 0, 1, ..., adaptive, then again); the JSON is rewritten
+after every run. Greedy; "=k0" counts outputs equal to the k = 0 row's.
 
 Usage (GPU: the codepair, and the 8B-shaped target with --target):
   python benchmarks/adaptive_k.py --pair PAIR_DIR [--target DIR] [--requests 256] [--new 128]
@@ -62,8 +63,14 @@ def one_run(engine: Engine, prompts, new: int, k: int | None) -> tuple[list, flo
     return [done[i].generated for i in range(len(prompts))], secs, engine.counters
 
 
+def batch_rows(a, B: int, tok_s: dict, detail: dict) -> list[dict]:
+    """One batch size's rows from the runs so far (median tok/s of each k's runs)."""
+    return [{"label": a.label, "batch": B, "k": "adaptive" if k is None else k, "tok_s": statistics.median(runs),
+             "runs": list(runs), **detail[k]} for k, runs in tok_s.items() if runs]
+
+
 def write_results(a, rows, n_prompts) -> list[dict]:
-    """The JSON so far (rewritten after every batch size: a run cut short keeps what it measured)."""
+    """The JSON so far (rewritten after every run: a call cut short keeps what it measured)."""
     summary = []
     for B in dict.fromkeys(r["batch"] for r in rows):
         fixed = {r["k"]: r["tok_s"] for r in rows if r["batch"] == B and r["k"] != "adaptive"}
@@ -127,9 +134,9 @@ def main() -> None:
                              "equal_k0": f"{sum(o == r for o, r in zip(outs, reference))}/{len(outs)}" if reference else None}
                 if k is None:
                     detail[k]["model"] = engine.spec_len.describe(max(engine.spec_len.measured, default=(1, 0))[0])
-        for k in kinds:
-            row = {"label": a.label, "batch": B, "k": "adaptive" if k is None else k, "tok_s": statistics.median(tok_s[k]),
-                   "runs": tok_s[k], **detail[k]}
+                # rewritten after every run: a call cut by its time box keeps every finished run
+                summary = write_results(a, rows + batch_rows(a, B, tok_s, detail), len(prompts))
+        for row in batch_rows(a, B, tok_s, detail):
             rows.append(row)
             print(json.dumps({x: y for x, y in row.items() if x != "model"}), flush=True)
         summary = write_results(a, rows, len(prompts))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small OUT_DIR
 # Needs .bench/codepair (a copy of ../shared/models/codepair) and .bench/{hf_baselines,widen,graph_floor}.py
 # (copies of ../shared/bench/); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -60,6 +60,27 @@ all)
   for f in offline_codepair_bs1 offline_codepair_256 offline_codepair_eager offline_widened offline_memory; do
     grep -A8 "^method" /tmp/$f.log; done
   cat "$out/hf.jsonl"
+  ;;
+adaptive-8b-small)
+  # issue 14's 8B-shape rows at batch 1 and 4, too long for one call (one repeat of the eight rows at batch 1
+  # is ~11 min): PART=1, 2, 3 split them over both GPUs and three back-to-back calls (the 8B shape is built
+  # once per machine). The fixed k <= 3 rows run on GPU 0, k >= 4 and adaptive on GPU 1; k = 0 at batch 1
+  # (~160 s a run, 2.5 x slower than any k >= 2) runs once. Pool the parts with plot_adaptive.py.
+  export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES
+  ak() { gpu=$1; name=$2; shift 2
+    CUDA_VISIBLE_DEVICES=$gpu timeout ${LIMIT:-500} python3 benchmarks/adaptive_k.py --pair $P --target $W/target \
+      --label 8b-shape "$@" --json "$out/$name.json" > "$out/$name.log" 2>&1; }
+  case "${PART:-1}" in
+    1) ak 0 ak8_bs1_k123_a --batches 1 --ks 1,2,3 --no-adaptive --repeats 2 &
+       ak 1 ak8_bs1_k456_a --batches 1 --ks 4,5,6 --repeats 2 ;;
+    2) ( ak 0 ak8_bs1_k123_b --batches 1 --ks 1,2,3 --no-adaptive --repeats 1
+         ak 0 ak8_bs1_k0 --batches 1 --ks 0 --no-adaptive --repeats 1 ) &
+       ak 1 ak8_bs1_k456_b --batches 1 --ks 4,5,6 --repeats 1 ;;
+    3) ak 0 ak8_bs4_k0123 --batches 4 --ks 0,1,2,3 --no-adaptive --repeats 3 &
+       ak 1 ak8_bs4_k456 --batches 4 --ks 4,5,6 --repeats 3 ;;
+  esac
+  wait
+  tail -n 4 "$out"/ak8_*.log
   ;;
 adaptive)
   # issue 14's table: adaptive vs every fixed k per batch size, one process per model (adaptive_k.py). GPU 0:
