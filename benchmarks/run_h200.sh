@@ -80,6 +80,11 @@ adaptive-8b-small)
        ak 1 ak8_bs4_k456 --batches 4 --ks 4,5,6 --repeats 3 ;;
   esac
   wait
+  if [ "${PART:-1}" = 3 ]; then      # then issue 14's lockstep check: adaptive vs fixed k = 4 on 2 GPUs
+    timeout 110 python3 benchmarks/dp_scaling.py --pair $P --method draft_model --work /tmp/dpwork-adaptive \
+      --runs 2:always,2:always:adaptive,2:always,2:always:adaptive,2:always,2:always:adaptive \
+      --json "$out/dp_adaptive.json" > /tmp/dp-adaptive.log 2>&1; grep -A3 "^medians" /tmp/dp-adaptive.log
+  fi
   tail -n 4 "$out"/ak8_*.log
   ;;
 adaptive)
