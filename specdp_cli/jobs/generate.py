@@ -73,6 +73,7 @@ def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequ
     """The generate job on one rank; returns the summary on rank 0 (None elsewhere). `pool_path`: the
     claim counter the ranks of this machine share (in its run directory; None with one rank)."""
     shared = not dp.lockstep and pool_path is not None and dp.world > 1   # the same on every rank
+    per = engine.plan.ranks_per_machine if shared else 1       # shared: a machine's ranks share its list
     prior = load_prior(output, retry_errors) if local_leader else {}
     priors = dp.gather_objects(prior, "gathering earlier results")
     shards = errors_now = done = None
@@ -85,11 +86,10 @@ def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequ
             done.update({k: rec for k, rec in p.items() if k in wanted and rec.get("fingerprint") == wanted[k]})
         errors_now = [r for r in requests if r.error and r.key not in done]
         todo = [r for r in requests if not r.error and r.key not in done]
-        per = engine.plan.ranks_per_machine if shared else 1       # shared: a machine's ranks share its list
         groups = assign_shards(todo, max(1, dp.world // per))
         shards = [groups[r // per] for r in range(dp.world)]
     mine = dp.scatter_objects(shards, "sending inputs")
-    pool = WorkPool(mine, pool_path if shared else None, engine.plan.ranks_per_machine if shared else 1)
+    pool = WorkPool(mine, pool_path if shared else None, per)
 
     writer = PartWriter(part_path(output, dp.rank))
     try:

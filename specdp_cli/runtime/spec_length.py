@@ -105,7 +105,8 @@ class SpecLength:
         if self.forced:
             return min(self.forced[(self.calls - 1) % len(self.forced)], self.k_max)
         if self.adaptive and n and self.target_cost:
-            best = max(range(self.k_max + 1), key=lambda k: (self.tokens(k) / self.cost(k, rows), -k))
+            cost = self.costs(rows)
+            best = max(range(self.k_max + 1), key=lambda k: (self.tokens(k) / cost[k], -k))
             if self.calls % EXPLORE_EVERY == 0:          # deterministic: the same calls on every run
                 near = [k for k in (best + 1, best - 1) if 0 <= k <= self.k_max]
                 return near[(self.calls // EXPLORE_EVERY) % len(near)] if near else best
@@ -130,43 +131,52 @@ class SpecLength:
         return total
 
     def cost(self, k: int, rows: int) -> float:
-        """Expected seconds of a step of `rows` padded decode rows drafting k: decode and chunk steps
-        mixed by the share of chunk steps."""
-        d = self.decode_cost(k, rows)
-        if not self.chunk_share:
-            return d
-        return (1 - self.chunk_share) * d + self.chunk_share * self.chunk_cost(k, rows, d)
+        return self.costs(rows)[k]
 
-    def decode_cost(self, k: int, rows: int) -> float:
+    def costs(self, rows: int) -> list[float]:
+        """Expected seconds of a step of `rows` padded decode rows drafting k, for every k in
+        0..k_max (one pass over the measurements: this runs every step): decode and chunk steps mixed
+        by the share of chunk steps."""
+        dec = self._decode_costs(rows)
+        if not self.chunk_share:
+            return dec
+        share = self.chunk_share
+        return [(1 - share) * d + share * c for d, c in zip(dec, self._chunk_costs(rows, dec))]
+
+    def _decode_costs(self, rows: int) -> list[float]:
         """A decode step: measured when such a step ran; else on the least-squares line through the
         k measured at these rows (two or more), scaled from the one measured, or the start-up timings
         (target forward of k + 1 tokens a row, k drafter forwards) scaled by how measured steps
         compared with them."""
-        if (rows, k) in self.measured:
-            return self.measured[(rows, k)]
         pts = [(j, t) for (r, j), t in self.measured.items() if r == rows]
         if len(pts) >= 2:
             mk = sum(j for j, _ in pts) / len(pts)
             mt = sum(t for _, t in pts) / len(pts)
-            var = sum((j - mk) ** 2 for j, _ in pts)
-            slope = max(0.0, sum((j - mk) * (t - mt) for j, t in pts) / var)
-            return max(mt + slope * (k - mk), 1e-6)
-        if pts:
+            slope = max(0.0, sum((j - mk) * (t - mt) for j, t in pts) / sum((j - mk) ** 2 for j, _ in pts))
+            estimate = [max(mt + slope * (k - mk), 1e-6) for k in range(self.k_max + 1)]
+        elif pts:
             j, t = pts[0]
-            return self.modelled(k, rows) * t / self.modelled(j, rows)
-        return self.modelled(k, rows) * self.ratio
+            scale = t / self.modelled(j, rows)
+            estimate = [self.modelled(k, rows) * scale for k in range(self.k_max + 1)]
+        else:
+            estimate = [self.modelled(k, rows) * self.ratio for k in range(self.k_max + 1)]
+        return [self.measured.get((rows, k), e) for k, e in enumerate(estimate)]
 
-    def chunk_cost(self, k: int, rows: int, decode: float) -> float:
+    def _chunk_costs(self, rows: int, dec: list[float]) -> list[float]:
         """A step carrying prompt chunks: measured, else the nearest measured k's (such a step's rows
         are T_chunk tokens wide whatever k is, so its cost moves with k only by the drafter's
         forwards: the decode costs' difference), else the decode cost."""
-        if (rows, k) in self.measured_chunk:
-            return self.measured_chunk[(rows, k)]
         pts = [(j, t) for (r, j), t in self.measured_chunk.items() if r == rows]
-        if not pts:
-            return decode
-        j, t = min(pts, key=lambda p: (abs(p[0] - k), p[0]))
-        return max(t + decode - self.decode_cost(j, rows), 1e-6)
+        out = []
+        for k, d in enumerate(dec):
+            if (rows, k) in self.measured_chunk:
+                out.append(self.measured_chunk[(rows, k)])
+            elif pts:
+                j, t = min(pts, key=lambda p: (abs(p[0] - k), p[0]))
+                out.append(max(t + d - dec[j], 1e-6))
+            else:
+                out.append(d)
+        return out
 
     def modelled(self, k: int, rows: int) -> float:
         t = interpolate(self.target_cost, rows, k + 1)
@@ -216,8 +226,9 @@ class SpecLength:
         """Per k, at `rows` padded rows: expected tokens per row and step, the step's cost, and their ratio."""
         if not self.target_cost:
             return []
-        return [{"k": k, "tokens_per_step": round(self.tokens(k), 3), "step_ms": round(1e3 * self.cost(k, rows), 3),
-                 "tokens_per_s_per_row": round(self.tokens(k) / self.cost(k, rows), 1)}
+        cost = self.costs(rows)
+        return [{"k": k, "tokens_per_step": round(self.tokens(k), 3), "step_ms": round(1e3 * cost[k], 3),
+                 "tokens_per_s_per_row": round(self.tokens(k) / cost[k], 1)}
                 for k in range(self.k_max + 1)]
 
     def report(self) -> dict:
