@@ -113,7 +113,7 @@ def main() -> None:
     prompts = [tok(t)["input_ids"] for t in cut_prompts(a.pair, a.cuts, a.requests)]
     batches = [int(b) for b in a.batches.split(",")]
     ks = [int(k) for k in a.ks.split(",")]
-    engine = build(a, max(ks), max(batches))
+    engine = build(a, max(max(ks), 1), max(batches))   # a drafter with k >= 1 even for --ks 0
     rows = []
     for B in batches:
         engine.scheduler.max_num_seqs = B
