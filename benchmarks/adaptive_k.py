@@ -32,6 +32,7 @@ from specdp_cli.config import validate  # noqa: E402
 from specdp_cli.preflight import run_preflight  # noqa: E402
 from specdp_cli.runtime.dist import DPGroup  # noqa: E402
 from specdp_cli.runtime.engine import Engine, RankCounters  # noqa: E402
+from specdp_cli.runtime.heap import freeze_startup_heap  # noqa: E402
 from offline import run  # noqa: E402
 from workloads import cut_prompts  # noqa: E402
 
@@ -46,7 +47,9 @@ def build(a, k_max: int, max_seqs: int) -> Engine:
     report = run_preflight(cfg)
     assert report.ok, report.errors
     dev = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
-    return Engine(cfg, report.plan, DPGroup.solo(), dev)
+    engine = Engine(cfg, report.plan, DPGroup.solo(), dev)
+    freeze_startup_heap()                  # as the CLI's ranks do
+    return engine
 
 
 def one_run(engine: Engine, prompts, new: int, k: int | None) -> tuple[list, float, RankCounters]:

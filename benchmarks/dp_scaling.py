@@ -103,7 +103,11 @@ def main() -> None:
                "acceptance_rate": s["acceptance_rate"],
                "padding_share": sum(x["padding_steps"] for x in s["ranks"]) / steps if steps else 0.0,
                "ranks": s["ranks"],
-               "steps_by_k": (s.get("speculation") or {}).get("steps_by_k")}
+               "steps_by_k": (s.get("speculation") or {}).get("steps_by_k"),
+               # rank 0's adaptive model and what it measured (adaptive runs)
+               "spec_model": {x: (s.get("speculation") or {}).get(x) for x in
+                              ("model_rows", "model", "model_acceptance_per_position", "model_chunk_share")}
+               if adaptive else None}
         rows.append(row)
         print(json.dumps(row), flush=True)
     base = max((r["engine_tok_s"] for r in rows if r["dp"] == 1), default=None)

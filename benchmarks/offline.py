@@ -33,6 +33,7 @@ from specdp_cli.methods import METHODS  # noqa: E402
 from specdp_cli.preflight import run_preflight  # noqa: E402
 from specdp_cli.runtime.dist import DPGroup  # noqa: E402
 from specdp_cli.runtime.engine import Engine, RankCounters  # noqa: E402
+from specdp_cli.runtime.heap import freeze_startup_heap  # noqa: E402
 from specdp_cli.runtime.sampling import SamplingParams  # noqa: E402
 from workloads import cut_prompts, heldout  # noqa: E402
 
@@ -84,7 +85,9 @@ def build(a, method: str, eager: bool, max_seqs: int) -> Engine:
     report = run_preflight(cfg)
     assert report.ok, report.errors
     dev = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
-    return Engine(cfg, report.plan, DPGroup.solo(), dev)
+    engine = Engine(cfg, report.plan, DPGroup.solo(), dev)
+    freeze_startup_heap()                  # as the CLI's ranks do
+    return engine
 
 
 def profile(engine: Engine, prompts, new: int, steps: int = 30) -> None:

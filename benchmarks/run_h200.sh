@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck OUT_DIR
 # Needs .bench/codepair (a copy of ../shared/models/codepair) and .bench/{hf_baselines,widen,graph_floor}.py
 # (copies of ../shared/bench/); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -157,6 +157,29 @@ memory)
 serve)
   python3 benchmarks/serve_bench.py --pair $P --work /tmp/servework --json "$out/serve.json" 2>&1 | tail -8
   cp /tmp/servework/server.log "$out/" 2>/dev/null
+  ;;
+recheck)
+  # after a change to the adaptive model or the rank's host loop, two back-to-back calls. PART=1: issue 14's
+  # lockstep check (adaptive vs fixed k = 4 on 2 GPUs), then adaptive vs fixed k on the codepair at 4..64
+  # (GPU 0) beside the 8B shape at 16 (GPU 1, k = 4..6: the best k there). PART=2: issue 9's DP pairs.
+  end=$((SECONDS + ${LIMIT:-560})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
+  if [ "${PART:-1}" = 1 ]; then
+    timeout 130 python3 benchmarks/dp_scaling.py --pair $P --method draft_model --work /tmp/dpwork-adaptive \
+      --runs 2:always,2:always:adaptive,2:always,2:always:adaptive,2:always,2:always:adaptive \
+      --json "$out/dp_adaptive.json" > "$out/dp_adaptive.log" 2>&1; grep -A3 "^medians" "$out/dp_adaptive.log"
+    export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES
+    CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 benchmarks/adaptive_k.py --pair $P --batches 4,16,32,64 --repeats 3 \
+      --json "$out/adaptive_codepair.json" > "$out/adaptive_codepair.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout $(left) python3 benchmarks/adaptive_k.py --pair $P --target $W/target --label 8b-shape \
+      --batches 16 --ks 4,5,6 --repeats 3 --json "$out/adaptive_8b.json" > "$out/adaptive_8b.log" 2>&1
+    wait; tail -n 6 "$out"/adaptive_*.log
+  else
+    for dm in none draft_model; do
+      timeout $(( $(left) / 2 )) python3 benchmarks/dp_scaling.py --pair $P --method $dm --work /tmp/dpwork-$dm \
+        --runs 1:never,2:never,1:never,2:never,1:never,2:never,1:never,2:never,2:always \
+        --json "$out/dp_scaling_$dm.json" > "$out/dp_$dm.log" 2>&1; grep -v "^{" "$out/dp_$dm.log" | tail -30
+    done
+  fi
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

@@ -171,3 +171,25 @@ def test_adaptive_explores_a_neighbour_and_climbs_to_the_best_k():
     assert choices[0] == 0 and choices[15] == 1          # the 16th choice explores k = 1
     assert choices[20:31] == [best] * 11
     assert choices[31] in (best - 1, best + 1) and choices[47] in (best - 1, best + 1)
+
+
+def test_adaptive_one_stalled_step_does_not_price_a_k_out():
+    """A step that stalls (the OS, a garbage collection, a rank waiting on another in lockstep) costs its
+    k at most twice what the measurements expect, and the first measurements are averaged, not kept
+    with 90 % weight: one stall on the step that first tries k = 2 must not keep the choice from
+    climbing past it to the best k."""
+    s = SpecLength(6, None, True)
+    s.target_cost = {(8, 1): 1.0, (8, 7): 7.0}
+    true_cost = {k: 1 + 0.1 * k for k in range(7)}
+    best = max(range(7), key=lambda k: s.tokens(k) / true_cost[k])
+    first_at_k2 = True
+    choices = []
+    for _ in range(128):
+        k = s.preferred(8, 8)
+        choices.append(k)
+        stall = 50.0 if k == 2 and first_at_k2 else 0.0
+        first_at_k2 = first_at_k2 and k != 2
+        s.observe_step(8, k, true_cost[k] + stall)
+    assert 2 in choices[:64]
+    assert s.measured[(8, 2)] < 2 * true_cost[2]
+    assert choices[-16:].count(best) >= 12, choices

@@ -146,7 +146,8 @@ def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float |
         "startup": startup,
         "launch_phases": launch,
         "ranks": [{**{k: r.get(k) for k in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps",
-                                            "generated_tokens", "preemptions", "weight_bytes", "expert_weight_bytes")},
+                                            "generated_tokens", "preemptions", "weight_bytes", "expert_weight_bytes",
+                                            "gc_collections", "gc_pause_s")},
                    **rank_times(r, min(starts) if starts else None)} for r in rank_reports],
     }
 
@@ -174,4 +175,5 @@ def speculation_summary(rank_reports: list[dict]) -> dict | None:
     return {"mode": first["mode"], "k_values": first["k_values"],
             "steps_by_k": dict(sorted(steps.items(), key=lambda kv: int(kv[0]))),
             "model_acceptance_per_position": first["model_acceptance_per_position"],
-            "model_rows": first["model_rows"], "model": first["model"]}
+            "model_rows": first["model_rows"], "model": first["model"],
+            "model_chunk_share": first.get("model_chunk_share")}

@@ -193,6 +193,7 @@ def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result, co
 
     from ..runtime.dist import DPGroup
     from ..runtime.engine import Engine
+    from ..runtime.heap import freeze_startup_heap, thaw_heap
     from .generate import run_rank
 
     class FaultExit(Exception):
@@ -207,11 +208,14 @@ def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result, co
     now = time.time()
     launch = launch_phases(t0, started_ranks_at, started_ranks_at, now, now, now)
     engine = Engine(cfg, plan, DPGroup.solo(), device, faults, on_fault_exit=fault_exit, started_at=t0, launch=launch)
+    freeze_startup_heap()
     console.print(engine.ready_line, markup=False, highlight=False)
     try:
         return run_rank(engine, engine.dp, output, retry_errors, requests, True, on_result)
     except FaultExit as e:
         raise JobFailed(f"{e}; finished results are kept in {output}.rank0.part — rerun to resume") from None
+    finally:
+        thaw_heap()          # this process may go on (a caller's, a test's): the job's objects can be collected again
 
 
 def _launched(cfg, plan, output, retry_errors, requests, on_tick, ranks: Ranks) -> dict | None:
@@ -268,10 +272,15 @@ def print_summary(summary: dict, console: Console) -> None:
     console.print(t)
     if spec and spec.get("model"):
         mt = Table(title=f"adaptive k: the model (rank 0, {spec['model_rows']} padded rows)")
-        for col in ("k", "expected tokens / row / step", "step cost (ms)", "tokens / s / row"):
+        for col in ("k", "expected tokens / row / step", "step cost (ms)", "tokens / s / row",
+                    "measured decode step (ms)", "measured chunk step (ms)"):
             mt.add_column(col, justify="right")
+
+        def ms(v):
+            return "-" if v is None else f"{v:.3f}"
         for m in spec["model"]:
-            mt.add_row(str(m["k"]), f"{m['tokens_per_step']:.2f}", f"{m['step_ms']:.3f}", f"{m['tokens_per_s_per_row']:.1f}")
+            mt.add_row(str(m["k"]), f"{m['tokens_per_step']:.2f}", f"{m['step_ms']:.3f}", f"{m['tokens_per_s_per_row']:.1f}",
+                       ms(m.get("measured_decode_ms")), ms(m.get("measured_chunk_ms")))
         console.print(mt)
     if len(summary["ranks"]) > 1 or summary["ranks"][0]["padding_steps"]:
         rt = Table(title="ranks")

@@ -39,6 +39,7 @@ from .drafters.eagle import EagleDrafter
 from .drafters.ngram import NgramDrafter
 from .eagle_model import load_head
 from .faults import EXIT_STATUS, Faults
+from .heap import collections_since_startup
 from .kv_cache import BlockPool, allocate_kv, kv_bytes_per_token
 from .model import load_model, routed_expert_bytes
 from .model_runner import ModelRunner, capture_sizes, pad_rows
@@ -103,7 +104,8 @@ class RankCounters:
                 "preemptions": self.preemptions, "weight_bytes": self.weight_bytes,
                 "expert_weight_bytes": self.expert_weight_bytes, "first_step_t": self.first_step_t,
                 "last_step_t": self.last_step_t, "spec": vars(self.spec),
-                "spec_length": self.spec_length.report() if self.spec_length else None}
+                "spec_length": self.spec_length.report() if self.spec_length else None,
+                **collections_since_startup()}
 
 
 # the step sync's fields (one integer each per rank)

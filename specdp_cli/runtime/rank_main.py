@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         from .dist import DPGroup
         from .engine import Engine
         from .faults import Faults
+        from .heap import freeze_startup_heap
 
         # the tokenizers' backend, imported while waiting for the job (not AutoTokenizer / AutoConfig: under
         # transformers 5.17 those import its generation stack, ~3 s; modeldir and hf_config avoid them)
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
 
         engine = Engine(cfg, plan, dp, device, Faults.from_env(world), on_fault_exit=fault_exit,
                         started_at=job["started_at"], launch=launch)
+        freeze_startup_heap()
         print(engine.ready_line, file=sys.stderr, flush=True)
         if job["mode"] == "generate":
             from ..jobs.generate import run_rank

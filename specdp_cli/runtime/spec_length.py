@@ -9,8 +9,11 @@ Three modes, read from `speculative`:
                   steps and steps carrying prompt chunks (every row of those is T_chunk wide, so there k
                   costs little), mixed by the measured share of chunk steps. A k not yet measured is
                   priced by a line through the measured ones (step time is near-linear in k), else by
-                  the start-up timings; every EXPLORE_EVERY-th choice tries a neighbour of the best k,
-                  so a k the estimate undervalues gets measured and the choice can climb to it.
+                  the start-up timings; every EXPLORE_EVERY-th choice tries a neighbour of the best k
+                  (one not yet measured first), so a k the estimate undervalues gets measured and the
+                  choice can climb to it. A step time counts at most OUTLIER x what the measurements
+                  expect and the first ones are averaged: a single stall must not price
+                  a k out of the choice (it is measured again only when chosen).
 
 Agreement. The k of step s + 1 is decided at step s's sync, from what that sync carried: every rank
 puts its batch size and its preferred k into the sync's fields, and every rank applies the same
@@ -32,7 +35,8 @@ from collections import Counter
 TEST_ENV = "SPECDP_TEST_K"
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.6, 2.0     # acceptance before any measurement, as pseudo-counts
 DECAY = 0.98                              # per-step decay of the acceptance counts (running averages)
-COST_EMA = 0.1                            # weight of a new step-time measurement
+COST_EMA = 0.1                            # weight of a new step-time measurement (once there are 10)
+OUTLIER = 2.0                             # a step time counts at most this factor times its expected time
 SHARE_EMA = 0.05                          # weight of one step in the share of steps carrying prompt chunks
 EXPLORE_EVERY = 16                        # every so many choices, a neighbour of the best k is tried
 
@@ -79,8 +83,10 @@ class SpecLength:
         self.drafter_cost: dict[tuple[int, int], float] = {}
         self.measured: dict[tuple[int, int], float] = {}        # (rows, k) -> seconds of a decode step
         self.measured_chunk: dict[tuple[int, int], float] = {}  # (rows, k) -> seconds of a step with prompt chunks
+        self.samples: Counter = Counter()                       # (chunks, rows, k) -> step times averaged
         self.chunk_share = 0.0                                  # running share of steps with prompt chunks
         self.ratio = 1.0                                        # measured / modelled step time
+        self.ratio_samples = 0
 
     # -- the choice -----------------------------------------------------------------------------
 
@@ -109,6 +115,10 @@ class SpecLength:
             best = max(range(self.k_max + 1), key=lambda k: (self.tokens(k) / cost[k], -k))
             if self.calls % EXPLORE_EVERY == 0:          # deterministic: the same calls on every run
                 near = [k for k in (best + 1, best - 1) if 0 <= k <= self.k_max]
+                # a neighbour never measured at these rows first (the larger one first): its price is a guess
+                unmeasured = [k for k in near if (rows, k) not in self.measured]
+                if unmeasured:
+                    return unmeasured[0]
                 return near[(self.calls // EXPLORE_EVERY) % len(near)] if near else best
             return best
         return self.for_batch(n)
@@ -208,9 +218,29 @@ class SpecLength:
         self.chunk_share = (1 - SHARE_EMA) * self.chunk_share + SHARE_EMA * chunks
         table = self.measured_chunk if chunks else self.measured
         old = table.get((rows, k))
-        table[(rows, k)] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        expected = old if old is not None else self._first_expected(rows, k, chunks)
+        if expected is not None:
+            # one stall (the OS, a collection, a rank waiting on another in lockstep) must not price a k
+            # out of the choice for the rest of the job: this k is measured again only when chosen. (Only
+            # upwards: noise that makes a step faster does not come in stalls, and an estimate that is too
+            # high keeps its k from being chosen, so it must be able to fall at once.)
+            seconds = min(seconds, expected * OUTLIER)
+        n = self.samples[(chunks, rows, k)] = self.samples[(chunks, rows, k)] + 1
+        w = max(COST_EMA, 1 / n)                 # the mean of the first samples, then a running average
+        table[(rows, k)] = seconds if old is None else (1 - w) * old + w * seconds
         if not chunks:
-            self.ratio = (1 - COST_EMA) * self.ratio + COST_EMA * seconds / self.modelled(k, rows)
+            self.ratio_samples += 1
+            w = max(COST_EMA, 1 / self.ratio_samples)
+            self.ratio = (1 - w) * self.ratio + w * seconds / self.modelled(k, rows)
+
+    def _first_expected(self, rows: int, k: int, chunks: bool) -> float | None:
+        """What a first measurement of (rows, k) is expected to take, when the measurements say so:
+        another k measured at these rows (a chunk step), or any decode step measured (a decode step)."""
+        if chunks:
+            if not any(r == rows for r, _ in self.measured_chunk):
+                return None
+            return self._chunk_costs(rows, self._decode_costs(rows))[k]
+        return self._decode_costs(rows)[k] if self.measured else None
 
     def reset_measurements(self) -> None:
         """Forget acceptance and measured step times (keep the start-up timings): a fresh workload."""
@@ -218,8 +248,10 @@ class SpecLength:
         self.reached = [PRIOR_WEIGHT] * self.k_max
         self.measured.clear()
         self.measured_chunk.clear()
+        self.samples.clear()
         self.chunk_share = 0.0
         self.ratio = 1.0
+        self.ratio_samples = 0
         self.used.clear()
 
     def describe(self, rows: int) -> list[dict]:
@@ -227,8 +259,13 @@ class SpecLength:
         if not self.target_cost:
             return []
         cost = self.costs(rows)
+
+        def ms(table, k):
+            return round(1e3 * table[(rows, k)], 3) if (rows, k) in table else None
+        # the measured step times beside the model's cost: what it saw, to check its choice against
         return [{"k": k, "tokens_per_step": round(self.tokens(k), 3), "step_ms": round(1e3 * cost[k], 3),
-                 "tokens_per_s_per_row": round(self.tokens(k) / cost[k], 1)}
+                 "tokens_per_s_per_row": round(self.tokens(k) / cost[k], 1),
+                 "measured_decode_ms": ms(self.measured, k), "measured_chunk_ms": ms(self.measured_chunk, k)}
                 for k in range(self.k_max + 1)]
 
     def report(self) -> dict:
@@ -236,4 +273,5 @@ class SpecLength:
         return {"mode": self.mode, "k_values": self.k_values, "steps_by_k": {str(k): v for k, v in sorted(self.used.items())},
                 "model_acceptance_per_position": ([round(a / r, 3) for a, r in zip(self.accepted, self.reached)]
                                                   if self.adaptive else []),
-                "model_rows": rows, "model": self.describe(rows) if self.adaptive else []}
+                "model_rows": rows, "model": self.describe(rows) if self.adaptive else [],
+                "model_chunk_share": round(self.chunk_share, 3) if self.adaptive else None}
