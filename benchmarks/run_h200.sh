@@ -161,7 +161,8 @@ serve)
 recheck)
   # after a change to the adaptive model or the rank's host loop, two back-to-back calls. PART=1: issue 14's
   # lockstep check (adaptive vs fixed k = 4 on 2 GPUs), then adaptive vs fixed k on the codepair at 4..64
-  # (GPU 0) beside the 8B shape at 16 (GPU 1, k = 4..6: the best k there). PART=2: issue 9's DP pairs.
+  # (GPU 0) beside the 8B shape at 16 (GPU 1, k = 4..6: the best k there). PART=2: issue 9's DP pairs, then
+  # the 8B shape's batch-1 runs issue 14's table still lacks (k = 0 twice: 160 s each).
   end=$((SECONDS + ${LIMIT:-560})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
   if [ "${PART:-1}" = 1 ]; then
     timeout 130 python3 benchmarks/dp_scaling.py --pair $P --method draft_model --work /tmp/dpwork-adaptive \
@@ -175,10 +176,17 @@ recheck)
     wait; tail -n 6 "$out"/adaptive_*.log
   else
     for dm in none draft_model; do
-      timeout $(( $(left) / 2 )) python3 benchmarks/dp_scaling.py --pair $P --method $dm --work /tmp/dpwork-$dm \
+      timeout 110 python3 benchmarks/dp_scaling.py --pair $P --method $dm --work /tmp/dpwork-$dm \
         --runs 1:never,2:never,1:never,2:never,1:never,2:never,1:never,2:never,2:always \
-        --json "$out/dp_scaling_$dm.json" > "$out/dp_$dm.log" 2>&1; grep -v "^{" "$out/dp_$dm.log" | tail -30
+        --json "$out/dp_scaling_$dm.json" > "$out/dp_$dm.log" 2>&1; grep -A4 "^medians" "$out/dp_$dm.log"
     done
+    # what issue 14's table still lacks: the 8B shape at batch 1 with k = 0 (one run so far) and k = 3 (two)
+    export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES
+    CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 benchmarks/adaptive_k.py --pair $P --target $W/target --label 8b-shape \
+      --batches 1 --ks 0 --no-adaptive --repeats 2 --json "$out/ak8_bs1_k0_c.json" > "$out/ak8_bs1_k0_c.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 timeout $(left) python3 benchmarks/adaptive_k.py --pair $P --target $W/target --label 8b-shape \
+      --batches 1 --ks 3 --no-adaptive --repeats 1 --json "$out/ak8_bs1_k3_c.json" > "$out/ak8_bs1_k3_c.log" 2>&1
+    wait; tail -n 3 "$out"/ak8_*.log
   fi
   ;;
 dp)
