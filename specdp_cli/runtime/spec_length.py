@@ -50,6 +50,12 @@ def forced_choices(rank: int) -> list[int] | None:
     return None
 
 
+def running_average(old: float, sample: float, n: int) -> float:
+    """The n-th sample's update: the mean of the first samples, then an exponential average (COST_EMA)."""
+    w = max(COST_EMA, 1 / n)
+    return (1 - w) * old + w * sample
+
+
 def interpolate(table: dict[tuple[int, int], float], R: float, T: float) -> float:
     """A cost measured at rows R_i (a grid) and tokens per row T_lo, T_hi, interpolated piecewise
     linearly in R, then linearly in T (and extrapolated past the ends)."""
@@ -226,12 +232,10 @@ class SpecLength:
             # high keeps its k from being chosen, so it must be able to fall at once.)
             seconds = min(seconds, expected * OUTLIER)
         n = self.samples[(chunks, rows, k)] = self.samples[(chunks, rows, k)] + 1
-        w = max(COST_EMA, 1 / n)                 # the mean of the first samples, then a running average
-        table[(rows, k)] = seconds if old is None else (1 - w) * old + w * seconds
+        table[(rows, k)] = running_average(old or 0.0, seconds, n)
         if not chunks:
             self.ratio_samples += 1
-            w = max(COST_EMA, 1 / self.ratio_samples)
-            self.ratio = (1 - w) * self.ratio + w * seconds / self.modelled(k, rows)
+            self.ratio = running_average(self.ratio, seconds / self.modelled(k, rows), self.ratio_samples)
 
     def _first_expected(self, rows: int, k: int, chunks: bool) -> float | None:
         """What a first measurement of (rows, k) is expected to take, when the measurements say so:
