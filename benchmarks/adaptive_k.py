@@ -62,6 +62,8 @@ def one_run(engine: Engine, prompts, new: int, k: int | None) -> tuple[list, flo
     engine.counters = RankCounters()
     engine.counters.spec_length = sl
     sl.used.clear()
+    if sl.trace is not None:            # SPECDP_TRACE_K=1: this run's measured steps
+        sl.trace.clear()
     done, secs = run(engine, prompts, new)
     return [done[i].generated for i in range(len(prompts))], secs, engine.counters
 
@@ -137,11 +139,13 @@ def main() -> None:
                              "equal_k0": f"{sum(o == r for o, r in zip(outs, reference))}/{len(outs)}" if reference else None}
                 if k is None:
                     detail[k]["model"] = engine.spec_len.describe(max(engine.spec_len.measured, default=(1, 0))[0])
+                if engine.spec_len.trace is not None:
+                    detail[k]["trace"] = list(engine.spec_len.trace)
                 # rewritten after every run: a call cut by its time box keeps every finished run
                 summary = write_results(a, rows + batch_rows(a, B, tok_s, detail), len(prompts))
         for row in batch_rows(a, B, tok_s, detail):
             rows.append(row)
-            print(json.dumps({x: y for x, y in row.items() if x != "model"}), flush=True)
+            print(json.dumps({x: y for x, y in row.items() if x not in ("model", "trace")}), flush=True)
         summary = write_results(a, rows, len(prompts))
     head = "".join(f"{'k=' + str(k):>9}" for k in ks)
     print(f"{'batch':>6}{head}{'adaptive':>10}{'best k':>7}{'ratio':>7}")

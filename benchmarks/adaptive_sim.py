@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -20,8 +21,9 @@ import sys
 from collections import Counter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from specdp_cli.runtime.spec_length import SpecLength  # noqa: E402
+from specdp_cli.runtime import spec_length  # noqa: E402
 
+MODEL = spec_length          # the model under test (--spec-length: another version)
 ACCEPT = (0.8, 0.7, 0.65, 0.6, 0.55, 0.5)       # per position, given the earlier drafts were accepted
 ROWS = 32
 REGIMES = {   # ms: decode step at k = 0 and 1, per further k; chunk steps: share, base, per prompt row, per k
@@ -31,13 +33,23 @@ REGIMES = {   # ms: decode step at k = 0 and 1, per further k; chunk steps: shar
                                             c_k=0.05, stall_p=0.0, stall_ms=0.0),
     "... and 2 % of steps stall 20 ms": dict(k0=0.55, k1=0.85, per_k=0.06, share=0.6, c_base=1.2, c_row=0.1,
                                              c_k=0.05, stall_p=0.02, stall_ms=20.0),
+    # every step time drifts together (host load, clocks, the other rank in lockstep): log-speed an AR(1)
+    # of ~15 % spread and ~30 steps' memory
+    "... and all step times drift 15 %": dict(k0=0.55, k1=0.85, per_k=0.06, share=0.6, c_base=1.2, c_row=0.1,
+                                              c_k=0.05, stall_p=0.0, stall_ms=0.0, drift=0.15),
+    # the 2-GPU lockstep steps of 32 rows a rank: host-bound, k costs little
+    "k costs little (lockstep, 32 rows), drift": dict(k0=1.75, k1=1.85, per_k=0.03, share=0.1, c_base=2.2,
+                                                     c_row=0.05, c_k=0.03, stall_p=0.0, stall_ms=0.0, drift=0.15),
+    # ... and the first step of each kind runs 1.3 x (the 2-GPU lockstep traces: a graph's first replay)
+    "... and first steps of a kind 1.3 x": dict(k0=1.75, k1=1.85, per_k=0.03, share=0.1, c_base=2.2, c_row=0.05,
+                                               c_k=0.03, stall_p=0.0, stall_ms=0.0, drift=0.15, first=1.3),
 }
 
 
 def simulate(regime: dict, seed: int, steps: int, fixed: int | None) -> tuple[float, int]:
     """tok/s of one run and its most used k."""
     rnd = random.Random(seed)
-    s = SpecLength(6, None, True, drafter_forward="per_draft")
+    s = MODEL.SpecLength(6, None, True, drafter_forward="per_draft")
     # start-up timings as the engine takes them: single forwards, pricier per k than a whole step's graph
     s.target_cost = {(1, 1): 0.5e-3, (1, 7): 0.55e-3, (ROWS, 1): 0.6e-3, (ROWS, 7): 0.75e-3}
     s.drafter_cost = {(1, 1): 0.1e-3, (ROWS, 1): 0.1e-3}
@@ -45,7 +57,10 @@ def simulate(regime: dict, seed: int, steps: int, fixed: int | None) -> tuple[fl
     r = regime
     seconds = tokens = 0.0
     used: Counter = Counter()
+    drift, memory = 0.0, 0.97
+    seen = set()
     for _ in range(steps):
+        drift = memory * drift + rnd.gauss(0.0, r.get("drift", 0.0) * (1 - memory ** 2) ** 0.5)
         k = s.preferred(ROWS, ROWS)
         used[k] += 1
         rows = []
@@ -60,9 +75,12 @@ def simulate(regime: dict, seed: int, steps: int, fixed: int | None) -> tuple[fl
         chunks = rnd.random() < r["share"]
         ms = (r["c_base"] + r["c_row"] * rnd.randint(1, 8) + r["c_k"] * k if chunks
               else r["k0"] if k == 0 else r["k1"] + r["per_k"] * (k - 1))
-        ms *= 1 + 0.1 * (2 * rnd.random() - 1)
+        ms *= (1 + 0.1 * (2 * rnd.random() - 1)) * math.exp(drift)
         if rnd.random() < r["stall_p"]:
             ms += r["stall_ms"]
+        if (chunks, k) not in seen:
+            seen.add((chunks, k))
+            ms *= r.get("first", 1.0)
         seconds += ms / 1e3
         s.observe_step(ROWS, k, ms / 1e3, chunks=chunks)
     return tokens / seconds, used.most_common(1)[0][0]
@@ -73,7 +91,14 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=16)
     ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--json")
+    ap.add_argument("--spec-length", help="another version of runtime/spec_length.py to run (before/after a change)")
     a = ap.parse_args()
+    global MODEL
+    if a.spec_length:
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("spec_length_other", a.spec_length)
+        MODEL = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(MODEL)
     out = []
     print(f"{'regime':<40}{'adaptive':>10}{'best k':>8}{'best':>10}{'ratio':>7}{'runs mostly k<=2':>18}")
     for name, regime in REGIMES.items():

@@ -159,35 +159,41 @@ serve)
   cp /tmp/servework/server.log "$out/" 2>/dev/null
   ;;
 recheck)
-  # after a change to the adaptive model or the rank's host loop, two back-to-back calls. PART=1: issue 14's
-  # lockstep check (adaptive vs fixed k = 4 on 2 GPUs), then adaptive vs fixed k on the codepair at 4..64
-  # (GPU 0) beside the 8B shape at 16 (GPU 1, k = 4..6: the best k there). PART=2: issue 9's DP pairs, then
-  # the 8B shape's batch-1 runs issue 14's table still lacks (k = 0 twice: 160 s each).
+  # after a change to the adaptive model or the rank's host loop, back-to-back calls (SPECDP_TRACE_K=1: the
+  # adaptive runs' JSON carries every measured step). PART=1: issue 14's lockstep check (adaptive vs fixed
+  # k = 4 on 2 GPUs), then adaptive vs fixed k on the codepair at 4..64 alone on GPU 0 (beside another job its
+  # host-bound runs spread 20-40 %), then the 8B shape at 16 (k = 4..6: the best k there). PART=2: issue 9's DP
+  # pairs with their `always` runs, then the 8B shape at batch 1 (adaptive and k = 6 on GPU 0, k = 5, 6 on GPU 1).
+  # PART=3: the 8B shape at 4, 32 and 64 (k = 4..6 and adaptive).
   end=$((SECONDS + ${LIMIT:-560})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
-  if [ "${PART:-1}" = 1 ]; then
+  export SPECDP_TRACE_K=1
+  ak() { gpu=$1; name=$2; shift 2
+    CUDA_VISIBLE_DEVICES=$gpu timeout $(left) python3 benchmarks/adaptive_k.py --pair $P "$@" --json "$out/$name.json" \
+      > "$out/$name.log" 2>&1; }
+  case "${PART:-1}" in
+  1)
     timeout 130 python3 benchmarks/dp_scaling.py --pair $P --method draft_model --work /tmp/dpwork-adaptive \
       --runs 2:always,2:always:adaptive,2:always,2:always:adaptive,2:always,2:always:adaptive \
       --json "$out/dp_adaptive.json" > "$out/dp_adaptive.log" 2>&1; grep -A3 "^medians" "$out/dp_adaptive.log"
     export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES
-    CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 benchmarks/adaptive_k.py --pair $P --batches 4,16,32,64 --repeats 3 \
-      --json "$out/adaptive_codepair.json" > "$out/adaptive_codepair.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 timeout $(left) python3 benchmarks/adaptive_k.py --pair $P --target $W/target --label 8b-shape \
-      --batches 16 --ks 4,5,6 --repeats 3 --json "$out/adaptive_8b.json" > "$out/adaptive_8b.log" 2>&1
-    wait; tail -n 6 "$out"/adaptive_*.log
-  else
+    ak 0 adaptive_codepair --batches 4,16,32,64 --repeats 3
+    ak 1 adaptive_8b --target $W/target --label 8b-shape --batches 16 --ks 4,5,6 --repeats 3 ;;
+  2)
     for dm in none draft_model; do
-      timeout 110 python3 benchmarks/dp_scaling.py --pair $P --method $dm --work /tmp/dpwork-$dm \
-        --runs 1:never,2:never,1:never,2:never,1:never,2:never,1:never,2:never,2:always \
+      timeout 150 python3 benchmarks/dp_scaling.py --pair $P --method $dm --work /tmp/dpwork-$dm \
+        --runs 1:never,2:never,1:never,2:never,1:never,2:never,2:always,2:always \
         --json "$out/dp_scaling_$dm.json" > "$out/dp_$dm.log" 2>&1; grep -A4 "^medians" "$out/dp_$dm.log"
     done
-    # what issue 14's table still lacks: the 8B shape at batch 1 with k = 0 (one run so far) and k = 3 (two)
     export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES
-    CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 benchmarks/adaptive_k.py --pair $P --target $W/target --label 8b-shape \
-      --batches 1 --ks 0 --no-adaptive --repeats 2 --json "$out/ak8_bs1_k0_c.json" > "$out/ak8_bs1_k0_c.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 timeout $(left) python3 benchmarks/adaptive_k.py --pair $P --target $W/target --label 8b-shape \
-      --batches 1 --ks 3 --no-adaptive --repeats 1 --json "$out/ak8_bs1_k3_c.json" > "$out/ak8_bs1_k3_c.log" 2>&1
-    wait; tail -n 3 "$out"/ak8_*.log
-  fi
+    # ~60 s a run: adaptive and k = 6 interleaved twice on GPU 0, k = 5 and 6 once more on GPU 1
+    ak 0 ak8_bs1_adaptive --target $W/target --label 8b-shape --batches 1 --ks 6 --repeats 2 &
+    ak 1 ak8_bs1_k56 --target $W/target --label 8b-shape --batches 1 --ks 5,6 --no-adaptive --repeats 1 ;;
+  3)
+    export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES
+    ak 0 ak8_bs4_32 --target $W/target --label 8b-shape --batches 4,32 --ks 4,5,6 --repeats 3 &
+    ak 1 ak8_bs64 --target $W/target --label 8b-shape --batches 64 --ks 3,4,5,6 --repeats 3 ;;
+  esac
+  wait; tail -n 6 "$out"/*.log
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

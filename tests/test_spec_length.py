@@ -142,6 +142,7 @@ def test_adaptive_prices_unmeasured_k_from_the_measured_ones():
     s = SpecLength(6, None, True)
     s.target_cost = {(8, 1): 1.0, (8, 7): 7.0}          # start-up timings: 1 s a token per row (pessimistic)
     for k in (0, 1, 2):
+        s.observe_step(8, k, 9.0)                      # a kind's first step pays one-time costs: left out
         s.observe_step(8, k, 1 + 0.1 * k)              # measured decode steps: 1 + 0.1 k
     assert abs(s.cost(5, 8) - 1.5) < 1e-9               # the line through them, not the start-up timings
     for _ in range(100):
@@ -169,27 +170,66 @@ def test_adaptive_explores_a_neighbour_and_climbs_to_the_best_k():
         choices.append(k)
         s.observe_step(8, k, true_cost[k])
     assert choices[0] == 0 and choices[15] == 1          # the 16th choice explores k = 1
-    assert choices[20:31] == [best] * 11
-    assert choices[31] in (best - 1, best + 1) and choices[47] in (best - 1, best + 1)
+    assert choices[31] == 1                               # again: its first step was left out (one-time costs)
+    assert choices[33:47] == [best] * 14
+    assert choices[47] in (best - 1, best + 1) and choices[63] in (best - 1, best + 1)
 
 
 def test_adaptive_one_stalled_step_does_not_price_a_k_out():
     """A step that stalls (the OS, a garbage collection, a rank waiting on another in lockstep) costs its
-    k at most twice what the measurements expect, and the first measurements are averaged, not kept
-    with 90 % weight: one stall on the step that first tries k = 2 must not keep the choice from
-    climbing past it to the best k."""
+    k at most twice what the measurements expect (four times a guess), and the first measurements are
+    averaged, not kept with 90 % weight: one stall on the first measured step at k = 2 must not keep
+    the choice from staying at the best k."""
     s = SpecLength(6, None, True)
     s.target_cost = {(8, 1): 1.0, (8, 7): 7.0}
     true_cost = {k: 1 + 0.1 * k for k in range(7)}
     best = max(range(7), key=lambda k: s.tokens(k) / true_cost[k])
-    first_at_k2 = True
+    at_k2 = 0
     choices = []
     for _ in range(128):
         k = s.preferred(8, 8)
         choices.append(k)
-        stall = 50.0 if k == 2 and first_at_k2 else 0.0
-        first_at_k2 = first_at_k2 and k != 2
+        at_k2 += k == 2
+        stall = 50.0 if k == 2 and at_k2 == 2 else 0.0   # the first step of a kind is left out; the next stalls
         s.observe_step(8, k, true_cost[k] + stall)
-    assert 2 in choices[:64]
-    assert s.measured[(8, 2)] < 2 * true_cost[2]
+    assert choices.count(2) >= 3
+    assert s.measured[(8, 2)] < 4 * true_cost[2]          # a first measurement: held to 4 x its guess
     assert choices[-16:].count(best) >= 12, choices
+
+
+def test_adaptive_a_drift_of_every_step_does_not_price_the_other_ks():
+    """Every step time drifts together (the host, clocks, the other rank in lockstep), but only the chosen
+    k is measured while it lasts: measured relative to the running level, the other k's costs move
+    with it, and the two k's keep their true ratio within 10 % (raw times: the chosen k 1.5 x dearer)."""
+    s = SpecLength(6, None, True)
+    s.target_cost = {(8, 1): 1.0, (8, 7): 7.0}
+    true_cost = {k: 1 + 0.1 * k for k in range(7)}
+    for _ in range(20):
+        for k in (2, 3):
+            s.observe_step(8, k, true_cost[k])
+    for _ in range(60):
+        s.observe_step(8, 3, 1.5 * true_cost[3])        # everything 1.5 x slower; only k = 3 runs
+    assert s.level > 1.3
+    assert abs(s.cost(2, 8) / s.cost(3, 8) / (true_cost[2] / true_cost[3]) - 1) < 0.1
+
+
+def test_adaptive_a_guess_too_low_is_not_a_trap():
+    """Two noisy measurements (k = 2 at 1.0, k = 3 at 2.0, truly 1.2 and 1.3) send the line through them
+    to ~0 at k = 0 and 1. Those k get chosen; their true cost must then count (a first measurement is
+    held only loosely to a guess, and guesses go no lower than half the cheapest measured step), so the
+    choice comes back to what is truly within a few per cent of the best k."""
+    s = SpecLength(6, None, True)
+    s.target_cost = {(32, 1): 1.0, (32, 7): 7.0}
+    for k, t in ((2, 1.0), (3, 2.0)):
+        s.observe_step(32, k, 9.0)          # a kind's first step: left out
+        s.observe_step(32, k, t)
+    true_cost = {k: 1 + 0.1 * k for k in range(7)}
+    rate = {k: s.tokens(k) / true_cost[k] for k in range(7)}     # the prior acceptance stays put (no rows)
+    choices = []
+    for _ in range(128):
+        k = s.preferred(32, 32)
+        choices.append(k)
+        s.observe_step(32, k, true_cost[k])
+    achieved = sum(rate[k] for k in choices[-64:]) / 64
+    assert achieved >= 0.95 * max(rate.values()), choices
+    assert 0.5 < s.level < 2

@@ -12,8 +12,15 @@ Three modes, read from `speculative`:
                   the start-up timings; every EXPLORE_EVERY-th choice tries a neighbour of the best k
                   (one not yet measured first), so a k the estimate undervalues gets measured and the
                   choice can climb to it. A step time counts at most OUTLIER x what the measurements
-                  expect and the first ones are averaged: a single stall must not price
-                  a k out of the choice (it is measured again only when chosen).
+                  expect, the first one of each kind is left out and the next ones are averaged:
+                  a single stall must not price a k out of the choice (it is measured again only
+                  when chosen).
+                  How fast everything runs drifts (the host, clocks, the other rank in lockstep) by
+                  more than k changes a step's cost; the chosen k is measured every step, the others
+                  once in a while, so raw times would compare one k's now with another's then. Step
+                  times are therefore kept relative to a running level (LEVEL_EMA, moved by every
+                  step of a kind measured twice or more): the level follows the drift, the per-k
+                  costs only what k itself costs.
 
 Agreement. The k of step s + 1 is decided at step s's sync, from what that sync carried: every rank
 puts its batch size and its preferred k into the sync's fields, and every rank applies the same
@@ -25,7 +32,9 @@ out of step exactly as before (`Engine.agree`). Under `dp_sync: never` each rank
 preference. The cost of this order is a lag of one step between a batch size and its k.
 
 Test hook: SPECDP_TEST_K="R:k,k,...;R:..." makes rank R prefer those k in turn (one per step), so
-tests can force ranks' local choices to differ.
+tests can force ranks' local choices to differ. Diagnostics: SPECDP_TRACE_K=1 adds every measured step
+to the report's `trace` ([k, rows, chunks, ms, the level after it or None for a kind's first step]): what
+the choice saw over time.
 """
 from __future__ import annotations
 
@@ -33,10 +42,13 @@ import os
 from collections import Counter
 
 TEST_ENV = "SPECDP_TEST_K"
+TRACE_ENV = "SPECDP_TRACE_K"
 PRIOR_ACCEPT, PRIOR_WEIGHT = 0.6, 2.0     # acceptance before any measurement, as pseudo-counts
 DECAY = 0.98                              # per-step decay of the acceptance counts (running averages)
-COST_EMA = 0.1                            # weight of a new step-time measurement (once there are 10)
+COST_EMA = 0.05                           # weight of a new step-time measurement (once there are 20)
+LEVEL_EMA = 0.2                           # weight of one step in the running level of all step times
 OUTLIER = 2.0                             # a step time counts at most this factor times its expected time
+OUTLIER_GUESS = 4.0                       # ... and a first one this factor times its guessed time
 SHARE_EMA = 0.05                          # weight of one step in the share of steps carrying prompt chunks
 EXPLORE_EVERY = 16                        # every so many choices, a neighbour of the best k is tried
 
@@ -90,9 +102,12 @@ class SpecLength:
         self.measured: dict[tuple[int, int], float] = {}        # (rows, k) -> seconds of a decode step
         self.measured_chunk: dict[tuple[int, int], float] = {}  # (rows, k) -> seconds of a step with prompt chunks
         self.samples: Counter = Counter()                       # (chunks, rows, k) -> step times averaged
+        self.warm: set = set()                                  # (chunks, rows, k) whose first step was seen
         self.chunk_share = 0.0                                  # running share of steps with prompt chunks
         self.ratio = 1.0                                        # measured / modelled step time
         self.ratio_samples = 0
+        self.level = 1.0          # how fast steps run now, relative to the measurements (they are seconds / level)
+        self.trace: list | None = [] if os.environ.get(TRACE_ENV) == "1" else None
 
     # -- the choice -----------------------------------------------------------------------------
 
@@ -154,10 +169,10 @@ class SpecLength:
         0..k_max (one pass over the measurements: this runs every step): decode and chunk steps mixed
         by the share of chunk steps."""
         dec = self._decode_costs(rows)
-        if not self.chunk_share:
-            return dec
-        share = self.chunk_share
-        return [(1 - share) * d + share * c for d, c in zip(dec, self._chunk_costs(rows, dec))]
+        if self.chunk_share:
+            share = self.chunk_share
+            dec = [(1 - share) * d + share * c for d, c in zip(dec, self._chunk_costs(rows, dec))]
+        return [self.level * c for c in dec]
 
     def _decode_costs(self, rows: int) -> list[float]:
         """A decode step: measured when such a step ran; else on the least-squares line through the
@@ -169,7 +184,10 @@ class SpecLength:
             mk = sum(j for j, _ in pts) / len(pts)
             mt = sum(t for _, t in pts) / len(pts)
             slope = max(0.0, sum((j - mk) * (t - mt) for j, t in pts) / sum((j - mk) ** 2 for j, _ in pts))
-            estimate = [max(mt + slope * (k - mk), 1e-6) for k in range(self.k_max + 1)]
+            # a noisy pair of points can send the line to ~0 at small k: no guess below half the cheapest
+            # measured step (a guess too low gets its k chosen, and then every measurement of it clipped)
+            floor = 0.5 * min(t for _, t in pts)
+            estimate = [max(mt + slope * (k - mk), floor) for k in range(self.k_max + 1)]
         elif pts:
             j, t = pts[0]
             scale = t / self.modelled(j, rows)
@@ -222,20 +240,33 @@ class SpecLength:
         if not self.target_cost or seconds <= 0:
             return
         self.chunk_share = (1 - SHARE_EMA) * self.chunk_share + SHARE_EMA * chunks
+        if (chunks, rows, k) not in self.warm:
+            # the first step of its kind pays one-time costs (on the H200 it runs 1.2-1.4 x its later
+            # steps: a graph's first replay): not a measurement of what the kind costs
+            self.warm.add((chunks, rows, k))
+            if self.trace is not None:
+                self.trace.append([k, rows, int(chunks), round(1e3 * seconds, 4), None])
+            return
         table = self.measured_chunk if chunks else self.measured
         old = table.get((rows, k))
+        n = self.samples[(chunks, rows, k)] = self.samples[(chunks, rows, k)] + 1
         expected = old if old is not None else self._first_expected(rows, k, chunks)
         if expected is not None:
             # one stall (the OS, a collection, a rank waiting on another in lockstep) must not price a k
             # out of the choice for the rest of the job: this k is measured again only when chosen. (Only
             # upwards: noise that makes a step faster does not come in stalls, and an estimate that is too
-            # high keeps its k from being chosen, so it must be able to fall at once.)
-            seconds = min(seconds, expected * OUTLIER)
-        n = self.samples[(chunks, rows, k)] = self.samples[(chunks, rows, k)] + 1
-        table[(rows, k)] = running_average(old or 0.0, seconds, n)
+            # high keeps its k from being chosen, so it must be able to fall at once.) A first
+            # measurement is held only to a wider bound: its expectation is a guess.
+            seconds = min(seconds, self.level * expected * (OUTLIER if old is not None else OUTLIER_GUESS))
+        relative = seconds / self.level
+        table[(rows, k)] = running_average(old or 0.0, relative, n)
+        if n > 2:       # the drift: this step against what its k cost so far (two measurements at least)
+            self.level *= 1 + LEVEL_EMA * (relative / old - 1)
+        if self.trace is not None:
+            self.trace.append([k, rows, int(chunks), round(1e3 * seconds, 4), round(self.level, 4)])
         if not chunks:
             self.ratio_samples += 1
-            self.ratio = running_average(self.ratio, seconds / self.modelled(k, rows), self.ratio_samples)
+            self.ratio = running_average(self.ratio, relative / self.modelled(k, rows), self.ratio_samples)
 
     def _first_expected(self, rows: int, k: int, chunks: bool) -> float | None:
         """What a first measurement of (rows, k) is expected to take, when the measurements say so:
@@ -253,9 +284,11 @@ class SpecLength:
         self.measured.clear()
         self.measured_chunk.clear()
         self.samples.clear()
+        self.warm.clear()
         self.chunk_share = 0.0
         self.ratio = 1.0
         self.ratio_samples = 0
+        self.level = 1.0
         self.used.clear()
 
     def describe(self, rows: int) -> list[dict]:
@@ -265,7 +298,7 @@ class SpecLength:
         cost = self.costs(rows)
 
         def ms(table, k):
-            return round(1e3 * table[(rows, k)], 3) if (rows, k) in table else None
+            return round(1e3 * self.level * table[(rows, k)], 3) if (rows, k) in table else None
         # the measured step times beside the model's cost: what it saw, to check its choice against
         return [{"k": k, "tokens_per_step": round(self.tokens(k), 3), "step_ms": round(1e3 * cost[k], 3),
                  "tokens_per_s_per_row": round(self.tokens(k) / cost[k], 1),
@@ -278,4 +311,6 @@ class SpecLength:
                 "model_acceptance_per_position": ([round(a / r, 3) for a, r in zip(self.accepted, self.reached)]
                                                   if self.adaptive else []),
                 "model_rows": rows, "model": self.describe(rows) if self.adaptive else [],
-                "model_chunk_share": round(self.chunk_share, 3) if self.adaptive else None}
+                "model_chunk_share": round(self.chunk_share, 3) if self.adaptive else None,
+                "model_level": round(self.level, 3) if self.adaptive else None,
+                **({"trace": self.trace} if self.trace is not None else {})}
