@@ -101,8 +101,7 @@ class SpecLength:
         self.drafter_cost: dict[tuple[int, int], float] = {}
         self.measured: dict[tuple[int, int], float] = {}        # (rows, k) -> seconds of a decode step
         self.measured_chunk: dict[tuple[int, int], float] = {}  # (rows, k) -> seconds of a step with prompt chunks
-        self.samples: Counter = Counter()                       # (chunks, rows, k) -> step times averaged
-        self.warm: set = set()                                  # (chunks, rows, k) whose first step was seen
+        self.steps_seen: Counter = Counter()                    # (chunks, rows, k) -> steps of that kind observed
         self.chunk_share = 0.0                                  # running share of steps with prompt chunks
         self.ratio = 1.0                                        # measured / modelled step time
         self.ratio_samples = 0
@@ -240,16 +239,16 @@ class SpecLength:
         if not self.target_cost or seconds <= 0:
             return
         self.chunk_share = (1 - SHARE_EMA) * self.chunk_share + SHARE_EMA * chunks
-        if (chunks, rows, k) not in self.warm:
+        seen = self.steps_seen[(chunks, rows, k)] = self.steps_seen[(chunks, rows, k)] + 1
+        if seen == 1:
             # the first step of its kind pays one-time costs (on the H200 it runs 1.2-1.4 x its later
             # steps: a graph's first replay): not a measurement of what the kind costs
-            self.warm.add((chunks, rows, k))
             if self.trace is not None:
                 self.trace.append([k, rows, int(chunks), round(1e3 * seconds, 4), None])
             return
+        n = seen - 1                     # the step times averaged into this kind's cost
         table = self.measured_chunk if chunks else self.measured
         old = table.get((rows, k))
-        n = self.samples[(chunks, rows, k)] = self.samples[(chunks, rows, k)] + 1
         expected = old if old is not None else self._first_expected(rows, k, chunks)
         if expected is not None:
             # one stall (the OS, a collection, a rank waiting on another in lockstep) must not price a k
@@ -283,8 +282,7 @@ class SpecLength:
         self.reached = [PRIOR_WEIGHT] * self.k_max
         self.measured.clear()
         self.measured_chunk.clear()
-        self.samples.clear()
-        self.warm.clear()
+        self.steps_seen.clear()
         self.chunk_share = 0.0
         self.ratio = 1.0
         self.ratio_samples = 0
