@@ -106,7 +106,7 @@ def main() -> None:
                "steps_by_k": (s.get("speculation") or {}).get("steps_by_k"),
                # rank 0's adaptive model and what it measured (adaptive runs)
                "spec_model": {x: (s.get("speculation") or {}).get(x) for x in
-                              ("model_rows", "model", "model_acceptance_per_position", "model_chunk_share",
+                              ("model_rows", "model", "model_acceptance_per_position", "model_chunk_share", "model_chunk_extra_ms",
                                        "model_level", "trace")}
                if adaptive else None}
         rows.append(row)

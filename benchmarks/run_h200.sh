@@ -160,9 +160,11 @@ serve)
   ;;
 recheck)
   # after a change to the adaptive model or the rank's host loop, back-to-back calls (SPECDP_TRACE_K=1: the
-  # adaptive runs' JSON carries every measured step). PART=1: issue 14's lockstep check (adaptive vs fixed
-  # k = 4 on 2 GPUs), then adaptive vs fixed k on the codepair at 4..64 alone on GPU 0 (beside another job its
-  # host-bound runs spread 20-40 %), then the 8B shape at 16 (k = 4..6: the best k there). PART=2: issue 9's DP
+  # adaptive runs' JSON carries every measured step). PART=1: the model's own host time per step
+  # (adaptive_sim.py; before and after when .bench/spec_length_before.py holds the last version), issue 14's
+  # lockstep check (adaptive vs fixed k = 4 on 2 GPUs, PAIRS=5 pairs), then adaptive vs fixed k on the codepair
+  # at 4..64 on GPU 0 beside (GPU_TESTS=1) the GPU tests but the 2-GPU one and the 8B shape at 16 (k = 4..6:
+  # the best k there) on GPU 1. PART=2: issue 9's DP
   # pairs with their `always` runs, then the 8B shape at batch 1 (adaptive and k = 6 on GPU 0, k = 5, 6 on GPU 1).
   # PART=3: the 8B shape at 4, 32 and 64 (k = 4..6 and adaptive).
   end=$((SECONDS + ${LIMIT:-560})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
@@ -172,11 +174,21 @@ recheck)
       > "$out/$name.log" 2>&1; }
   case "${PART:-1}" in
   1)
-    timeout 130 python3 benchmarks/dp_scaling.py --pair $P --method draft_model --work /tmp/dpwork-adaptive \
-      --runs 2:always,2:always:adaptive,2:always,2:always:adaptive,2:always,2:always:adaptive \
-      --json "$out/dp_adaptive.json" > "$out/dp_adaptive.log" 2>&1; grep -A3 "^medians" "$out/dp_adaptive.log"
+    if [ -f .bench/spec_length_before.py ]; then     # the model's own host time per step, before and after
+      python3 benchmarks/adaptive_sim.py --seeds 8 --spec-length .bench/spec_length_before.py | tail -8
+      python3 benchmarks/adaptive_sim.py --seeds 8 | tail -8
+    fi
+    # PAIRS interleaved pairs (a run is ~20 s, mostly start-up; run to run the lockstep engine times
+    # spread 10-20 %, so three pairs say little at the 5 % level)
+    runs=$(for i in $(seq ${PAIRS:-5}); do printf "2:always,2:always:adaptive,"; done)
+    timeout $((45 * ${PAIRS:-5})) python3 benchmarks/dp_scaling.py --pair $P --method draft_model --work /tmp/dpwork-adaptive \
+      --runs "${runs%,}" --json "$out/dp_adaptive.json" > "$out/dp_adaptive.log" 2>&1; grep -A3 "^medians" "$out/dp_adaptive.log"
     export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES
-    ak 0 adaptive_codepair --batches 4,16,32,64 --repeats 3
+    ak 0 adaptive_codepair --batches 4,16,32,64 --repeats 3 &
+    if [ "${GPU_TESTS:-0}" = 1 ]; then    # the GPU tests but the 2-GPU one (the lockstep runs above cover NCCL)
+      CUDA_VISIBLE_DEVICES=1 timeout $(left) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+        -k "not nccl" > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
+    fi
     ak 1 adaptive_8b --target $W/target --label 8b-shape --batches 16 --ks 4,5,6 --repeats 3 ;;
   2)
     for dm in none draft_model; do

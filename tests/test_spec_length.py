@@ -152,7 +152,7 @@ def test_adaptive_prices_unmeasured_k_from_the_measured_ones():
     # a chunk step at k = 5: the measured one at k = 2 plus the decode costs' difference
     assert abs(s.cost(5, 8) - ((1 - share) * 1.5 + share * (3.0 + 1.5 - 1.2))) < 1e-9
     s.reset_measurements()
-    assert s.chunk_share == 0 and not s.measured_chunk and abs(s.cost(5, 8) - 6.0) < 1e-9
+    assert s.chunk_share == 0 and not s.chunk_extra and abs(s.cost(5, 8) - 6.0) < 1e-9
 
 
 def test_adaptive_explores_a_neighbour_and_climbs_to_the_best_k():
@@ -233,3 +233,63 @@ def test_adaptive_a_guess_too_low_is_not_a_trap():
     achieved = sum(rate[k] for k in choices[-64:]) / 64
     assert achieved >= 0.95 * max(rate.values()), choices
     assert 0.5 < s.level < 2
+
+
+def test_adaptive_prices_new_batch_sizes_by_the_measured_shape_in_k():
+    """The batch drains at the end of a job: at a batch size never measured, k is priced by the shape of
+    the nearest batch size's measured steps (moved by the start-up timings' ratio between the two), not
+    by the start-up timings alone, which overprice k (here 6 x): the choice stays where the measurements
+    put it."""
+    s = SpecLength(6, None, True)
+    s.target_cost = {(8, 1): 1.0, (8, 7): 7.0, (32, 1): 2.0, (32, 7): 14.0}
+    true_cost = {k: 1 + 0.02 * k for k in range(7)}       # host-bound steps: k costs little
+    for k in (1, 2, 3, 4):
+        s.observe_step(32, k, 9.0)                       # a kind's first step: left out
+        s.observe_step(32, k, true_cost[k])
+    best = max(range(7), key=lambda k: (s.tokens(k) / true_cost[k], -k))
+    assert best == 6
+    assert s.preferred(32, 32) == best
+    assert s.preferred(8, 8) == best                     # the start-up timings alone would choose k = 0
+    s.observe_step(8, 6, 9.0)
+    s.observe_step(8, 6, 0.5)                            # one k measured at 8 rows: the shape scaled to it
+    assert abs(s.cost(6, 8) - 0.5) < 1e-9 and abs(s.cost(2, 8) / s.cost(6, 8) - true_cost[2] / true_cost[6]) < 1e-9
+
+
+def test_adaptive_chunk_steps_price_no_k_by_the_prompts_they_happened_to_carry():
+    """What prompt chunks add to a step depends on how many prompt rows it carries (heavy at the start of
+    a job), not on k: one average over every chunk step, whatever its k. Pricing each k's chunk steps
+    separately made the k first seen in heavy ones look dear for the rest of the job."""
+    s = SpecLength(6, None, True)
+    s.target_cost = {(16, 1): 6.0, (16, 7): 6.3}
+    decode = {k: 6.0 + 0.05 * k for k in range(7)}
+    best = max(range(7), key=lambda k: (s.tokens(k) / decode[k], -k))
+    assert best == 6
+    choices = []
+    for i in range(200):
+        k = s.preferred(16, 16)
+        choices.append(k)
+        chunks = i % 3 == 0
+        extra = (10.0 if i < 30 else 4.0) if chunks else 0.0     # the first prompts arrive all at once
+        s.observe_step(16, k, decode[k] + extra, chunks=chunks)
+    assert choices[-64:].count(best) >= 56, choices
+
+
+def test_adaptive_a_new_k_learns_its_cost_instead_of_moving_the_level():
+    """The choice moves to a k whose price was a guess (the line through k = 2..5) and which truly costs
+    more (a cliff at k = 6). Its steps must price it, not the running level: the level absorbing the
+    guess's error would make every other k look dearer by as much, and the choice would stay."""
+    s = SpecLength(6, None, True)
+    s.target_cost = {(16, 1): 1.0, (16, 7): 1.06}
+    true_cost = {k: 1.0 + 0.01 * k for k in range(6)} | {6: 1.4}
+    for _ in range(12):
+        for k in (2, 3, 4, 5):
+            s.observe_step(16, k, true_cost[k])
+    best = max(range(7), key=lambda k: (s.tokens(k) / true_cost[k], -k))
+    assert best == 5 and s.preferred(16, 16) == 6          # the line prices k = 6 at 1.06
+    choices = []
+    for _ in range(128):
+        k = s.preferred(16, 16)
+        choices.append(k)
+        s.observe_step(16, k, true_cost[k])
+    assert choices[-32:].count(best) >= 28, choices
+    assert 0.9 < s.level < 1.1

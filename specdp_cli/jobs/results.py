@@ -176,5 +176,6 @@ def speculation_summary(rank_reports: list[dict]) -> dict | None:
             "steps_by_k": dict(sorted(steps.items(), key=lambda kv: int(kv[0]))),
             "model_acceptance_per_position": first["model_acceptance_per_position"],
             "model_rows": first["model_rows"], "model": first["model"],
-            "model_chunk_share": first.get("model_chunk_share"), "model_level": first.get("model_level"),
+            "model_chunk_share": first.get("model_chunk_share"), "model_chunk_extra_ms": first.get("model_chunk_extra_ms"),
+            "model_level": first.get("model_level"),
             **({"trace": first["trace"]} if "trace" in first else {})}

@@ -271,16 +271,18 @@ def print_summary(summary: dict, console: Console) -> None:
         t.add_row(k, str(v))
     console.print(t)
     if spec and spec.get("model"):
-        mt = Table(title=f"adaptive k: the model (rank 0, {spec['model_rows']} padded rows)")
+        extra = spec.get("model_chunk_extra_ms")
+        mt = Table(title=f"adaptive k: the model (rank 0, {spec['model_rows']} padded rows"
+                         + (f"; prompt chunks add {extra:.3f} ms to a step" if extra is not None else "") + ")")
         for col in ("k", "expected tokens / row / step", "step cost (ms)", "tokens / s / row",
-                    "measured decode step (ms)", "measured chunk step (ms)"):
+                    "measured decode step (ms)"):
             mt.add_column(col, justify="right")
 
         def ms(v):
             return "-" if v is None else f"{v:.3f}"
         for m in spec["model"]:
             mt.add_row(str(m["k"]), f"{m['tokens_per_step']:.2f}", f"{m['step_ms']:.3f}", f"{m['tokens_per_s_per_row']:.1f}",
-                       ms(m.get("measured_decode_ms")), ms(m.get("measured_chunk_ms")))
+                       ms(m.get("measured_decode_ms")))
         console.print(mt)
     if len(summary["ranks"]) > 1 or summary["ranks"][0]["padding_steps"]:
         rt = Table(title="ranks")

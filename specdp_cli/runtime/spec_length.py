@@ -5,22 +5,26 @@ Three modes, read from `speculative`:
   per batch size  `num_speculative_tokens_per_batch_size` ranges [start, end, k] over the number of
                   running sequences (vLLM's form); a batch size no range covers uses num_speculative_tokens;
   adaptive        k_step = argmax_k E[tokens per row | k] / E[step cost | k, rows]: acceptance per position
-                  as running (decayed) averages; the step cost is measured per k, separately for decode
-                  steps and steps carrying prompt chunks (every row of those is T_chunk wide, so there k
-                  costs little), mixed by the measured share of chunk steps. A k not yet measured is
-                  priced by a line through the measured ones (step time is near-linear in k), else by
-                  the start-up timings; every EXPLORE_EVERY-th choice tries a neighbour of the best k
-                  (one not yet measured first), so a k the estimate undervalues gets measured and the
-                  choice can climb to it. A step time counts at most OUTLIER x what the measurements
-                  expect, the first one of each kind is left out and the next ones are averaged:
-                  a single stall must not price a k out of the choice (it is measured again only
-                  when chosen).
+                  as running (decayed) averages; the cost of a decode step is measured per k, and a
+                  step carrying prompt chunks costs its k's decode step plus what the chunks add (one
+                  average per batch size over all such steps: the extra varies with the prompt rows a
+                  step happens to carry, not with k), mixed by the measured share of chunk steps. A k
+                  not yet measured is priced by a line through the measured ones (step time is
+                  near-linear in k); at a batch size not yet measured so, by the nearest one's line moved
+                  by the start-up timings' ratio; else by the start-up timings. Every EXPLORE_EVERY-th
+                  choice tries a neighbour of the best k (one not yet measured first), so a k the
+                  estimate undervalues gets measured and the choice can climb to it. A step time counts
+                  at most OUTLIER x what the measurements expect, the first one of each kind is left out
+                  and the next ones are averaged: a single stall must not price a k out of the choice
+                  (it is measured again only when chosen).
                   How fast everything runs drifts (the host, clocks, the other rank in lockstep) by
                   more than k changes a step's cost; the chosen k is measured every step, the others
                   once in a while, so raw times would compare one k's now with another's then. Step
-                  times are therefore kept relative to a running level (LEVEL_EMA, moved by every
-                  step of a kind measured twice or more): the level follows the drift, the per-k
-                  costs only what k itself costs.
+                  times are therefore kept relative to a running level (LEVEL_EMA), moved only by decode
+                  steps of a kind measured more than MATURE times: the level follows the drift, the per-k
+                  costs what k itself costs, and a k newly chosen on a guess learns its own price.
+                  The choice runs on every step's critical path: it is worked out again every
+                  CHOOSE_EVERY steps, on new rows, or when another k than the chosen one was measured.
 
 Agreement. The k of step s + 1 is decided at step s's sync, from what that sync carried: every rank
 puts its batch size and its preferred k into the sync's fields, and every rank applies the same
@@ -38,6 +42,7 @@ the choice saw over time.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 
@@ -49,8 +54,10 @@ COST_EMA = 0.05                           # weight of a new step-time measuremen
 LEVEL_EMA = 0.2                           # weight of one step in the running level of all step times
 OUTLIER = 2.0                             # a step time counts at most this factor times its expected time
 OUTLIER_GUESS = 4.0                       # ... and a first one this factor times its guessed time
+MATURE = 4                                # a kind's steps averaged before they move the running level
 SHARE_EMA = 0.05                          # weight of one step in the share of steps carrying prompt chunks
 EXPLORE_EVERY = 16                        # every so many choices, a neighbour of the best k is tried
+CHOOSE_EVERY = 4                          # the best k is worked out again every so many choices (or new rows)
 
 
 def forced_choices(rank: int) -> list[int] | None:
@@ -94,13 +101,16 @@ class SpecLength:
         self.drafter_forward = drafter_forward
         self.forced = forced_choices(rank)
         self.calls = 0
+        self._best: tuple[int, int, int] | None = None     # (rows, call, k) of the last worked-out choice
+        self._modelled: dict = {}                           # (k, rows, timings taken) -> modelled seconds
         self.used: Counter = Counter()               # steps run with each k
         self.accepted = [PRIOR_ACCEPT * PRIOR_WEIGHT] * k_max
         self.reached = [PRIOR_WEIGHT] * k_max
         self.target_cost: dict[tuple[int, int], float] = {}     # (rows, tokens per row) -> seconds
         self.drafter_cost: dict[tuple[int, int], float] = {}
         self.measured: dict[tuple[int, int], float] = {}        # (rows, k) -> seconds of a decode step
-        self.measured_chunk: dict[tuple[int, int], float] = {}  # (rows, k) -> seconds of a step with prompt chunks
+        self.chunk_extra: dict[int, float] = {}                 # rows -> seconds prompt chunks add to a step
+        self.chunk_steps: Counter = Counter()                   # rows -> chunk steps averaged into chunk_extra
         self.steps_seen: Counter = Counter()                    # (chunks, rows, k) -> steps of that kind observed
         self.chunk_share = 0.0                                  # running share of steps with prompt chunks
         self.ratio = 1.0                                        # measured / modelled step time
@@ -131,9 +141,15 @@ class SpecLength:
         if self.forced:
             return min(self.forced[(self.calls - 1) % len(self.forced)], self.k_max)
         if self.adaptive and n and self.target_cost:
-            cost = self.costs(rows)
-            best = max(range(self.k_max + 1), key=lambda k: (self.tokens(k) / cost[k], -k))
-            if self.calls % EXPLORE_EVERY == 0:          # deterministic: the same calls on every run
+            # the choice is host work on every step's critical path (in lockstep every rank waits for the
+            # slowest): worked out again every CHOOSE_EVERY choices, when the rows change, or to explore
+            explore = self.calls % EXPLORE_EVERY == 0
+            if explore or self._best is None or self._best[0] != rows or self.calls - self._best[1] >= CHOOSE_EVERY:
+                cost, tokens = self.costs(rows), self.tokens_all()
+                self._best = (rows, self.calls,
+                              max(range(self.k_max + 1), key=lambda k: (tokens[k] / cost[k], -k)))
+            best = self._best[2]
+            if explore:                                  # deterministic: the same calls on every run
                 near = [k for k in (best + 1, best - 1) if 0 <= k <= self.k_max]
                 # a neighbour never measured at these rows first (the larger one first): its price is a guess
                 unmeasured = [k for k in near if (rows, k) not in self.measured]
@@ -154,11 +170,16 @@ class SpecLength:
 
     def tokens(self, k: int) -> float:
         """Expected tokens a row gains in a step that drafts k: 1 + sum_i prod_{j <= i} alpha_j."""
-        total, p = 1.0, 1.0
-        for j in range(k):
-            p *= self.accepted[j] / self.reached[j]
+        return self.tokens_all()[k]
+
+    def tokens_all(self) -> list[float]:
+        """tokens(k) for every k in 0..k_max, in one pass."""
+        out, total, p = [1.0], 1.0, 1.0
+        for a, r in zip(self.accepted, self.reached):
+            p *= a / r
             total += p
-        return total
+            out.append(total)
+        return out
 
     def cost(self, k: int, rows: int) -> float:
         return self.costs(rows)[k]
@@ -175,47 +196,58 @@ class SpecLength:
 
     def _decode_costs(self, rows: int) -> list[float]:
         """A decode step: measured when such a step ran; else on the least-squares line through the
-        k measured at these rows (two or more), scaled from the one measured, or the start-up timings
-        (target forward of k + 1 tokens a row, k drafter forwards) scaled by how measured steps
-        compared with them."""
-        pts = [(j, t) for (r, j), t in self.measured.items() if r == rows]
+        k measured at these rows (two or more); else the line of the nearest rows measured so (the
+        batch drains at the end of a job: at its new sizes the start-up timings of single forwards
+        overprice k, while the measured steps' shape in k carries over), moved to these rows by the
+        start-up timings' ratio between the two, else the start-up timings (target forward of k + 1
+        tokens a row, k drafter forwards) scaled by how measured steps compared with them; either
+        scaled to the one k measured at these rows, if any."""
+        by_rows: dict[int, list[tuple[int, float]]] = {}
+        for (r, j), t in self.measured.items():
+            by_rows.setdefault(r, []).append((j, t))
+        pts = by_rows.get(rows, [])
         if len(pts) >= 2:
-            mk = sum(j for j, _ in pts) / len(pts)
-            mt = sum(t for _, t in pts) / len(pts)
-            slope = max(0.0, sum((j - mk) * (t - mt) for j, t in pts) / sum((j - mk) ** 2 for j, _ in pts))
-            # a noisy pair of points can send the line to ~0 at small k: no guess below half the cheapest
-            # measured step (a guess too low gets its k chosen, and then every measurement of it clipped)
-            floor = 0.5 * min(t for _, t in pts)
-            estimate = [max(mt + slope * (k - mk), floor) for k in range(self.k_max + 1)]
-        elif pts:
-            j, t = pts[0]
-            scale = t / self.modelled(j, rows)
-            estimate = [self.modelled(k, rows) * scale for k in range(self.k_max + 1)]
+            estimate = self._line(pts)
         else:
-            estimate = [self.modelled(k, rows) * self.ratio for k in range(self.k_max + 1)]
+            shaped = [r for r, p in by_rows.items() if len(p) >= 2]
+            if shaped:
+                near = min(shaped, key=lambda r: (abs(math.log(r / rows)), -r))
+                line = self._line(by_rows[near])
+                estimate = [line[k] * self.modelled(k, rows) / self.modelled(k, near) for k in range(self.k_max + 1)]
+            else:
+                estimate = [self.modelled(k, rows) * self.ratio for k in range(self.k_max + 1)]
+            if pts:
+                j, t = pts[0]
+                estimate = [e * t / estimate[j] for e in estimate]
         return [self.measured.get((rows, k), e) for k, e in enumerate(estimate)]
 
+    def _line(self, pts: list[tuple[int, float]]) -> list[float]:
+        """The least-squares line through measured (k, seconds) points, at every k (no lower than half
+        the cheapest measured step: a noisy pair of points can send the line to ~0 at small k, and a
+        guess too low gets its k chosen, then every measurement of it clipped)."""
+        mk = sum(j for j, _ in pts) / len(pts)
+        mt = sum(t for _, t in pts) / len(pts)
+        slope = max(0.0, sum((j - mk) * (t - mt) for j, t in pts) / sum((j - mk) ** 2 for j, _ in pts))
+        floor = 0.5 * min(t for _, t in pts)
+        return [max(mt + slope * (k - mk), floor) for k in range(self.k_max + 1)]
+
     def _chunk_costs(self, rows: int, dec: list[float]) -> list[float]:
-        """A step carrying prompt chunks: measured, else the nearest measured k's (such a step's rows
-        are T_chunk tokens wide whatever k is, so its cost moves with k only by the drafter's
-        forwards: the decode costs' difference), else the decode cost."""
-        pts = [(j, t) for (r, j), t in self.measured_chunk.items() if r == rows]
-        out = []
-        for k, d in enumerate(dec):
-            if (rows, k) in self.measured_chunk:
-                out.append(self.measured_chunk[(rows, k)])
-            elif pts:
-                j, t = min(pts, key=lambda p: (abs(p[0] - k), p[0]))
-                out.append(max(t + d - dec[j], 1e-6))
-            else:
-                out.append(d)
-        return out
+        """A step carrying prompt chunks: the decode step of its k plus what chunks add at these rows
+        (else at the nearest rows measured: the chunks' own cost hardly depends on the decode rows)."""
+        if not self.chunk_extra:
+            return dec
+        near = min(self.chunk_extra, key=lambda r: (abs(math.log(r / rows)), -r))
+        return [max(d + self.chunk_extra[near], 1e-6) for d in dec]
 
     def modelled(self, k: int, rows: int) -> float:
-        t = interpolate(self.target_cost, rows, k + 1)
-        if self.drafter_cost and self.drafter_forward != "none":
-            n = k if self.drafter_forward == "per_draft" else max(k, 1)
-            t += n * interpolate(self.drafter_cost, rows, 1)
+        key = (k, rows, len(self.target_cost), len(self.drafter_cost))    # timings are taken once, at start-up
+        t = self._modelled.get(key)
+        if t is None:
+            t = interpolate(self.target_cost, rows, k + 1)
+            if self.drafter_cost and self.drafter_forward != "none":
+                n = k if self.drafter_forward == "per_draft" else max(k, 1)
+                t += n * interpolate(self.drafter_cost, rows, 1)
+            self._modelled[key] = t
         return t
 
     def observe_rows(self, drafted_accepted: list[tuple[int, int]]) -> None:
@@ -223,11 +255,14 @@ class SpecLength:
         j - 1 drafts were accepted; its average is accepted / reached, both decayed each step."""
         if not (self.adaptive and drafted_accepted):      # the model's input only (the summary counts acceptance itself)
             return
+        # a histogram of the rows' (drafts, accepted) first: one cheap pass over the rows, then k_max^2 work
+        hist = Counter(drafted_accepted)
         acc, reach = [0] * self.k_max, [0] * self.k_max
-        for n, a in drafted_accepted:
+        for (n, a), count in hist.items():
             for j in range(min(a + 1, n)):
-                reach[j] += 1
-                acc[j] += j < a
+                reach[j] += count
+            for j in range(a):
+                acc[j] += count
         for j in range(self.k_max):
             if reach[j]:
                 self.accepted[j] = DECAY * self.accepted[j] + acc[j]
@@ -241,15 +276,24 @@ class SpecLength:
         self.chunk_share = (1 - SHARE_EMA) * self.chunk_share + SHARE_EMA * chunks
         seen = self.steps_seen[(chunks, rows, k)] = self.steps_seen[(chunks, rows, k)] + 1
         if seen == 1:
-            # the first step of its kind pays one-time costs (on the H200 it runs 1.2-1.4 x its later
-            # steps: a graph's first replay): not a measurement of what the kind costs
+            # the first step of its kind may pay one-time costs (a graph's first replay, before start-up
+            # replayed each once: 1.2-1.4 x its later steps on the H200): not a measurement of the kind
             if self.trace is not None:
                 self.trace.append([k, rows, int(chunks), round(1e3 * seconds, 4), None])
             return
-        n = seen - 1                     # the step times averaged into this kind's cost
-        table = self.measured_chunk if chunks else self.measured
-        old = table.get((rows, k))
-        expected = old if old is not None else self._first_expected(rows, k, chunks)
+        if self._best is not None and k != self._best[2]:
+            self._best = None            # news of another k than the chosen one: the choice is worked out again
+        if chunks:
+            self._observe_chunk_step(rows, k, seconds)
+        else:
+            self._observe_decode_step(rows, k, seconds, seen - 1)
+        if self.trace is not None:
+            self.trace.append([k, rows, int(chunks), round(1e3 * seconds, 4), round(self.level, 4)])
+
+    def _observe_decode_step(self, rows: int, k: int, seconds: float, n: int) -> None:
+        """n: the decode steps of this kind averaged so far, this one included."""
+        old = self.measured.get((rows, k))
+        expected = old if old is not None else (self._decode_costs(rows)[k] if self.measured else None)
         if expected is not None:
             # one stall (the OS, a collection, a rank waiting on another in lockstep) must not price a k
             # out of the choice for the rest of the job: this k is measured again only when chosen. (Only
@@ -258,30 +302,34 @@ class SpecLength:
             # measurement is held only to a wider bound: its expectation is a guess.
             seconds = min(seconds, self.level * expected * (OUTLIER if old is not None else OUTLIER_GUESS))
         relative = seconds / self.level
-        table[(rows, k)] = running_average(old or 0.0, relative, n)
-        if n > 2:       # the drift: this step against what its k cost so far (two measurements at least)
+        self.measured[(rows, k)] = running_average(old or 0.0, relative, n)
+        # the drift, from kinds measured often enough that their cost is known: a k newly chosen whose
+        # cost was guessed (or measured a few times) learns its cost against the level of the steps
+        # before it, rather than having the level absorb the guess's error as if every step had slowed
+        if n > MATURE:
             self.level *= 1 + LEVEL_EMA * (relative / old - 1)
-        if self.trace is not None:
-            self.trace.append([k, rows, int(chunks), round(1e3 * seconds, 4), round(self.level, 4)])
-        if not chunks:
-            self.ratio_samples += 1
-            self.ratio = running_average(self.ratio, relative / self.modelled(k, rows), self.ratio_samples)
+        self.ratio_samples += 1
+        self.ratio = running_average(self.ratio, relative / self.modelled(k, rows), self.ratio_samples)
 
-    def _first_expected(self, rows: int, k: int, chunks: bool) -> float | None:
-        """What a first measurement of (rows, k) is expected to take, when the measurements say so:
-        another k measured at these rows (a chunk step), or any decode step measured (a decode step)."""
-        if chunks:
-            if not any(r == rows for r, _ in self.measured_chunk):
-                return None
-            return self._chunk_costs(rows, self._decode_costs(rows))[k]
-        return self._decode_costs(rows)[k] if self.measured else None
+    def _observe_chunk_step(self, rows: int, k: int, seconds: float) -> None:
+        """A step with prompt chunks costs what the decode step of its k costs plus what the chunks add;
+        that extra varies with how many prompt rows a step carries (on the H200's 8B shape 8-17 ms beside
+        6-ms decode steps), not with k (every row is T_chunk wide whatever k is): one average per batch
+        size over every chunk step, whatever its k, and no say in the level."""
+        dec = self._decode_costs(rows)[k]
+        old = self.chunk_extra.get(rows)
+        if old is not None:
+            seconds = min(seconds, self.level * (dec + old) * OUTLIER)
+        n = self.chunk_steps[rows] = self.chunk_steps[rows] + 1
+        self.chunk_extra[rows] = running_average(old or 0.0, seconds / self.level - dec, n)
 
     def reset_measurements(self) -> None:
         """Forget acceptance and measured step times (keep the start-up timings): a fresh workload."""
         self.accepted = [PRIOR_ACCEPT * PRIOR_WEIGHT] * self.k_max
         self.reached = [PRIOR_WEIGHT] * self.k_max
         self.measured.clear()
-        self.measured_chunk.clear()
+        self.chunk_extra.clear()
+        self.chunk_steps.clear()
         self.steps_seen.clear()
         self.chunk_share = 0.0
         self.ratio = 1.0
@@ -295,12 +343,11 @@ class SpecLength:
             return []
         cost = self.costs(rows)
 
-        def ms(table, k):
-            return round(1e3 * self.level * table[(rows, k)], 3) if (rows, k) in table else None
-        # the measured step times beside the model's cost: what it saw, to check its choice against
+        def ms(k):
+            return round(1e3 * self.level * self.measured[(rows, k)], 3) if (rows, k) in self.measured else None
+        # the measured decode step times beside the model's cost: what it saw, to check its choice against
         return [{"k": k, "tokens_per_step": round(self.tokens(k), 3), "step_ms": round(1e3 * cost[k], 3),
-                 "tokens_per_s_per_row": round(self.tokens(k) / cost[k], 1),
-                 "measured_decode_ms": ms(self.measured, k), "measured_chunk_ms": ms(self.measured_chunk, k)}
+                 "tokens_per_s_per_row": round(self.tokens(k) / cost[k], 1), "measured_decode_ms": ms(k)}
                 for k in range(self.k_max + 1)]
 
     def report(self) -> dict:
@@ -310,5 +357,7 @@ class SpecLength:
                                                   if self.adaptive else []),
                 "model_rows": rows, "model": self.describe(rows) if self.adaptive else [],
                 "model_chunk_share": round(self.chunk_share, 3) if self.adaptive else None,
+                "model_chunk_extra_ms": (round(1e3 * self.level * self.chunk_extra[rows], 3)
+                                         if self.adaptive and rows in self.chunk_extra else None),
                 "model_level": round(self.level, 3) if self.adaptive else None,
                 **({"trace": self.trace} if self.trace is not None else {})}
