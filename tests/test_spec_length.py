@@ -293,3 +293,27 @@ def test_adaptive_a_new_k_learns_its_cost_instead_of_moving_the_level():
         s.observe_step(16, k, true_cost[k])
     assert choices[-32:].count(best) >= 28, choices
     assert 0.9 < s.level < 1.1
+
+
+def test_adaptive_draining_batch_plans_for_the_row_that_finishes_last():
+    """When nothing waits to be admitted, the job (or the last of a server's current requests) ends with
+    the row that needs the most steps; the rows left are mostly those whose drafts are rarely accepted,
+    where a large k costs every step and gains little. The drain choice minimises step cost x the steps
+    the slowest row needs; the rows' own acceptance counts, mixed with the pooled rate."""
+    s = SpecLength(6, None, True)
+    s.target_cost = {(8, 1): 1.0, (8, 7): 1.3}
+    for _ in range(50):
+        s.observe_rows([(6, 6)] * 6 + [(6, 1)] * 2)        # pooled: most rows accept everything
+    true_cost = {k: 1.0 + 0.1 * k for k in range(7)}
+    for k in range(7):
+        s.observe_step(8, k, 9.0)
+        s.observe_step(8, k, true_cost[k])
+    assert s.preferred(8, 8) == 6                             # the pooled objective: the longest drafts
+    fast = [(60, 60, 55)] * 4                                  # rows like the pool
+    slow = [(60, 60, 6)]                                      # one accepts a tenth of its drafts
+    s._best = None
+    assert s.preferred(8, 8, lambda: fast) == 6
+    s._best = None
+    assert s.preferred(8, 8, lambda: fast + slow) <= 2
+    s._best = None
+    assert s.preferred(8, 8, lambda: fast + [(1, 60, 6)]) == 6   # a slow row with one token left: no matter

@@ -220,6 +220,9 @@ class Engine:
         self.counters.expert_weight_bytes = sum(routed_expert_bytes(m) for m in models)
         self.counters.spec_length = self.spec_len
         self.step_no = 0
+        # set by a caller that adds requests as slots free (generate's pool) while it holds more: the batch
+        # is not draining though nothing waits in the scheduler (the adaptive k plans for the drain)
+        self.inputs_pending = False
 
     @torch.no_grad()
     def _time_forwards(self) -> None:
@@ -304,6 +307,10 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def _rows_left(self) -> list[tuple[int, int, int]]:
+        """Each running sequence's (tokens left to generate, draft tokens so far, accepted so far)."""
+        return [(s.limit - s.L, s.stats.num_draft_tokens, s.stats.num_accepted_tokens) for s in self.scheduler.running]
 
     @property
     def free_slots(self) -> int:
@@ -402,8 +409,10 @@ class Engine:
         n_drafts = [r.n_drafts for r in rows[:len(plan.decode)]]
         wide = (WIDE_CHUNKS if plan.prefill else 0) | (WIDE_DRAFTER if any(len(r.d_tokens) > 2 for r in rows) else 0)
         batch = len(self.scheduler.running)
+        draining = not (self.scheduler.waiting or self.inputs_pending)
         fields = [len(rows), K, 1 + k if (K or any(n_drafts)) else 1, wide, int(bool(rows) or self.has_work), received,
-                  batch, self.spec_len.preferred(batch, pad_rows(max(batch, 1), self.row_sizes)),
+                  batch, self.spec_len.preferred(batch, pad_rows(max(batch, 1), self.row_sizes),
+                                                 self._rows_left if draining else None),
                   int(any(r.d_tokens for r in rows))]
         synced = self.dp.sync_step(fields, step)
         sizes = self.agree(synced, step, k)

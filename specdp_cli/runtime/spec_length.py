@@ -25,6 +25,8 @@ Three modes, read from `speculative`:
                   costs what k itself costs, and a k newly chosen on a guess learns its own price.
                   The choice runs on every step's critical path: it is worked out again every
                   CHOOSE_EVERY steps, on new rows, or when another k than the chosen one was measured.
+                  When nothing waits to be admitted (the engine says so), the objective turns from
+                  tokens per second to finishing the running rows soonest (`_drain_choice`).
 
 Agreement. The k of step s + 1 is decided at step s's sync, from what that sync carried: every rank
 puts its batch size and its preferred k into the sync's fields, and every rank applies the same
@@ -45,6 +47,7 @@ from __future__ import annotations
 import math
 import os
 from collections import Counter
+from typing import Callable
 
 TEST_ENV = "SPECDP_TEST_K"
 TRACE_ENV = "SPECDP_TRACE_K"
@@ -57,6 +60,7 @@ OUTLIER_GUESS = 4.0                       # ... and a first one this factor time
 MATURE = 4                                # a kind's steps averaged before they move the running level
 SHARE_EMA = 0.05                          # weight of one step in the share of steps carrying prompt chunks
 EXPLORE_EVERY = 16                        # every so many choices, a neighbour of the best k is tried
+DRAIN_PRIOR = 8.0                         # draft tokens of pooled acceptance a row's own acceptance is mixed with
 CHOOSE_EVERY = 4                          # the best k is worked out again every so many choices (or new rows)
 
 
@@ -106,6 +110,7 @@ class SpecLength:
         self.used: Counter = Counter()               # steps run with each k
         self.accepted = [PRIOR_ACCEPT * PRIOR_WEIGHT] * k_max
         self.reached = [PRIOR_WEIGHT] * k_max
+        self.pool_drafted = self.pool_accepted = 0.0          # decayed draft tokens and accepted ones, all rows
         self.target_cost: dict[tuple[int, int], float] = {}     # (rows, tokens per row) -> seconds
         self.drafter_cost: dict[tuple[int, int], float] = {}
         self.measured: dict[tuple[int, int], float] = {}        # (rows, k) -> seconds of a decode step
@@ -135,8 +140,10 @@ class SpecLength:
                 return k
         return self.k_max
 
-    def preferred(self, n: int, rows: int) -> int:
-        """This rank's k for its next step: n running sequences, which take `rows` padded rows."""
+    def preferred(self, n: int, rows: int, rows_left: Callable[[], list[tuple[int, int, int]]] | None = None) -> int:
+        """This rank's k for its next step: n running sequences, which take `rows` padded rows.
+        `rows_left`: given when nothing waits to be admitted (the batch drains), each running sequence's
+        (tokens left, draft tokens so far, accepted so far), called only when the choice is worked out."""
         self.calls += 1
         if self.forced:
             return min(self.forced[(self.calls - 1) % len(self.forced)], self.k_max)
@@ -144,10 +151,13 @@ class SpecLength:
             # the choice is host work on every step's critical path (in lockstep every rank waits for the
             # slowest): worked out again every CHOOSE_EVERY choices, when the rows change, or to explore
             explore = self.calls % EXPLORE_EVERY == 0
-            if explore or self._best is None or self._best[0] != rows or self.calls - self._best[1] >= CHOOSE_EVERY:
+            key = (rows, rows_left is not None)
+            if explore or self._best is None or self._best[0] != key or self.calls - self._best[1] >= CHOOSE_EVERY:
                 cost, tokens = self.costs(rows), self.tokens_all()
-                self._best = (rows, self.calls,
-                              max(range(self.k_max + 1), key=lambda k: (tokens[k] / cost[k], -k)))
+                best = self._drain_choice(cost, rows_left()) if rows_left is not None else None
+                if best is None:
+                    best = max(range(self.k_max + 1), key=lambda k: (tokens[k] / cost[k], -k))
+                self._best = (key, self.calls, best)
             best = self._best[2]
             if explore:                                  # deterministic: the same calls on every run
                 near = [k for k in (best + 1, best - 1) if 0 <= k <= self.k_max]
@@ -158,6 +168,30 @@ class SpecLength:
                 return near[(self.calls // EXPLORE_EVERY) % len(near)] if near else best
             return best
         return self.for_batch(n)
+
+    def _drain_choice(self, cost: list[float], rows_left: list[tuple[int, int, int]]) -> int | None:
+        """The k that finishes the running rows soonest when nothing waits to be admitted: a job's end
+        (and, in a server with an empty queue, the last of these requests) waits for the row needing the
+        most steps, and the rows left last are mostly those whose drafts are rarely accepted, where a
+        larger k adds cost to every step and few tokens. Steps a row needs: tokens left / its expected
+        tokens a step, from the pooled acceptance per position scaled by the row's own acceptance (mixed
+        with DRAIN_PRIOR draft tokens of the pooled rate). None when no row has more than a token left."""
+        pooled = self.pool_accepted / self.pool_drafted if self.pool_drafted else PRIOR_ACCEPT
+        alpha = [a / r for a, r in zip(self.accepted, self.reached)]
+        steps = [0.0] * (self.k_max + 1)
+        for left, drafted, accepted in rows_left:
+            if left <= 1:
+                continue
+            scale = (accepted + DRAIN_PRIOR * pooled) / (drafted + DRAIN_PRIOR) / max(pooled, 1e-6)
+            total, p = 1.0, 1.0
+            steps[0] = max(steps[0], left)
+            for k in range(1, self.k_max + 1):
+                p *= min(0.98, alpha[k - 1] * scale)
+                total += p
+                steps[k] = max(steps[k], left / total)
+        if not steps[0]:
+            return None
+        return min(range(self.k_max + 1), key=lambda k: (cost[k] * steps[k], k))
 
     @staticmethod
     def agree(batches: list[int], prefs: list[int]) -> int:
@@ -258,7 +292,11 @@ class SpecLength:
         # a histogram of the rows' (drafts, accepted) first: one cheap pass over the rows, then k_max^2 work
         hist = Counter(drafted_accepted)
         acc, reach = [0] * self.k_max, [0] * self.k_max
+        self.pool_drafted *= DECAY
+        self.pool_accepted *= DECAY
         for (n, a), count in hist.items():
+            self.pool_drafted += n * count
+            self.pool_accepted += a * count
             for j in range(min(a + 1, n)):
                 reach[j] += count
             for j in range(a):
@@ -327,6 +365,7 @@ class SpecLength:
         """Forget acceptance and measured step times (keep the start-up timings): a fresh workload."""
         self.accepted = [PRIOR_ACCEPT * PRIOR_WEIGHT] * self.k_max
         self.reached = [PRIOR_WEIGHT] * self.k_max
+        self.pool_drafted = self.pool_accepted = 0.0
         self.measured.clear()
         self.chunk_extra.clear()
         self.chunk_steps.clear()
