@@ -164,9 +164,11 @@ recheck)
   # (adaptive_sim.py; before and after when .bench/spec_length_before.py holds the last version), issue 14's
   # lockstep check (adaptive vs fixed k = 4 on 2 GPUs, PAIRS=5 pairs), then adaptive vs fixed k on the codepair
   # at 4..64 on GPU 0 beside (GPU_TESTS=1) the GPU tests but the 2-GPU one and the 8B shape at 16 (k = 4..6:
-  # the best k there) on GPU 1. PART=2: issue 9's DP
-  # pairs with their `always` runs, then the 8B shape at batch 1 (adaptive and k = 6 on GPU 0, k = 5, 6 on GPU 1).
-  # PART=3: the 8B shape at 4, 32 and 64 (k = 4..6 and adaptive).
+  # the best k there) on GPU 1. PART=2: issue 9's DP pairs with their `always` runs, then the 8B shape at
+  # batch 1 (adaptive and k = 6 on GPU 0, k = 5, 6 on GPU 1). PART=3: the 8B shape at 4, 32 and 64 (k = 4..6
+  # and adaptive). Only the repository travels and at most 64 MiB of it with what `carry` names: with
+  # .bench/codepair's eagle heads (15 MB) it no longer fits beside benchmarks/results: move them aside for
+  # these stages (they need only the target and the draft).
   end=$((SECONDS + ${LIMIT:-560})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
   export SPECDP_TRACE_K=1
   ak() { gpu=$1; name=$2; shift 2

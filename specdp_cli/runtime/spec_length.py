@@ -105,7 +105,7 @@ class SpecLength:
         self.drafter_forward = drafter_forward
         self.forced = forced_choices(rank)
         self.calls = 0
-        self._best: tuple[int, int, int] | None = None     # (rows, call, k) of the last worked-out choice
+        self._best: tuple | None = None                     # ((rows, draining), call, k) of the last worked-out choice
         self._modelled: dict = {}                           # (k, rows, timings taken) -> modelled seconds
         self.used: Counter = Counter()               # steps run with each k
         self.accepted = [PRIOR_ACCEPT * PRIOR_WEIGHT] * k_max
