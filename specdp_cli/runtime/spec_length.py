@@ -60,7 +60,7 @@ OUTLIER_GUESS = 4.0                       # ... and a first one this factor time
 MATURE = 4                                # a kind's steps averaged before they move the running level
 SHARE_EMA = 0.05                          # weight of one step in the share of steps carrying prompt chunks
 EXPLORE_EVERY = 16                        # every so many choices, a neighbour of the best k is tried
-DRAIN_PRIOR = 8.0                         # draft tokens of pooled acceptance a row's own acceptance is mixed with
+DRAIN_PRIOR = 32.0                        # draft tokens of pooled acceptance a row's own acceptance is mixed with
 CHOOSE_EVERY = 4                          # the best k is worked out again every so many choices (or new rows)
 
 
