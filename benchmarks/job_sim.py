@@ -67,7 +67,7 @@ def run(regime: dict, seed: int, a, mode) -> float:
         rows_left = None
         if mode == "adaptive" and not queue:
             def rows_left():
-                return [(q["left"], q["drafted"], q["accepted"]) for q in running.values()]
+                return [(q["left"], q["drafted"], q["accepted"], True) for q in running.values()]
         k = s.preferred(len(running), R, rows_left)
         verified = []
         for req, q in list(running.items()):

@@ -309,11 +309,18 @@ def test_adaptive_draining_batch_plans_for_the_row_that_finishes_last():
         s.observe_step(8, k, 9.0)
         s.observe_step(8, k, true_cost[k])
     assert s.preferred(8, 8) == 6                             # the pooled objective: the longest drafts
-    fast = [(60, 60, 55)] * 4                                  # rows like the pool
-    slow = [(60, 60, 6)]                                      # one accepts a tenth of its drafts
+    fast = [(60, 60, 55, True)] * 4                            # rows like the pool
+    slow = [(60, 60, 6, True)]                                # one accepts a tenth of its drafts
     s._best = None
     assert s.preferred(8, 8, lambda: fast) == 6
     s._best = None
     assert s.preferred(8, 8, lambda: fast + slow) <= 2
     s._best = None
-    assert s.preferred(8, 8, lambda: fast + [(1, 60, 6)]) == 6   # a slow row with one token left: no matter
+    assert s.preferred(8, 8, lambda: fast + [(1, 60, 6, True)]) == 6   # a slow row with one token left: no matter
+    s._best = None
+    # a request that opted out, with the most tokens left: it gains a token a step whatever k is, so the
+    # drain ends with it, and the cheapest step (k = 0) finishes soonest; with fewer left than the others
+    # need at k = 6, it does not count
+    assert s.preferred(8, 8, lambda: fast + [(200, 0, 0, False)]) == 0
+    s._best = None
+    assert s.preferred(8, 8, lambda: fast + [(5, 0, 0, False)]) == 6

@@ -45,7 +45,7 @@ def serve_requests(engine, dp, pool: WorkPool, writer: PartWriter, on_result=Non
             fingerprints[id_key(r.id)] = r.fingerprint
             engine.add_request(engine.make_request(r.id, r.prompt_ids, SamplingParams.from_dict(r.params),
                                                    r.params.get("seed")))
-        engine.inputs_pending = not pool.empty
+        engine.drain_to_finish = pool.empty
 
     def record_finished() -> None:
         for seq in finished:

@@ -220,9 +220,10 @@ class Engine:
         self.counters.expert_weight_bytes = sum(routed_expert_bytes(m) for m in models)
         self.counters.spec_length = self.spec_len
         self.step_no = 0
-        # set by a caller that adds requests as slots free (generate's pool) while it holds more: the batch
-        # is not draining though nothing waits in the scheduler (the adaptive k plans for the drain)
-        self.inputs_pending = False
+        # set by an offline job once it has handed over every input: when nothing waits to be admitted the
+        # adaptive k then finishes the running rows soonest (the job's end) instead of maximising tokens per
+        # second. A server leaves it off: a request may come at any time, and each one's latency counts.
+        self.drain_to_finish = False
 
     @torch.no_grad()
     def _time_forwards(self) -> None:
@@ -308,9 +309,11 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def _rows_left(self) -> list[tuple[int, int, int]]:
-        """Each running sequence's (tokens left to generate, draft tokens so far, accepted so far)."""
-        return [(s.limit - s.L, s.stats.num_draft_tokens, s.stats.num_accepted_tokens) for s in self.scheduler.running]
+    def _rows_left(self) -> list[tuple[int, int, int, bool]]:
+        """Each running sequence's (tokens left to generate, draft tokens so far, accepted so far, drafts at
+        all: the request did not opt out)."""
+        return [(s.limit - s.L, s.stats.num_draft_tokens, s.stats.num_accepted_tokens, s.req.params.speculative)
+                for s in self.scheduler.running]
 
     @property
     def free_slots(self) -> int:
@@ -409,7 +412,7 @@ class Engine:
         n_drafts = [r.n_drafts for r in rows[:len(plan.decode)]]
         wide = (WIDE_CHUNKS if plan.prefill else 0) | (WIDE_DRAFTER if any(len(r.d_tokens) > 2 for r in rows) else 0)
         batch = len(self.scheduler.running)
-        draining = not (self.scheduler.waiting or self.inputs_pending)
+        draining = self.drain_to_finish and not self.scheduler.waiting
         fields = [len(rows), K, 1 + k if (K or any(n_drafts)) else 1, wide, int(bool(rows) or self.has_work), received,
                   batch, self.spec_len.preferred(batch, pad_rows(max(batch, 1), self.row_sizes),
                                                  self._rows_left if draining else None),

@@ -25,8 +25,8 @@ Three modes, read from `speculative`:
                   costs what k itself costs, and a k newly chosen on a guess learns its own price.
                   The choice runs on every step's critical path: it is worked out again every
                   CHOOSE_EVERY steps, on new rows, or when another k than the chosen one was measured.
-                  When nothing waits to be admitted (the engine says so), the objective turns from
-                  tokens per second to finishing the running rows soonest (`_drain_choice`).
+                  When an offline job has nothing left to admit (the engine says so), the objective
+                  turns from tokens per second to finishing the running rows soonest (`_drain_choice`).
 
 Agreement. The k of step s + 1 is decided at step s's sync, from what that sync carried: every rank
 puts its batch size and its preferred k into the sync's fields, and every rank applies the same
@@ -140,10 +140,11 @@ class SpecLength:
                 return k
         return self.k_max
 
-    def preferred(self, n: int, rows: int, rows_left: Callable[[], list[tuple[int, int, int]]] | None = None) -> int:
+    def preferred(self, n: int, rows: int, rows_left: Callable[[], list[tuple]] | None = None) -> int:
         """This rank's k for its next step: n running sequences, which take `rows` padded rows.
-        `rows_left`: given when nothing waits to be admitted (the batch drains), each running sequence's
-        (tokens left, draft tokens so far, accepted so far), called only when the choice is worked out."""
+        `rows_left`: given when an offline job has nothing left to admit (the batch drains), each running sequence's
+        (tokens left, draft tokens so far, accepted so far, drafts at all: False when the request opted
+        out), called only when the choice is worked out."""
         self.calls += 1
         if self.forced:
             return min(self.forced[(self.calls - 1) % len(self.forced)], self.k_max)
@@ -169,18 +170,21 @@ class SpecLength:
             return best
         return self.for_batch(n)
 
-    def _drain_choice(self, cost: list[float], rows_left: list[tuple[int, int, int]]) -> int | None:
-        """The k that finishes the running rows soonest when nothing waits to be admitted: a job's end
-        (and, in a server with an empty queue, the last of these requests) waits for the row needing the
-        most steps, and the rows left last are mostly those whose drafts are rarely accepted, where a
+    def _drain_choice(self, cost: list[float], rows_left: list[tuple]) -> int | None:
+        """The k that finishes the running rows soonest when an offline job has nothing left to admit: its
+        end waits for the row needing the most steps, and the rows left last are mostly those whose drafts are rarely accepted, where a
         larger k adds cost to every step and few tokens. Steps a row needs: tokens left / its expected
         tokens a step, from the pooled acceptance per position scaled by the row's own acceptance (mixed
-        with DRAIN_PRIOR draft tokens of the pooled rate). None when no row has more than a token left."""
+        with DRAIN_PRIOR draft tokens of the pooled rate); a row that opted out gains a token a step whatever
+        k is. None when no row has more than a token left."""
         pooled = self.pool_accepted / self.pool_drafted if self.pool_drafted else PRIOR_ACCEPT
         alpha = [a / r for a, r in zip(self.accepted, self.reached)]
         steps = [0.0] * (self.k_max + 1)
-        for left, drafted, accepted in rows_left:
+        for left, drafted, accepted, drafts in rows_left:
             if left <= 1:
+                continue
+            if not drafts:
+                steps = [max(t, left) for t in steps]
                 continue
             scale = (accepted + DRAIN_PRIOR * pooled) / (drafted + DRAIN_PRIOR) / max(pooled, 1e-6)
             total, p = 1.0, 1.0
