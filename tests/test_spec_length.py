@@ -4,7 +4,7 @@ chunk's width), the per-request opt-out is lossless and its sequence drafts noth
 configuration refuses bad schedules with a sentence."""
 import pytest
 
-from engine_util import check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine
+from engine_util import check_against_reference, hf_reference, make_config, make_engine, prompts_of_lengths, run_engine
 from helpers import make_eagle_head
 from specdp_cli.config import ConfigError, validate
 from specdp_cli.runtime.sampling import SamplingParams
@@ -324,3 +324,36 @@ def test_adaptive_draining_batch_plans_for_the_row_that_finishes_last():
     assert s.preferred(8, 8, lambda: fast + [(200, 0, 0, False)]) == 0
     s._best = None
     assert s.preferred(8, 8, lambda: fast + [(5, 0, 0, False)]) == 6
+
+
+def test_generate_plans_for_the_drain_only_once_every_input_is_handed_over(models, tmp_path):
+    """generate adds inputs as slots free, so the scheduler's queue is empty all along: the engine learns
+    from the job whether more inputs are coming. The drain choice gets the running rows only once the
+    job's pool is empty; the output stays the target's."""
+    from specdp_cli.jobs.generate import serve_requests
+    from specdp_cli.jobs.inputs import JobRequest
+    from specdp_cli.jobs.results import PartWriter
+    from specdp_cli.jobs.work_pool import WorkPool
+    from specdp_cli.runtime.dist import DPGroup
+
+    cfg, plan = make_config(models["target"], models["draft"], k=3, M=M, max_num_seqs=2, max_batched=64,
+                            speculative={"adaptive": True})
+    engine = make_engine(cfg, plan)
+    prompts = prompts_of_lengths(LENGTHS, seed=5)
+    params = {"max_tokens": 12, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": []}
+    pool = WorkPool([JobRequest(i, i, p, params) for i, p in enumerate(prompts)])
+    seen = []
+    preferred = engine.spec_len.preferred
+
+    def spy(n, rows, rows_left=None):
+        seen.append((rows_left is not None, pool.empty))
+        return preferred(n, rows, rows_left)
+    engine.spec_len.preferred = spy
+    writer = PartWriter(str(tmp_path / "part"))
+    records = serve_requests(engine, DPGroup.solo(), pool, writer)
+    writer.close()
+    assert all(given == empty for given, empty in seen)
+    assert any(given for given, _ in seen) and not all(given for given, _ in seen)
+    done = {r["id"]: r["token_ids"] for r in records}
+    for i, p in enumerate(prompts):
+        assert done[i] == hf_reference(models["target"], p, min(12, M - len(p))), i
