@@ -296,10 +296,10 @@ def test_adaptive_a_new_k_learns_its_cost_instead_of_moving_the_level():
 
 
 def test_adaptive_draining_batch_plans_for_the_row_that_finishes_last():
-    """When nothing waits to be admitted, the job (or the last of a server's current requests) ends with
-    the row that needs the most steps; the rows left are mostly those whose drafts are rarely accepted,
-    where a large k costs every step and gains little. The drain choice minimises step cost x the steps
-    the slowest row needs; the rows' own acceptance counts, mixed with the pooled rate."""
+    """When an offline job has nothing left to admit, it ends with the row that needs the most steps; the
+    rows left are mostly those whose drafts are rarely accepted, where a large k costs every step and
+    gains little. The drain choice minimises step cost x the steps the slowest row needs; the rows' own
+    acceptance counts, mixed with the pooled rate."""
     s = SpecLength(6, None, True)
     s.target_cost = {(8, 1): 1.0, (8, 7): 1.3}
     for _ in range(50):
