@@ -166,7 +166,7 @@ recheck)
   # at 4..64 on GPU 0 beside (GPU_TESTS=1) the GPU tests but the 2-GPU one and the 8B shape at 16 (k = 4..6:
   # the best k there) on GPU 1. PART=2: issue 9's DP pairs with their `always` runs, then the 8B shape at
   # batch 1 (adaptive and k = 6 on GPU 0, k = 5, 6 on GPU 1). PART=3: the 8B shape at 4, 32 and 64 (k = 4..6
-  # and adaptive). Only the repository travels and at most 64 MiB of it with what `carry` names: with
+  # and adaptive). PART=4: the codepair at batch 1 (every k and adaptive). Only the repository travels and at most 64 MiB of it with what `carry` names: with
   # .bench/codepair's eagle heads (15 MB) it no longer fits beside benchmarks/results: move them aside for
   # these stages (they need only the target and the draft).
   end=$((SECONDS + ${LIMIT:-560})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
@@ -206,6 +206,8 @@ recheck)
     export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES
     ak 0 ak8_bs4_32 --target $W/target --label 8b-shape --batches 4,32 --ks 4,5,6 --repeats 3 &
     ak 1 ak8_bs64 --target $W/target --label 8b-shape --batches 64 --ks 3,4,5,6 --repeats 3 ;;
+  4)  # the codepair at batch 1 (every k and adaptive, ~10 s a run), alone on the machine: host-bound
+    ak 0 adaptive_codepair_bs1 --batches 1 --repeats 3 ;;
   esac
   wait; tail -n 6 "$out"/*.log
   ;;
