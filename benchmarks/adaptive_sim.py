@@ -58,6 +58,27 @@ REGIMES = {   # ms: decode step at k = 0 and 1, per further k; chunk steps: shar
 DRAIN_ROWS = (24, 16, 8, 4)
 
 
+def load_model(path: str | None):
+    """runtime/spec_length.py, or another version of it from a file (before / after a change)."""
+    if not path:
+        return spec_length
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("spec_length_other", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def new_spec_length(model, fixed: int | None):
+    """An adaptive SpecLength of `model` (k up to 6, a draft model) with start-up timings as the engine
+    takes them — single forwards, pricier per k than a whole step's graph; `fixed`: force that k."""
+    s = model.SpecLength(6, None, True, drafter_forward="per_draft")
+    s.target_cost = {(1, 1): 0.5e-3, (1, 7): 0.55e-3, (ROWS, 1): 0.6e-3, (ROWS, 7): 0.75e-3}
+    s.drafter_cost = {(1, 1): 0.1e-3, (ROWS, 1): 0.1e-3}
+    s.forced = [fixed] if fixed is not None else None
+    return s
+
+
 def simulate(regime: dict, seed: int, steps: int, fixed: int | None) -> tuple[float, int, float]:
     """tok/s of one run, its most used k, and the model's own host time per step in microseconds (its
     calls run on every step's critical path; measured here, not part of the simulated seconds)."""
@@ -65,11 +86,7 @@ def simulate(regime: dict, seed: int, steps: int, fixed: int | None) -> tuple[fl
     # and only the acceptance draws differ with k: version and k comparisons are paired, not seed luck
     rnd = random.Random(seed)
     env = random.Random(1_000_003 * (seed + 1))
-    s = MODEL.SpecLength(6, None, True, drafter_forward="per_draft")
-    # start-up timings as the engine takes them: single forwards, pricier per k than a whole step's graph
-    s.target_cost = {(1, 1): 0.5e-3, (1, 7): 0.55e-3, (ROWS, 1): 0.6e-3, (ROWS, 7): 0.75e-3}
-    s.drafter_cost = {(1, 1): 0.1e-3, (ROWS, 1): 0.1e-3}
-    s.forced = [fixed] if fixed is not None else None
+    s = new_spec_length(MODEL, fixed)
     r = regime
     seconds = tokens = 0.0
     used: Counter = Counter()
@@ -122,11 +139,7 @@ def main() -> None:
     ap.add_argument("--spec-length", help="another version of runtime/spec_length.py to run (before/after a change)")
     a = ap.parse_args()
     global MODEL
-    if a.spec_length:
-        import importlib.util
-        spec = importlib.util.spec_from_file_location("spec_length_other", a.spec_length)
-        MODEL = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(MODEL)
+    MODEL = load_model(a.spec_length)
     out = []
     print(f"{'regime':<40}{'adaptive':>10}{'best k':>8}{'best':>10}{'ratio':>7}{'runs mostly k<=2':>18}{'model us/step':>15}")
     for name, regime in REGIMES.items():

@@ -11,11 +11,12 @@ adaptive with and without the drain choice (`rows_left` given when nothing waits
 same seeds (the requests and the step-time path are the seed's; only the acceptance draws differ with k).
 
   python benchmarks/job_sim.py [--seeds 16] [--requests 128] [--new 128] [--slots 32] [--spec-length FILE] [--json OUT]
+
+(--spec-length: another version of runtime/spec_length.py; it must take `rows_left`, the drain choice's input.)
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from specdp_cli.runtime import spec_length  # noqa: E402
+from adaptive_sim import load_model, new_spec_length  # noqa: E402
 
 MODEL = spec_length
 PAD = (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -50,10 +52,7 @@ def run(regime: dict, seed: int, a, mode) -> float:
               for _ in range(a.requests)]
     env = random.Random(1_000_003 * (seed + 1))
     luck = random.Random(seed * 7 + 3)
-    s = MODEL.SpecLength(6, None, True, drafter_forward="per_draft")
-    s.target_cost = {(1, 1): 0.5e-3, (1, 7): 0.55e-3, (32, 1): 0.6e-3, (32, 7): 0.75e-3}
-    s.drafter_cost = {(1, 1): 0.1e-3, (32, 1): 0.1e-3}
-    s.forced = [mode] if isinstance(mode, int) else None
+    s = new_spec_length(MODEL, mode if isinstance(mode, int) else None)
     queue = list(range(a.requests))
     running: dict[int, dict] = {}      # request -> {"left", "drafted", "accepted", "prefill"}
     seconds = tokens = 0.0
@@ -108,10 +107,7 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     global MODEL
-    if a.spec_length:
-        spec = importlib.util.spec_from_file_location("spec_length_other", a.spec_length)
-        MODEL = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(MODEL)
+    MODEL = load_model(a.spec_length)
     out = []
     print(f"{'regime':<38}{'adaptive':>10}{'no drain':>10}{'best k':>8}{'best':>10}{'ratio':>7}{'no drain':>10}")
     for name, regime in REGIMES.items():

@@ -154,9 +154,10 @@ class SpecLength:
             explore = self.calls % EXPLORE_EVERY == 0
             key = (rows, rows_left is not None)
             if explore or self._best is None or self._best[0] != key or self.calls - self._best[1] >= CHOOSE_EVERY:
-                cost, tokens = self.costs(rows), self.tokens_all()
+                cost = self.costs(rows)
                 best = self._drain_choice(cost, rows_left()) if rows_left is not None else None
                 if best is None:
+                    tokens = self.tokens_all()
                     best = max(range(self.k_max + 1), key=lambda k: (tokens[k] / cost[k], -k))
                 self._best = (key, self.calls, best)
             best = self._best[2]
