@@ -62,6 +62,9 @@ def copy_bandwidth() -> float | None:
 def run(engine: Engine, prompts: list[list[int]], new: int) -> tuple[dict, float]:
     for i, p in enumerate(prompts):
         engine.add_request(engine.make_request(i, p, SamplingParams(max_tokens=new), None))
+    # the whole job is handed over at once: once nothing waits, the batch drains as `generate`'s does when its
+    # input is used up (an adaptive k then plans for the job's tail; a fixed k ignores this)
+    engine.drain_to_finish = True
     done = {}
     sync()
     t = time.perf_counter()

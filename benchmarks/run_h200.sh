@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final OUT_DIR
 # Needs .bench/codepair (a copy of ../shared/models/codepair) and .bench/{hf_baselines,widen,graph_floor}.py
 # (copies of ../shared/bench/); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
 stage=$1; out=$2
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# the image ships no bytecode and sets PYTHONDONTWRITEBYTECODE: every process would compile every module it
+# imports (seconds of start-up no pip-installed machine pays); cache it as an installed package would have it
+unset PYTHONDONTWRITEBYTECODE; export PYTHONPYCACHEPREFIX=/tmp/pyc
 if [ -d .whl ] && ! python3 -c "import pydantic" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
@@ -210,6 +213,38 @@ recheck)
     ak 0 adaptive_codepair_bs1 --batches 1 --repeats 3 ;;
   esac
   wait; tail -n 6 "$out"/*.log
+  ;;
+final)
+  # issues 14 and 9, what is left, in three back-to-back calls on one 2-GPU machine. PART=1: issue 14's table,
+  # the codepair at every batch size and every k (batch 1: 3 repeats, ~10 s a run; 4..64: 5) on GPU 0; the 8B
+  # shape at batch 1, k = 6 and adaptive (~60 s a run) on GPU 1. PART=2: the 8B shape's other rows (its best k
+  # are 5 and 6, at 32 and 64 also 3 and 4: the complete table of session 7). PART=3: one-rank and two-rank
+  # start-up (dp_scaling.py, bytecode cached above, the first run reported), issue 14's lockstep check
+  # (PAIRS=5 interleaved pairs), then every GPU test. Pool the parts with plot_adaptive.py.
+  end=$((SECONDS + ${LIMIT:-570})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
+  export SPECDP_TRACE_K=1
+  ak() { gpu=$1; name=$2; shift 2
+    CUDA_VISIBLE_DEVICES=$gpu timeout $(left) python3 benchmarks/adaptive_k.py --pair $P "$@" --json "$out/$name.json" \
+      > "$out/$name.log" 2>&1; }
+  a8() { gpu=$1; name=$2; shift 2; ak $gpu $name --target $W/target --label 8b-shape "$@"; }
+  if [ "${PART:-1}" != 3 ]; then export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES; fi
+  case "${PART:-1}" in
+  1) ( ak 0 table_codepair_bs1 --batches 1 --repeats 3
+       ak 0 table_codepair --batches 4,16,32,64 --repeats 5 ) &
+     a8 1 table_8b_bs1_k6 --batches 1 --ks 6 --repeats 3 ;;
+  2) ( a8 0 table_8b_bs1_k5 --batches 1 --ks 5 --no-adaptive --repeats 3
+       a8 0 table_8b_16_32 --batches 16,32 --ks 4,5,6 --repeats 3 ) &
+     a8 1 table_8b_4_64 --batches 4,64 --ks 3,4,5,6 --repeats 3 ;;
+  3) timeout 150 python3 benchmarks/dp_scaling.py --pair $P --method draft_model --work /tmp/dpwork-startup \
+       --runs 1:never,1:never,2:never,1:never,2:never,1:never,2:never --json "$out/startup.json" > "$out/startup.log" 2>&1
+     grep -v "^{" "$out/startup.log" | tail -14
+     runs=$(for i in $(seq ${PAIRS:-5}); do printf "2:always,2:always:adaptive,"; done)
+     timeout $((45 * ${PAIRS:-5})) python3 benchmarks/dp_scaling.py --pair $P --method draft_model --work /tmp/dpwork-adaptive \
+       --runs "${runs%,}" --json "$out/dp_adaptive.json" > "$out/dp_adaptive.log" 2>&1; grep -A3 "^medians" "$out/dp_adaptive.log"
+     timeout $(left) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
+     tail -3 "$out/gpu_tests.log" ;;
+  esac
+  wait; tail -n 4 "$out"/*.log
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
