@@ -44,23 +44,36 @@ def pad(n: int) -> int:
     return next(p for p in PAD if p >= n)
 
 
-def run(regime: dict, seed: int, a, mode) -> float:
-    """tok/s of one job; mode: a fixed k, "adaptive", or "no drain"."""
+# --acceptance: the codepair on one H200, shaped on session 10's adaptive traces (decode steps by batch size
+# and k: 4 rows 0.5 ms at k = 1, +0.1 ms a k; 64 rows 1.1 ms, +0.19 ms a k; chunk steps 0.17-0.45 ms more)
+def codepair_h200_ms(rows: int, k: int, chunks: bool) -> float:
+    base, per_k = 0.45 + 0.0065 * rows, 0.09 + 0.0015 * rows
+    return base + (0.05 + per_k * k if k else 0.0) + ((0.15 + 0.005 * rows) if chunks else 0.0)
+
+
+MEASURED = {"codepair, one H200 (measured acceptance)": dict(ms=codepair_h200_ms, drift=0.1)}
+
+
+def run(regime: dict, seed: int, a, mode, accept=None) -> float:
+    """tok/s of one job; mode: a fixed k, "adaptive", or "no drain". accept: per request, whether a draft of
+    each output position matches (acceptance_runs.py), instead of drawn acceptance."""
     r = regime
     people = random.Random(seed)
-    alphas = [people.uniform(0.2, 0.5) if people.random() < r["hard"] else people.uniform(0.65, 0.9)
-              for _ in range(a.requests)]
+    n_requests = len(accept) if accept else a.requests
+    alphas = ([0.0] * n_requests if accept else
+              [people.uniform(0.2, 0.5) if people.random() < r["hard"] else people.uniform(0.65, 0.9)
+               for _ in range(a.requests)])
     env = random.Random(1_000_003 * (seed + 1))
     luck = random.Random(seed * 7 + 3)
     s = new_spec_length(MODEL, mode if isinstance(mode, int) else None)
-    queue = list(range(a.requests))
-    running: dict[int, dict] = {}      # request -> {"left", "drafted", "accepted", "prefill"}
+    queue = list(range(n_requests))
+    running: dict[int, dict] = {}      # request -> {"left", "drafted", "accepted", "prefill", "pos"}
     seconds = tokens = 0.0
     drift = 0.0
     while queue or running:
         admitted = 0
         while queue and len(running) < a.slots:
-            running[queue.pop(0)] = {"left": a.new, "drafted": 0, "accepted": 0, "prefill": True}
+            running[queue.pop(0)] = {"left": a.new, "drafted": 0, "accepted": 0, "prefill": True, "pos": 1}
             admitted += 1
         R = pad(len(running))
         rows_left = None
@@ -77,8 +90,14 @@ def run(regime: dict, seed: int, a, mode) -> float:
             else:
                 n = max(0, min(k, q["left"] - 1))
                 acc = 0
-                while acc < n and luck.random() < alphas[req]:
-                    acc += 1
+                if accept:
+                    match = accept[req]
+                    while acc < n and q["pos"] + acc < len(match) and match[q["pos"] + acc]:
+                        acc += 1
+                    q["pos"] += acc + 1
+                else:
+                    while acc < n and luck.random() < alphas[req]:
+                        acc += 1
                 if n:
                     verified.append((n, acc))
                     q["drafted"] += n
@@ -89,8 +108,11 @@ def run(regime: dict, seed: int, a, mode) -> float:
                 del running[req]
         s.observe_rows(verified)
         drift = 0.97 * drift + env.gauss(0.0, r["drift"] * (1 - 0.97 ** 2) ** 0.5)
-        ms = r["k0"] if k == 0 else r["k1"] + r["per_k"] * (k - 1)
-        ms = (ms + (r["chunk"] if admitted else 0.0)) * (1 - r["rows_weight"] + r["rows_weight"] * R / 32)
+        if "ms" in r:
+            ms = r["ms"](R, k, bool(admitted))
+        else:
+            ms = r["k0"] if k == 0 else r["k1"] + r["per_k"] * (k - 1)
+            ms = (ms + (r["chunk"] if admitted else 0.0)) * (1 - r["rows_weight"] + r["rows_weight"] * R / 32)
         ms *= (1 + 0.1 * (2 * env.random() - 1)) * math.exp(drift)
         seconds += ms / 1e3
         s.observe_step(R, k, ms / 1e3, chunks=bool(admitted))
@@ -104,21 +126,36 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--spec-length", help="another version of runtime/spec_length.py to run")
+    ap.add_argument("--acceptance", help="acceptance_runs.py's JSON: a real job's acceptance, the codepair's "
+                                         "H200 step costs, every batch size of --batches as the slots")
+    ap.add_argument("--batches", default="1,4,16,32,64")
     ap.add_argument("--json")
     a = ap.parse_args()
     global MODEL
     MODEL = load_model(a.spec_length)
+    accept = None
+    cases = [(name, regime, a.slots) for name, regime in REGIMES.items()]
+    if a.acceptance:
+        data = json.load(open(a.acceptance))
+        accept = [r["match"] for r in data["requests"]][:a.requests if a.requests != 128 else None]
+        a.new = min(a.new, data["new"])
+        cases = [(f"{name}, {b} slots", regime, int(b)) for name, regime in MEASURED.items()
+                 for b in a.batches.split(",")]
     out = []
-    print(f"{'regime':<38}{'adaptive':>10}{'no drain':>10}{'best k':>8}{'best':>10}{'ratio':>7}{'no drain':>10}")
-    for name, regime in REGIMES.items():
-        med = {mode: statistics.median(run(regime, seed, a, mode) for seed in range(a.seeds))
+    print(f"{'regime':<50}{'adaptive':>10}{'no drain':>10}{'best k':>8}{'best':>10}{'ratio':>7}{'no drain':>10}"
+          + "".join(f"{'k=' + str(k):>7}" for k in range(7)))
+    for name, regime, slots in cases:
+        a.slots = slots
+        med = {mode: statistics.median(run(regime, seed, a, mode, accept) for seed in range(a.seeds))
                for mode in ["adaptive", "no drain", *range(7)]}
         best = max(range(7), key=lambda k: med[k])
-        out.append({"regime": name, **regime, "tok_s": {str(m): v for m, v in med.items()}, "best_k": best,
+        out.append({"regime": name, **{x: v for x, v in regime.items() if x != "ms"},
+                    "tok_s": {str(m): v for m, v in med.items()}, "best_k": best,
                     "ratio": med["adaptive"] / med[best], "ratio_no_drain": med["no drain"] / med[best],
-                    "seeds": a.seeds, "requests": a.requests, "new": a.new, "slots": a.slots})
-        print(f"{name:<38}{med['adaptive']:>10.0f}{med['no drain']:>10.0f}{best:>8}{med[best]:>10.0f}"
-              f"{med['adaptive'] / med[best]:>7.3f}{med['no drain'] / med[best]:>10.3f}")
+                    "seeds": a.seeds, "requests": len(accept) if accept else a.requests, "new": a.new, "slots": slots})
+        print(f"{name:<50}{med['adaptive']:>10.0f}{med['no drain']:>10.0f}{best:>8}{med[best]:>10.0f}"
+              f"{med['adaptive'] / med[best]:>7.3f}{med['no drain'] / med[best]:>10.3f}"
+              + "".join(f"{med[k] / med[best]:>7.3f}" for k in range(7)))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(out, fh, indent=1)

@@ -220,14 +220,15 @@ final)
   # shape at batch 1, k = 6 and adaptive (~60 s a run) on GPU 1. PART=2: the 8B shape's other rows (its best k
   # are 5 and 6, at 32 and 64 also 3 and 4: the complete table of session 7). PART=3: one-rank and two-rank
   # start-up (dp_scaling.py, bytecode cached above, the first run reported), issue 14's lockstep check
-  # (PAIRS=5 interleaved pairs; LOCKSTEP=0: not), then every GPU test. Pool the parts with plot_adaptive.py.
+  # (PAIRS=5 interleaved pairs; LOCKSTEP=0: not), then every GPU test. PART=4: the codepair's
+  # rows alone on the machine, then the lockstep check. Pool the parts with plot_adaptive.py.
   end=$((SECONDS + ${LIMIT:-570})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
   export SPECDP_TRACE_K=1
   ak() { gpu=$1; name=$2; shift 2
     CUDA_VISIBLE_DEVICES=$gpu timeout $(left) python3 benchmarks/adaptive_k.py --pair $P "$@" --json "$out/$name.json" \
       > "$out/$name.log" 2>&1; }
   a8() { gpu=$1; name=$2; shift 2; ak $gpu $name --target $W/target --label 8b-shape "$@"; }
-  if [ "${PART:-1}" != 3 ]; then export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES; fi
+  if [ "${PART:-1}" -le 2 ]; then export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES; fi
   case "${PART:-1}" in
   1) ( ak 0 table_codepair_bs1 --batches 1 --repeats 3
        ak 0 table_codepair --batches 4,16,32,64 --repeats 5 ) &
@@ -245,6 +246,15 @@ final)
      fi
      timeout $(left) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
      tail -3 "$out/gpu_tests.log" ;;
+  4) # the codepair's rows again, alone on the machine (beside the 8B shape its runs spread 0.74-1.13 x pair by
+     # pair), k = 0 left out (0.67-0.73 x the best at every batch size; at batch 1 also k = 1, 5, 6: <= 0.92),
+     # batch 1 on GPU 1 (two host-bound processes, no 8B widening beside them), then the lockstep check
+     ak 1 table_codepair_bs1_alone --batches 1 --ks 2,3,4 --repeats 3 &
+     ak 0 table_codepair_alone --batches 4,16,32,64 --ks 1,2,3,4,5,6 --repeats 5
+     wait
+     runs=$(for i in $(seq ${PAIRS:-5}); do printf "2:always,2:always:adaptive,"; done)
+     timeout $(left) python3 benchmarks/dp_scaling.py --pair $P --method draft_model --work /tmp/dpwork-adaptive \
+       --runs "${runs%,}" --json "$out/dp_adaptive.json" > "$out/dp_adaptive.log" 2>&1; grep -A3 "^medians" "$out/dp_adaptive.log" ;;
   esac
   wait; tail -n 4 "$out"/*.log
   ;;
