@@ -4,12 +4,13 @@ One engine is built with `adaptive: true` and num_speculative_tokens = the large
 exist for every k in 0..K); a fixed-k row forces the step k through the spec-length hook (every step
 prefers that k), an adaptive row lets the engine choose, its measurements reset first (start-up
 timings kept) so it learns the workload from scratch like a fresh job. Each figure is the median
-tok/s of --repeats runs, the rows interleaved (k = 0, 1, ..., adaptive, then again); the JSON is rewritten
-after every run. Greedy; "=k0" counts outputs equal to the k = 0 row's.
+tok/s of --repeats runs, the rows interleaved (k = 0, 1, ..., adaptive, then again, each repeat in a rotated
+order); the JSON is rewritten after every run. --replay adds a row that forces, step by step, the k the
+adaptive run just before it chose: the same steps without the model. Greedy; "=k0" counts outputs equal to the k = 0 row's.
 
 Usage (GPU: the codepair, and the 8B-shaped target with --target):
   python benchmarks/adaptive_k.py --pair PAIR_DIR [--target DIR] [--requests 256] [--new 128]
-      [--batches 1,4,16,32,64] [--ks 0,1,2,3,4,5,6] [--no-adaptive] [--repeats 3] [--dtype bfloat16] --json OUT.json
+      [--batches 1,4,16,32,64] [--ks 0,1,2,3,4,5,6] [--no-adaptive] [--replay] [--repeats 3] [--dtype bfloat16] --json OUT.json
 A table too long for one call (the 8B shape at batch 1: ~11 min a repeat) can be split over GPUs and calls
 with --ks / --no-adaptive / --repeats; `plot_adaptive.py` pools the runs of the same row across files.
 CPU smoke run: --requests 8 --new 8 --batches 1,4 --dtype float32 --repeats 1
@@ -52,25 +53,42 @@ def build(a, k_max: int, max_seqs: int) -> Engine:
     return engine
 
 
-def one_run(engine: Engine, prompts, new: int, k: int | None) -> tuple[list, float, RankCounters]:
-    """k: a fixed step k, or None for adaptive (its measurements reset first)."""
+def one_run(engine: Engine, prompts, new: int, k: int | list[int] | None,
+            record: list | None = None) -> tuple[list, float, RankCounters]:
+    """k: a fixed step k; a list: the step k in that order (a replayed schedule); None: adaptive (its
+    measurements reset first). record: a list that receives every k the rank preferred, in order."""
     sl = engine.spec_len
-    sl.forced = [k] if k is not None else None
+    sl.forced = None if k is None else list(k) if isinstance(k, list) else [k]
+    sl.calls, sl._best = 0, None            # a replayed schedule starts at its first step
     if k is None:
         sl.reset_measurements()
-    engine.k_next = k if k is not None else sl.k_max
+    engine.k_next = k if isinstance(k, int) else sl.k_max    # an adaptive run's first step (and its replay's)
     engine.counters = RankCounters()
     engine.counters.spec_length = sl
     sl.used.clear()
     if sl.trace is not None:            # SPECDP_TRACE_K=1: this run's measured steps
         sl.trace.clear()
-    done, secs = run(engine, prompts, new)
+    if record is not None:
+        chosen = sl.preferred
+
+        def preferred(*args, **kwargs):
+            record.append(chosen(*args, **kwargs))
+            return record[-1]
+        sl.preferred = preferred
+    try:
+        done, secs = run(engine, prompts, new)
+    finally:
+        sl.__dict__.pop("preferred", None)
     return [done[i].generated for i in range(len(prompts))], secs, engine.counters
+
+
+def kind_name(k) -> int | str:
+    return "adaptive" if k is None else k
 
 
 def batch_rows(a, B: int, tok_s: dict, detail: dict) -> list[dict]:
     """One batch size's rows from the runs so far (median tok/s of each k's runs)."""
-    return [{"label": a.label, "batch": B, "k": "adaptive" if k is None else k, "tok_s": statistics.median(runs),
+    return [{"label": a.label, "batch": B, "k": kind_name(k), "tok_s": statistics.median(runs),
              "runs": list(runs), **detail[k]} for k, runs in tok_s.items() if runs]
 
 
@@ -78,7 +96,7 @@ def write_results(a, rows, n_prompts) -> list[dict]:
     """The JSON so far (rewritten after every run: a call cut short keeps what it measured)."""
     summary = []
     for B in dict.fromkeys(r["batch"] for r in rows):
-        fixed = {r["k"]: r["tok_s"] for r in rows if r["batch"] == B and r["k"] != "adaptive"}
+        fixed = {r["k"]: r["tok_s"] for r in rows if r["batch"] == B and isinstance(r["k"], int)}
         ad = next((r["tok_s"] for r in rows if r["batch"] == B and r["k"] == "adaptive"), None)
         if not fixed or ad is None:
             continue
@@ -106,6 +124,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-adaptive", action="store_true",
                     help="fixed k rows only (a table split over GPUs or calls; plot_adaptive.py merges the runs)")
+    ap.add_argument("--replay", action="store_true",
+                    help="after each adaptive run, a `replay` row forcing the k it chose, step by step: the "
+                         "same steps without the model's choices (adaptive vs replay: what choosing costs; "
+                         "replay vs fixed k: what the chosen schedule is worth)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-batched-tokens", type=int, default=16384)
@@ -124,12 +146,22 @@ def main() -> None:
         engine.scheduler.max_num_seqs = B
         run(engine, prompts[:2], 8)                            # warm-up
         reference = None
-        kinds = ks + ([] if a.no_adaptive else [None])
+        kinds = ks + ([] if a.no_adaptive else [None] + (["replay"] if a.replay else []))
         tok_s: dict = {k: [] for k in kinds}
         detail: dict = {}
-        for _ in range(a.repeats):          # interleaved: a slow spell of the machine hits every row alike
-            for k in kinds:
-                outs, secs, c = one_run(engine, prompts, a.new, k)
+        schedule: list[int] = []
+        for rep in range(a.repeats):
+            # interleaved, each repeat in a rotated order: a slow spell of the machine hits every row alike,
+            # and no row always follows the same one (replay always right after its adaptive run)
+            order = [k for k in kinds if k != "replay"]
+            order = order[rep % len(order):] + order[:rep % len(order)]
+            if a.replay:
+                order.insert(order.index(None) + 1, "replay")
+            for k in order:
+                if k is None:
+                    schedule = []
+                outs, secs, c = one_run(engine, prompts, a.new, schedule if k == "replay" else k,
+                                        record=schedule if k is None else None)
                 tok_s[k].append(sum(len(o) for o in outs) / secs)
                 if k == 0 and reference is None:
                     reference = outs
@@ -148,10 +180,12 @@ def main() -> None:
             print(json.dumps({x: y for x, y in row.items() if x not in ("model", "trace")}), flush=True)
         summary = write_results(a, rows, len(prompts))
     head = "".join(f"{'k=' + str(k):>9}" for k in ks)
-    print(f"{'batch':>6}{head}{'adaptive':>10}{'best k':>7}{'ratio':>7}")
+    replayed = {r["batch"]: r["tok_s"] for r in rows if r["k"] == "replay"}
+    print(f"{'batch':>6}{head}{'adaptive':>10}{'best k':>7}{'ratio':>7}" + (f"{'replay':>10}" if replayed else ""))
     for s in summary:
         print(f"{s['batch']:>6}" + "".join(f"{s['fixed'][k]:>9.1f}" for k in ks)
-              + f"{s['adaptive_tok_s']:>10.1f}{s['best_fixed_k']:>7}{s['ratio']:>7.3f}")
+              + f"{s['adaptive_tok_s']:>10.1f}{s['best_fixed_k']:>7}{s['ratio']:>7.3f}"
+              + (f"{replayed[s['batch']]:>10.1f}" if s["batch"] in replayed else ""))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ adaptive with and without the drain choice (`rows_left` given when nothing waits
 same seeds (the requests and the step-time path are the seed's; only the acceptance draws differ with k).
 
   python benchmarks/job_sim.py [--seeds 16] [--requests 128] [--new 128] [--slots 32] [--spec-length FILE] [--json OUT]
+  python benchmarks/job_sim.py --acceptance ACC.json [--batches 1,4,16,32,64] ...   (acceptance_runs.py's output:
+      a real greedy job's acceptance, position by position; step costs shaped on the codepair's H200 traces)
 
 (--spec-length: another version of runtime/spec_length.py; it must take `rows_left`, the drain choice's input.)
 """
@@ -122,7 +124,7 @@ def run(regime: dict, seed: int, a, mode, accept=None) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--requests", type=int, help="default 128 (--acceptance: all of the file's)")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--spec-length", help="another version of runtime/spec_length.py to run")
@@ -134,10 +136,12 @@ def main() -> None:
     global MODEL
     MODEL = load_model(a.spec_length)
     accept = None
+    if not a.acceptance and a.requests is None:
+        a.requests = 128
     cases = [(name, regime, a.slots) for name, regime in REGIMES.items()]
     if a.acceptance:
         data = json.load(open(a.acceptance))
-        accept = [r["match"] for r in data["requests"]][:a.requests if a.requests != 128 else None]
+        accept = [r["match"] for r in data["requests"]][:a.requests]
         a.new = min(a.new, data["new"])
         cases = [(f"{name}, {b} slots", regime, int(b)) for name, regime in MEASURED.items()
                  for b in a.batches.split(",")]

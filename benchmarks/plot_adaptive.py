@@ -36,7 +36,7 @@ def main() -> None:
           + f"{'adaptive':>10}{'best k':>7}{'ratio':>7}")
     for ax, label in zip(axes[0], labels):
         batches = sorted({b for lab, b, _ in rows if lab == label})
-        ks = sorted({int(k) for lab, _, k in rows if lab == label and k != "adaptive"})
+        ks = sorted({int(k) for lab, _, k in rows if lab == label and k.isdigit()})     # not adaptive, replay
         for k in ks:
             pts = [(b, rows[(label, b, str(k))]["tok_s"]) for b in batches if (label, b, str(k)) in rows]
             ax.plot([b for b, _ in pts], [v for _, v in pts], "-", marker=".", alpha=0.6, label=f"k = {k}")

@@ -221,7 +221,7 @@ final)
   # are 5 and 6, at 32 and 64 also 3 and 4: the complete table of session 7). PART=3: one-rank and two-rank
   # start-up (dp_scaling.py, bytecode cached above, the first run reported), issue 14's lockstep check
   # (PAIRS=5 interleaved pairs; LOCKSTEP=0: not), then every GPU test. PART=4: the codepair's
-  # rows alone on the machine, then the lockstep check. Pool the parts with plot_adaptive.py.
+  # rows alone on the machine, then the lockstep check. PART=5: the codepair's rows with replayed schedules. Pool the parts with plot_adaptive.py.
   end=$((SECONDS + ${LIMIT:-570})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
   export SPECDP_TRACE_K=1
   ak() { gpu=$1; name=$2; shift 2
@@ -255,6 +255,12 @@ final)
      runs=$(for i in $(seq ${PAIRS:-5}); do printf "2:always,2:always:adaptive,"; done)
      timeout $(left) python3 benchmarks/dp_scaling.py --pair $P --method draft_model --work /tmp/dpwork-adaptive \
        --runs "${runs%,}" --json "$out/dp_adaptive.json" > "$out/dp_adaptive.log" 2>&1; grep -A3 "^medians" "$out/dp_adaptive.log" ;;
+  5) # the codepair's table with a `replay` row after each adaptive run (adaptive_k.py --replay: the steps it
+     # chose, forced, without the model): adaptive / replay is what choosing costs on the host, replay / best
+     # fixed k what the chosen schedule is worth
+     ak 1 table_codepair_bs1_replay --batches 1 --ks 2,3,4 --repeats 3 --replay &
+     ak 0 table_codepair_replay --batches 4,16,32,64 --ks 1,2,3,4,5,6 --repeats 5 --replay
+     wait ;;
   esac
   wait; tail -n 4 "$out"/*.log
   ;;
