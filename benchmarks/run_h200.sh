@@ -215,13 +215,14 @@ recheck)
   wait; tail -n 6 "$out"/*.log
   ;;
 final)
-  # issues 14 and 9, what is left, in three back-to-back calls on one 2-GPU machine. PART=1: issue 14's table,
-  # the codepair at every batch size and every k (batch 1: 3 repeats, ~10 s a run; 4..64: 5) on GPU 0; the 8B
-  # shape at batch 1, k = 6 and adaptive (~60 s a run) on GPU 1. PART=2: the 8B shape's other rows (its best k
-  # are 5 and 6, at 32 and 64 also 3 and 4: the complete table of session 7). PART=3: one-rank and two-rank
-  # start-up (dp_scaling.py, bytecode cached above, the first run reported), issue 14's lockstep check
-  # (PAIRS=5 interleaved pairs; LOCKSTEP=0: not), then every GPU test. PART=4: the codepair's
-  # rows alone on the machine, then the lockstep check. PART=5: the codepair's rows with replayed schedules. Pool the parts with plot_adaptive.py.
+  # issues 14 and 9, what is left, in back-to-back calls on one 2-GPU machine (session 10 ran parts 1-4).
+  # PART=1: issue 14's table, the codepair at every batch size and every k (batch 1: 3 repeats, ~10 s a run;
+  # 4..64: 5) on GPU 0; the 8B shape at batch 1, k = 6 and adaptive (~60 s a run) on GPU 1. PART=2: the 8B
+  # shape's other rows (its best k are 5 and 6, at 32 and 64 also 3 and 4: the complete table of session 7).
+  # PART=3: one-rank and two-rank start-up (dp_scaling.py, bytecode cached above, the first run reported),
+  # issue 14's lockstep check (PAIRS=5 interleaved pairs; LOCKSTEP=0: not), then every GPU test. PART=4: the
+  # codepair's rows without the 8B shape beside them, then the lockstep check. PART=5: the codepair's rows with
+  # replayed schedules. Pool the parts with plot_adaptive.py.
   end=$((SECONDS + ${LIMIT:-570})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
   export SPECDP_TRACE_K=1
   ak() { gpu=$1; name=$2; shift 2
