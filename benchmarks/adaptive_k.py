@@ -82,6 +82,15 @@ def one_run(engine: Engine, prompts, new: int, k: int | list[int] | None,
     return [done[i].generated for i in range(len(prompts))], secs, engine.counters
 
 
+def trace_summary(trace: list) -> dict:
+    """A run's measured steps by kind ("k3 rows16", "... chunks"): [count, median ms], first steps left out."""
+    by: dict = {}
+    for k, rows, chunks, ms, level in trace:
+        if level is not None:
+            by.setdefault(f"k{k} rows{rows}{' chunks' if chunks else ''}", []).append(ms)
+    return {key: [len(v), round(statistics.median(v), 4)] for key, v in sorted(by.items())}
+
+
 def kind_name(k) -> int | str:
     return "adaptive" if k is None else k
 
@@ -107,7 +116,7 @@ def write_results(a, rows, n_prompts) -> list[dict]:
             "torch": torch.__version__, "requests": n_prompts, "new_tokens": a.new, "dtype": a.dtype,
             "repeats": a.repeats, "target": a.target or os.path.join(a.pair, "target"), "argv": sys.argv[1:]}
     with open(a.json, "w") as fh:
-        json.dump({"meta": meta, "rows": rows, "summary": summary}, fh, indent=1)
+        json.dump({"meta": meta, "rows": rows, "summary": summary}, fh)
     return summary
 
 
@@ -172,7 +181,12 @@ def main() -> None:
                 if k is None:
                     detail[k]["model"] = engine.spec_len.describe(max(engine.spec_len.measured, default=(1, 0))[0])
                 if engine.spec_len.trace is not None:
-                    detail[k]["trace"] = list(engine.spec_len.trace)
+                    # every measured step of an adaptive run; of the others, the median step by kind (whole
+                    # traces of every row kept thousands of lists alive through the later runs, and
+                    # rewriting them after every run took seconds of the host the runs share)
+                    detail[k]["trace_summary_ms"] = trace_summary(engine.spec_len.trace)
+                    if k is None:
+                        detail[k]["trace"] = list(engine.spec_len.trace)
                 # rewritten after every run: a call cut by its time box keeps every finished run
                 summary = write_results(a, rows + batch_rows(a, B, tok_s, detail), len(prompts))
         for row in batch_rows(a, B, tok_s, detail):
