@@ -19,10 +19,10 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from workloads import cut_prompts  # noqa: E402
+from workloads import cut_prompt_ids  # noqa: E402
 
 
 def main() -> None:
@@ -35,10 +35,9 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(os.path.join(a.pair, "tokenizer"))
     target = AutoModelForCausalLM.from_pretrained(os.path.join(a.pair, "target"), dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(os.path.join(a.pair, "draft"), dtype=torch.float32).eval()
-    prompts = [tok(t)["input_ids"] for t in cut_prompts(a.pair, a.cuts, a.requests)]
+    prompts = cut_prompt_ids(a.pair, a.cuts, a.requests)
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     out = []
     t0 = time.time()

@@ -35,7 +35,7 @@ from specdp_cli.runtime.dist import DPGroup  # noqa: E402
 from specdp_cli.runtime.engine import Engine, RankCounters  # noqa: E402
 from specdp_cli.runtime.heap import freeze_startup_heap  # noqa: E402
 from offline import run  # noqa: E402
-from workloads import cut_prompts  # noqa: E402
+from workloads import cut_prompt_ids  # noqa: E402
 
 
 def build(a, k_max: int, max_seqs: int) -> Engine:
@@ -143,10 +143,7 @@ def main() -> None:
     ap.add_argument("--label", default="codepair")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(os.path.join(a.pair, "tokenizer"))
-    prompts = [tok(t)["input_ids"] for t in cut_prompts(a.pair, a.cuts, a.requests)]
+    prompts = cut_prompt_ids(a.pair, a.cuts, a.requests)
     batches = [int(b) for b in a.batches.split(",")]
     ks = [int(k) for k in a.ks.split(",")]
     engine = build(a, max(max(ks), 1), max(batches))   # a drafter with k >= 1 even for --ks 0

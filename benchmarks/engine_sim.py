@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import adaptive_k  # noqa: E402
 from job_sim import codepair_h200_ms  # noqa: E402
 from specdp_cli.runtime.model_runner import pad_rows  # noqa: E402
-from workloads import cut_prompts  # noqa: E402
+from workloads import cut_prompt_ids  # noqa: E402
 
 
 def main() -> None:
@@ -41,10 +41,7 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(os.path.join(a.pair, "tokenizer"))
-    prompts = [tok(t)["input_ids"] for t in cut_prompts(a.pair, 4, a.requests)]
+    prompts = cut_prompt_ids(a.pair, 4, a.requests)
     batches = [int(b) for b in a.batches.split(",")]
     ks = [int(k) for k in a.ks.split(",")]
     cfg = types.SimpleNamespace(pair=a.pair, target=None, method="draft_model", dtype="float32",

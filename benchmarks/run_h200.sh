@@ -23,6 +23,13 @@ widen() {   # the 8B-shaped target that computes the codepair target's function 
   python3 .bench/widen.py $P/target $W/target > /tmp/widen.log 2>&1 || { cat /tmp/widen.log; return 1; }
   ln -sfn "$PWD/$P/draft" $W/draft && ln -sfn "$PWD/$P/tokenizer" $W/tokenizer && cp $P/heldout_prompts.jsonl $W/
 }
+# a stage's time box: it sets end=$((SECONDS + LIMIT)); each step gets what is left (at least 5 s)
+left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
+ak() {   # GPU NAME ARGS...: one benchmarks/adaptive_k.py run within the time box, JSON and log in OUT
+  gpu=$1; name=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpu timeout $(left) python3 benchmarks/adaptive_k.py --pair $P "$@" --json "$out/$name.json" \
+    > "$out/$name.log" 2>&1
+}
 offline() {   # NAME ARGS...: one benchmarks/offline.py run on GPU 0, JSON in OUT, log in /tmp
   name=$1; shift
   CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/offline.py "$@" --json "$out/$name.json" > /tmp/$name.log 2>&1 \
@@ -96,7 +103,7 @@ adaptive)
   # after everything), then the 8B shape at B8_BATCHES (a 10-minute call holds only a few of its batch
   # sizes); LOCKSTEP=1 then compares adaptive with fixed k = 4 on 2 GPUs in lockstep (dp_scaling.py).
   # Every step gets what is left of LIMIT seconds, and the JSON is rewritten after each batch size.
-  end=$((SECONDS + ${LIMIT:-570})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
+  end=$((SECONDS + ${LIMIT:-570}))
   if [ -n "${CP_BATCHES-1,4,16,32,64}" ]; then
     CUDA_VISIBLE_DEVICES=0 timeout $(left) python3 benchmarks/adaptive_k.py --pair $P --batches "${CP_BATCHES-1,4,16,32,64}" \
       --requests "${REQUESTS:-256}" --json "$out/adaptive_codepair.json" > "$out/adaptive_codepair.log" 2>&1 &
@@ -169,14 +176,11 @@ recheck)
   # at 4..64 on GPU 0 beside (GPU_TESTS=1) the GPU tests but the 2-GPU one and the 8B shape at 16 (k = 4..6:
   # the best k there) on GPU 1. PART=2: issue 9's DP pairs with their `always` runs, then the 8B shape at
   # batch 1 (adaptive and k = 6 on GPU 0, k = 5, 6 on GPU 1). PART=3: the 8B shape at 4, 32 and 64 (k = 4..6
-  # and adaptive). PART=4: the codepair at batch 1 (every k and adaptive). Only the repository travels and at most 64 MiB of it with what `carry` names: with
-  # .bench/codepair's eagle heads (15 MB) it no longer fits beside benchmarks/results: move them aside for
-  # these stages (they need only the target and the draft).
-  end=$((SECONDS + ${LIMIT:-560})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
+  # and adaptive). PART=4: the codepair at batch 1 (every k and adaptive). Only the repository travels, and
+  # at most 64 MiB of it with what `carry` names: with .bench/codepair's eagle heads (15 MB) it no longer
+  # fits beside benchmarks/results: move them aside for these stages (they need only the target and draft).
+  end=$((SECONDS + ${LIMIT:-560}))
   export SPECDP_TRACE_K=1
-  ak() { gpu=$1; name=$2; shift 2
-    CUDA_VISIBLE_DEVICES=$gpu timeout $(left) python3 benchmarks/adaptive_k.py --pair $P "$@" --json "$out/$name.json" \
-      > "$out/$name.log" 2>&1; }
   case "${PART:-1}" in
   1)
     if [ -f .bench/spec_length_before.py ]; then     # the model's own host time per step, before and after
@@ -223,11 +227,8 @@ final)
   # issue 14's lockstep check (PAIRS=5 interleaved pairs; LOCKSTEP=0: not), then every GPU test. PART=4: the
   # codepair's rows without the 8B shape beside them, then the lockstep check. PART=5: the codepair's rows with
   # replayed schedules. Pool the parts with plot_adaptive.py.
-  end=$((SECONDS + ${LIMIT:-570})); left() { echo $((end - SECONDS > 5 ? end - SECONDS : 5)); }
+  end=$((SECONDS + ${LIMIT:-570}))
   export SPECDP_TRACE_K=1
-  ak() { gpu=$1; name=$2; shift 2
-    CUDA_VISIBLE_DEVICES=$gpu timeout $(left) python3 benchmarks/adaptive_k.py --pair $P "$@" --json "$out/$name.json" \
-      > "$out/$name.log" 2>&1; }
   a8() { gpu=$1; name=$2; shift 2; ak $gpu $name --target $W/target --label 8b-shape "$@"; }
   if [ "${PART:-1}" -le 2 ]; then export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES; fi
   case "${PART:-1}" in

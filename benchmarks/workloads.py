@@ -20,6 +20,14 @@ def cut_prompts(pair: str, cuts: int, n: int | None = None) -> list[str]:
     return out[:n] if n else out
 
 
+def cut_prompt_ids(pair: str, cuts: int, n: int | None = None) -> list[list[int]]:
+    """`cut_prompts`, tokenized with the pair's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(pair, "tokenizer"))
+    return [tok(t)["input_ids"] for t in cut_prompts(pair, cuts, n)]
+
+
 def training_corpus(corpus_py: str, tok, tiny: bool, device):
     """(train ids, held-out ids) as int32 tensors on `device`: the corpus split of the pair's training script
     (`corpus_py`, a train_pair.py defining corpus_files and encode_corpus) encoded with `tok`; `tiny`: a small

@@ -79,6 +79,11 @@ def running_average(old: float, sample: float, n: int) -> float:
     return (1 - w) * old + w * sample
 
 
+def nearest_rows(measured, rows: int) -> int:
+    """Of the batch sizes `measured`, the nearest to `rows` by ratio (the larger one on ties)."""
+    return min(measured, key=lambda r: (abs(math.log(r / rows)), -r))
+
+
 def interpolate(table: dict[tuple[int, int], float], R: float, T: float) -> float:
     """A cost measured at rows R_i (a grid) and tokens per row T_lo, T_hi, interpolated piecewise
     linearly in R, then linearly in T (and extrapolated past the ends)."""
@@ -250,7 +255,7 @@ class SpecLength:
         else:
             shaped = [r for r, p in by_rows.items() if len(p) >= 2]
             if shaped:
-                near = min(shaped, key=lambda r: (abs(math.log(r / rows)), -r))
+                near = nearest_rows(shaped, rows)
                 line = self._line(by_rows[near])
                 estimate = [line[k] * self.modelled(k, rows) / self.modelled(k, near) for k in range(self.k_max + 1)]
             else:
@@ -275,7 +280,7 @@ class SpecLength:
         (else at the nearest rows measured: the chunks' own cost hardly depends on the decode rows)."""
         if not self.chunk_extra:
             return dec
-        near = min(self.chunk_extra, key=lambda r: (abs(math.log(r / rows)), -r))
+        near = nearest_rows(self.chunk_extra, rows)
         return [max(d + self.chunk_extra[near], 1e-6) for d in dec]
 
     def modelled(self, k: int, rows: int) -> float:
