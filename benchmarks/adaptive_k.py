@@ -62,7 +62,10 @@ def one_run(engine: Engine, prompts, new: int, k: int | list[int] | None,
     sl.calls, sl._best = 0, None            # a replayed schedule starts at its first step
     if k is None:
         sl.reset_measurements()
-    engine.k_next = k if isinstance(k, int) else sl.k_max    # an adaptive run's first step (and its replay's)
+    # an adaptive run's first two steps (and its replay's): the preference worked out during a step is the
+    # k of the step after next; no measurement of the last run carries over
+    engine.k_next = engine.k_pref = k if isinstance(k, int) else sl.k_max
+    engine._observed = None
     engine.counters = RankCounters()
     engine.counters.spec_length = sl
     sl.used.clear()

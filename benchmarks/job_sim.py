@@ -69,6 +69,7 @@ def run(regime: dict, seed: int, a, mode, accept=None) -> float:
     luck = random.Random(seed * 7 + 3)
     s = new_spec_length(MODEL, mode if isinstance(mode, int) else None)
     queue = list(range(n_requests))
+    planned = [s.k_max] * a.lag        # the preferences worked out but not yet used (the engine's lag)
     running: dict[int, dict] = {}      # request -> {"left", "drafted", "accepted", "prefill", "pos"}
     seconds = tokens = 0.0
     drift = 0.0
@@ -82,7 +83,8 @@ def run(regime: dict, seed: int, a, mode, accept=None) -> float:
         if mode == "adaptive" and not queue:
             def rows_left():
                 return [(q["left"], q["drafted"], q["accepted"], True) for q in running.values()]
-        k = s.preferred(len(running), R, rows_left)
+        planned.append(s.preferred(len(running), R, rows_left))
+        k = planned.pop(0)
         verified = []
         for req, q in list(running.items()):
             if q["prefill"]:
@@ -131,6 +133,10 @@ def main() -> None:
     ap.add_argument("--acceptance", help="acceptance_runs.py's JSON: a real job's acceptance, the codepair's "
                                          "H200 step costs, every batch size of --batches as the slots")
     ap.add_argument("--batches", default="1,4,16,32,64")
+    ap.add_argument("--lag", type=int, default=2,
+                    help="steps between the step whose measurements a preference has last seen and the step that "
+                         "uses it, less one (the engine: 2; the engine before the choice moved into the device's "
+                         "time: 1)")
     ap.add_argument("--json")
     a = ap.parse_args()
     global MODEL
@@ -156,7 +162,7 @@ def main() -> None:
         out.append({"regime": name, **{x: v for x, v in regime.items() if x != "ms"},
                     "tok_s": {str(m): v for m, v in med.items()}, "best_k": best,
                     "ratio": med["adaptive"] / med[best], "ratio_no_drain": med["no drain"] / med[best],
-                    "seeds": a.seeds, "requests": len(accept) if accept else a.requests, "new": a.new, "slots": slots})
+                    "lag": a.lag, "seeds": a.seeds, "requests": len(accept) if accept else a.requests, "new": a.new, "slots": slots})
         print(f"{name:<50}{med['adaptive']:>10.0f}{med['no drain']:>10.0f}{best:>8}{med[best]:>10.0f}"
               f"{med['adaptive'] / med[best]:>7.3f}{med['no drain'] / med[best]:>10.3f}"
               + "".join(f"{med[k] / med[best]:>7.3f}" for k in range(7)))

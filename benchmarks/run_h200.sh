@@ -230,7 +230,7 @@ final)
   end=$((SECONDS + ${LIMIT:-570}))
   export SPECDP_TRACE_K=1
   a8() { gpu=$1; name=$2; shift 2; ak $gpu $name --target $W/target --label 8b-shape "$@"; }
-  if [ "${PART:-1}" -le 2 ]; then export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES; fi
+  case "${PART:-1}" in 1|2|7) export CUDA_VISIBLE_DEVICES=1; widen || exit 1; unset CUDA_VISIBLE_DEVICES ;; esac
   case "${PART:-1}" in
   1) ( ak 0 table_codepair_bs1 --batches 1 --repeats 3
        ak 0 table_codepair --batches 4,16,32,64 --repeats 5 ) &
@@ -263,6 +263,22 @@ final)
      ak 1 table_codepair_bs1_replay --batches 1 --ks 2,3,4 --repeats 3 --replay &
      ak 0 table_codepair_replay --batches 4,16,32,64 --ks 1,2,3,4,5,6 --repeats 5 --replay
      wait ;;
+  # session 11, the final code (the adaptive k's host work moved into the time the device runs a step):
+  # PART=6: the codepair's whole table, every k, adaptive and replay (batch 1 on GPU 1, 4..64 on GPU 0);
+  # PART=7: the 8B shape's rows, its best k of session 10 and those within 3 % of it (batch 1 on GPU 0,
+  # 4 and then 16..64 on GPU 1); PART=8: issue 14's lockstep check (PAIRS interleaved pairs), every GPU test.
+  6) ak 1 table_codepair_bs1_final --batches 1 --repeats 3 --replay &
+     ak 0 table_codepair_final --batches 4,16,32,64 --repeats 5 --replay
+     wait ;;
+  7) a8 0 table_8b_bs1_final --batches 1 --ks 6 --repeats 3 &
+     ( a8 1 table_8b_4_final --batches 4 --ks 4,5,6 --repeats 3
+       a8 1 table_8b_16_64_final --batches 16,32,64 --ks 3,4,5,6 --repeats 3 )
+     wait ;;
+  8) runs=$(for i in $(seq ${PAIRS:-5}); do printf "2:always,2:always:adaptive,"; done)
+     timeout $((45 * ${PAIRS:-5})) python3 benchmarks/dp_scaling.py --pair $P --method draft_model --work /tmp/dpwork-adaptive \
+       --runs "${runs%,}" --json "$out/dp_adaptive.json" > "$out/dp_adaptive.log" 2>&1; grep -A3 "^medians" "$out/dp_adaptive.log"
+     timeout $(left) python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
+     tail -3 "$out/gpu_tests.log" ;;
   esac
   wait; tail -n 4 "$out"/*.log
   ;;

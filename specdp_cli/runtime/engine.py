@@ -164,6 +164,8 @@ class Engine:
         self.spec_len = SpecLength(self.k, spec.num_speculative_tokens_per_batch_size if self.k else None,
                                    spec.adaptive and bool(self.k), dp.rank, drafter_forward)
         self.k_next = self.k                 # the next step's k (decided at each step's sync)
+        self.k_pref = self.k                 # adaptive: this rank's preference, worked out while a step ran
+        self._observed: tuple | None = None  # adaptive: the last step's measurements, read in while the next runs
         windows = [k + 1 for k in self.spec_len.k_values]     # verification widths: a graph per k
         self.target = ModelRunner(target, device, self.inputs.block_table, bs, max_rows,
                                   [1, *windows, self.T_chunk], window=self.k + 1,
@@ -413,9 +415,10 @@ class Engine:
         wide = (WIDE_CHUNKS if plan.prefill else 0) | (WIDE_DRAFTER if any(len(r.d_tokens) > 2 for r in rows) else 0)
         batch = len(self.scheduler.running)
         draining = self.drain_to_finish and not self.scheduler.waiting
+        sl = self.spec_len
+        # adaptive: the preference worked out while the last step ran (`_plan_k`); fixed k and ranges: now
         fields = [len(rows), K, 1 + k if (K or any(n_drafts)) else 1, wide, int(bool(rows) or self.has_work), received,
-                  batch, self.spec_len.preferred(batch, pad_rows(max(batch, 1), self.row_sizes),
-                                                 self._rows_left if draining else None),
+                  batch, self.k_pref if sl.adaptive else sl.preferred(batch, pad_rows(max(batch, 1), self.row_sizes)),
                   int(any(r.d_tokens for r in rows))]
         synced = self.dp.sync_step(fields, step)
         sizes = self.agree(synced, step, k)
@@ -433,6 +436,8 @@ class Engine:
         out, n_out, proposed = self._run_device_step(ctx)
         if while_device_runs is not None:
             while_device_runs()
+        if sl.adaptive:
+            self._plan_k(batch, draining)
         result = self._to_host(out, n_out, proposed, len(rows))
         W = out.shape[1]
         if self.drafter.after_verify:
@@ -455,12 +460,16 @@ class Engine:
                     verified.append((row.n_drafts, int(res[W]) - 1))
                 if proposed is not None:
                     row.seq.next_drafts = [int(t) for t in res[W + 1:]]
-        self.spec_len.used[k] += 1
-        self.spec_len.observe_rows(verified)
-        if rows and sizes.T1 == 2 and sizes.T == sizes.T_dec:        # a plain decode step: its cost
-            self.spec_len.observe_step(sizes.R_pad, sizes.T_dec - 1, time.perf_counter() - t_start)
-        elif rows and plan.decode and sizes.T != sizes.T_dec:        # decode rows riding in a chunk step
-            self.spec_len.observe_step(pad_rows(batch, self.row_sizes), k, time.perf_counter() - t_start, chunks=True)
+        sl.used[k] += 1
+        if sl.adaptive:                     # read in by `_plan_k` while the next step runs
+            step_s = time.perf_counter() - t_start
+            if rows and sizes.T1 == 2 and sizes.T == sizes.T_dec:        # a plain decode step: its cost
+                timed = (sizes.R_pad, sizes.T_dec - 1, step_s, False)
+            elif rows and plan.decode and sizes.T != sizes.T_dec:        # decode rows riding in a chunk step
+                timed = (pad_rows(batch, self.row_sizes), k, step_s, True)
+            else:
+                timed = None
+            self._observed = (verified, timed)
         for out in outputs:
             if out.finished:
                 c.spec.merge(out.seq.stats)
@@ -468,6 +477,23 @@ class Engine:
         c.steps += 1
         c.last_step_t = time.time()
         return outputs
+
+    def _plan_k(self, batch: int, draining: bool) -> None:
+        """The adaptive k's host work, done while the device runs a step (the host would only wait for
+        its result): the previous step's measurements go in, this rank's preferred k comes out. It rides
+        in the next step's sync, so it is the k of the step after that: one step more of lag than
+        working it out before the sync, and none of the model's host time on any step's critical path
+        (on the H200 host, 20-50 us a step; a codepair step at batch 1 takes 0.4-0.8 ms)."""
+        sl = self.spec_len
+        if self._observed is not None:
+            verified, timed = self._observed
+            self._observed = None
+            sl.observe_rows(verified)
+            if timed is not None:
+                rows, k, seconds, chunks = timed
+                sl.observe_step(rows, k, seconds, chunks=chunks)
+        self.k_pref = sl.preferred(batch, pad_rows(max(batch, 1), self.row_sizes),
+                                   self._rows_left if draining else None)
 
     def _run_device_step(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """An all-greedy step of a kind captured at start-up replays one CUDA graph of its whole
