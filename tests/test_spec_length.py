@@ -64,6 +64,49 @@ def test_k_toggling_to_zero_and_back_catches_the_drafter_up(models, monkeypatch,
     assert engine.spec_len.used[0] > 20 and engine.spec_len.used[3]
 
 
+def test_adaptive_choice_is_worked_out_while_a_step_runs_and_used_two_steps_on(models, monkeypatch):
+    """The adaptive k's host work runs in the time the device runs a step: the preference worked out
+    during step s has seen the measurements of steps up to s - 1, rides in step s + 1's sync and is the
+    k of step s + 2. Forced preferences show the order; spies show what each choice had seen."""
+    forced = [1, 0, 2, 3, 0, 1]
+    monkeypatch.setenv(TEST_ENV, "0:" + ",".join(map(str, forced)))
+    cfg, plan = make_config(models["target"], models["draft"], k=3, M=M, max_num_seqs=4, max_batched=64,
+                            speculative={"adaptive": True})
+    engine = make_engine(cfg, plan)
+    sl = engine.spec_len
+    events = []
+    observe_rows, preferred = sl.observe_rows, sl.preferred
+
+    def spy_observe(verified):
+        events.append(("observe", engine.step_no))
+        observe_rows(verified)
+
+    def spy_preferred(*args):
+        events.append(("choose", engine.step_no))
+        return preferred(*args)
+    monkeypatch.setattr(sl, "observe_rows", spy_observe)
+    monkeypatch.setattr(sl, "preferred", spy_preferred)
+    step_ks = []
+    step = engine.step
+
+    def recording_step(*args, **kwargs):
+        outputs = step(*args, **kwargs)
+        step_ks.append(engine.scheduler.k_step)
+        return outputs
+    monkeypatch.setattr(engine, "step", recording_step)
+    prompts = prompts_of_lengths(LENGTHS, seed=3)
+    done = run_engine(engine, prompts, max_tokens=20)
+    check(models["target"], done, prompts, 20)
+    n = len(step_ks)
+    assert n > 10
+    # steps 1 and 2 run the configured k; step s >= 3 the preference worked out during step s - 2
+    assert step_ks == [3, 3] + [forced[(s - 3) % len(forced)] for s in range(3, n + 1)]
+    # during step s: step s - 1's measurements first, then the choice (once a step, every step)
+    assert [e for e in events if e[0] == "choose"] == [("choose", s) for s in range(1, n + 1)]
+    assert events[:2] == [("choose", 1), ("observe", 2)] and events[2] == ("choose", 2)
+    assert all(events[i + 1] == ("choose", s) for i, (what, s) in enumerate(events) if what == "observe")
+
+
 def test_eagle_with_k_toggling_is_lossless(models, monkeypatch, tmp_path):
     head = make_eagle_head(tmp_path / "head", models["target"])
     engine, done, prompts = run(models, monkeypatch, forced="3,0,0,1,0,3,2", draft=head, method="eagle")

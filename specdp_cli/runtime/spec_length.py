@@ -23,8 +23,13 @@ Three modes, read from `speculative`:
                   times are therefore kept relative to a running level (LEVEL_EMA), moved only by decode
                   steps of a kind measured more than MATURE times: the level follows the drift, the per-k
                   costs what k itself costs, and a k newly chosen on a guess learns its own price.
-                  The choice runs on every step's critical path: it is worked out again every
-                  CHOOSE_EVERY steps, on new rows, or when another k than the chosen one was measured.
+                  The engine feeds the model and asks for the choice while the device runs a step
+                  (`Engine._plan_k`: the host would only wait for the result), so none of this is on a
+                  step's critical path (on the H200 host it cost 20-50 us a step, 7 % of a codepair
+                  step at batch 1, when it ran before the step's sync). It is still worked out again only
+                  every CHOOSE_EVERY steps, on new rows, or when another k than the chosen one was
+                  measured: with many rows draining it loops over each row, and a host slower than the
+                  device's step would put it back on the critical path.
                   When an offline job has nothing left to admit (the engine says so), the objective
                   turns from tokens per second to finishing the running rows soonest (`_drain_choice`).
 
@@ -35,7 +40,9 @@ ties), which for ranges is "the ranges applied to the largest batch". So no extr
 the step's drafter-forward count is known *before* the step is scheduled: it travels in the step's
 own sync like any other size, and a rank that then plans a different count than the others is
 out of step exactly as before (`Engine.agree`). Under `dp_sync: never` each rank follows its own
-preference. The cost of this order is a lag of one step between a batch size and its k.
+preference. The cost of this order is a lag of one step between a batch size and its k; an adaptive
+preference, worked out while step s - 1 ran from the measurements of the steps before it, adds one
+more (the k of step s + 1 has seen steps up to s - 2).
 
 Test hook: SPECDP_TEST_K="R:k,k,...;R:..." makes rank R prefer those k in turn (one per step), so
 tests can force ranks' local choices to differ. Diagnostics: SPECDP_TRACE_K=1 adds every measured step
@@ -154,8 +161,8 @@ class SpecLength:
         if self.forced:
             return min(self.forced[(self.calls - 1) % len(self.forced)], self.k_max)
         if self.adaptive and n and self.target_cost:
-            # the choice is host work on every step's critical path (in lockstep every rank waits for the
-            # slowest): worked out again every CHOOSE_EVERY choices, when the rows change, or to explore
+            # worked out again every CHOOSE_EVERY choices, when the rows change, or to explore (see the
+            # module's text: host work in the device's time only while it is shorter than the step)
             explore = self.calls % EXPLORE_EVERY == 0
             key = (rows, rows_left is not None)
             if explore or self._best is None or self._best[0] != key or self.calls - self._best[1] >= CHOOSE_EVERY:
