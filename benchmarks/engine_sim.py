@@ -1,14 +1,15 @@
 """The adaptive k inside the real engine, on the CPU, with the H200's step times: what `job_sim.py` models
-(admission, the drain, the model's choices) run by the engine itself — its lag between the measurements a choice
-has seen and the step that uses it (one step more since session 11), the drafter's catch-up after k = 0, drafts cut near a request's end — over the real
-acceptance of a greedy job (float32 here; the H200's bf16 accepts within a few per cent of it).
+(admission, the drain, the model's choices) run by the engine itself — its lag between the measurements a
+choice has seen and the step that uses it (one step more since session 11), the drafter's catch-up after
+k = 0, drafts cut near a request's end — over the real acceptance of a greedy job (float32 here; the H200's
+bf16 accepts within a few per cent of it).
 
 The engine runs the pair for real; only the clock is simulated: each step the model observes is priced by
 `job_sim.codepair_h200_ms` (rows, k, prompt chunks; no noise), the model learns from those prices, and a
 row's tok/s is its tokens over the priced steps (steps the model does not observe — prompt chunks alone,
 and a run's last step, whose measurements the engine would read in during the next one — priced as chunk
-steps at k = 0). Rows: adaptive and every fixed k of --ks, per batch size. The CPU's forwards
-take ~50 ms a step, so keep the job small (--requests 64: ~1 min a row at batch 4).
+steps at k = 0). Rows: adaptive and every fixed k of --ks, per batch size. The CPU's forwards take ~50 ms a
+step, so keep the job small (--requests 64: ~1 min a row at batch 4).
 
   python benchmarks/engine_sim.py --pair PAIR_DIR [--requests 64] [--new 128] [--batches 4,16] [--ks 2,3,4,5,6]
       [--json OUT.json]
