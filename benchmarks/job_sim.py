@@ -79,11 +79,9 @@ def run(regime: dict, seed: int, a, mode, accept=None) -> float:
             running[queue.pop(0)] = {"left": a.new, "drafted": 0, "accepted": 0, "prefill": True, "pos": 1}
             admitted += 1
         R = pad(len(running))
-        rows_left = None
-        if mode == "adaptive" and not queue:
-            def rows_left():
-                return [(q["left"], q["drafted"], q["accepted"], True) for q in running.values()]
-        planned.append(s.preferred(len(running), R, rows_left))
+        draining = mode == "adaptive" and not queue      # "no drain": the same model without the drain choice
+        planned.append(s.preferred(len(running), R, (lambda: [(q["left"], q["drafted"], q["accepted"], True)
+                                                              for q in running.values()]) if draining else None))
         k = planned.pop(0)
         verified = []
         for req, q in list(running.items()):

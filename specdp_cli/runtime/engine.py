@@ -414,7 +414,6 @@ class Engine:
         n_drafts = [r.n_drafts for r in rows[:len(plan.decode)]]
         wide = (WIDE_CHUNKS if plan.prefill else 0) | (WIDE_DRAFTER if any(len(r.d_tokens) > 2 for r in rows) else 0)
         batch = len(self.scheduler.running)
-        draining = self.drain_to_finish and not self.scheduler.waiting
         sl = self.spec_len
         # adaptive: the preference worked out while the last step ran (`_plan_k`); fixed k and ranges: now
         fields = [len(rows), K, 1 + k if (K or any(n_drafts)) else 1, wide, int(bool(rows) or self.has_work), received,
@@ -437,7 +436,7 @@ class Engine:
         if while_device_runs is not None:
             while_device_runs()
         if sl.adaptive:
-            self._plan_k(batch, draining)
+            self._plan_k(batch)
         result = self._to_host(out, n_out, proposed, len(rows))
         W = out.shape[1]
         if self.drafter.after_verify:
@@ -478,7 +477,7 @@ class Engine:
         c.last_step_t = time.time()
         return outputs
 
-    def _plan_k(self, batch: int, draining: bool) -> None:
+    def _plan_k(self, batch: int) -> None:
         """The adaptive k's host work, done while the device runs a step (the host would only wait for
         its result): the previous step's measurements go in, this rank's preferred k comes out. It rides
         in the next step's sync, so it is the k of the step after that: one step more of lag than
@@ -492,6 +491,7 @@ class Engine:
             if timed is not None:
                 rows, k, seconds, chunks = timed
                 sl.observe_step(rows, k, seconds, chunks=chunks)
+        draining = self.drain_to_finish and not self.scheduler.waiting
         self.k_pref = sl.preferred(batch, pad_rows(max(batch, 1), self.row_sizes),
                                    self._rows_left if draining else None)
 
