@@ -272,6 +272,9 @@ class Ranks:
         for rec in recs.values():
             if rec.get("kind") == "out-of-step":
                 return rec["message"]
+        stalled = [rec["message"] for rec in recs.values() if rec.get("kind") == "no-progress"]
+        if stalled:                     # the other ranks stopped with it ("peer-stalled")
+            return "\n".join(stalled)
         lines = []
         for s in states:
             rec = s.exit

@@ -42,3 +42,18 @@ def models(tmp_path_factory) -> dict:
         "target": make_model_dir(root / "target", tok, layers=2, seed=1),
         "draft": make_model_dir(root / "draft", tok, layers=1, hidden=32, heads=2, kv_heads=1, seed=2),
     }
+
+
+def pytest_addoption(parser):
+    parser.addoption("--search-seconds", type=float, default=None,
+                     help="seconds of randomized search per DP size in test_search.py (default: the suite's budget)")
+    parser.addoption("--search-seed", type=int, default=None, help="seed of test_search.py's randomized search")
+
+
+def pytest_collection_modifyitems(config, items):
+    """test_search's hard limit follows --search-seconds (its budget per DP size, plus start-up and checking)."""
+    s = config.getoption("--search-seconds")
+    if s is not None:
+        for item in items:
+            if item.module.__name__ == "test_search":
+                item.add_marker(pytest.mark.timeout(s + 300))

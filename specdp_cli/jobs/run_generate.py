@@ -194,6 +194,7 @@ def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result, co
     from ..runtime.dist import DPGroup
     from ..runtime.engine import Engine
     from ..runtime.heap import freeze_startup_heap, thaw_heap
+    from ..runtime.progress import NoProgressError
     from .generate import run_rank
 
     class FaultExit(Exception):
@@ -214,6 +215,8 @@ def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result, co
         return run_rank(engine, engine.dp, output, retry_errors, requests, True, on_result)
     except FaultExit as e:
         raise JobFailed(f"{e}; finished results are kept in {output}.rank0.part — rerun to resume") from None
+    except NoProgressError as e:
+        raise JobFailed(f"{e}\nfinished results are kept in {output}.rank0.part (a rerun resumes from them)") from None
     finally:
         thaw_heap()          # this process may go on (a caller's, a test's): the job's objects can be collected again
 

@@ -14,7 +14,8 @@ One step, whatever the rank holds:
      (an EAGLE head or an MTP layer runs its drafter phase here instead, after verification: it
      reads the target's hidden states and proposes the next step's drafts — `drafters/eagle.py`)
   7. one device-to-host copy brings the new tokens (and an EAGLE head's proposals) back for
-     bookkeeping (stops, frees).
+     bookkeeping (stops, frees), and the progress guard counts a step in which no sequence gained a
+     token, finished or failed (`progress.py`: a livelock stops with a sentence, never loops).
 Every forward is uniform (padded rows x T tokens; a prompt chunk takes several rows) and replays a
 CUDA graph; an all-greedy step replays one graph of all its device work. A rank with nothing to do
 runs the very same code with no rows: each forward then carries only padding. That is the "dummy"
@@ -44,6 +45,7 @@ from .kv_cache import BlockPool, allocate_kv, kv_bytes_per_token
 from .model import load_model, routed_expert_bytes
 from .model_runner import ModelRunner, capture_sizes, pad_rows
 from .output import OutputProcessor
+from .progress import NoProgressError, ProgressGuard, StalledPeerError, describe_stall
 from .sampling import SamplingParams, row_tensors, verify
 from .scheduler import Request, Scheduler, Sequence, SpecStats
 from .spec_length import SpecLength
@@ -109,7 +111,7 @@ class RankCounters:
 
 
 # the step sync's fields (one integer each per rank)
-F_ROWS, F_K, F_TDEC, F_WIDE, F_WORK, F_RECEIVED, F_BATCH, F_PREF_K, F_FEEDS = range(9)
+F_ROWS, F_K, F_TDEC, F_WIDE, F_WORK, F_RECEIVED, F_BATCH, F_PREF_K, F_FEEDS, F_STALLED = range(10)
 WIDE_CHUNKS, WIDE_DRAFTER = 1, 2          # F_WIDE bits: prompt chunks (every forward wide); a drafter catch-up
 
 
@@ -226,6 +228,11 @@ class Engine:
         # adaptive k then finishes the running rows soonest (the job's end) instead of maximising tokens per
         # second. A server leaves it off: a request may come at any time, and each one's latency counts.
         self.drain_to_finish = False
+        # the progress guard: a stall stops the job (every rank, at the next step's sync), or with
+        # fail_stalled (a server) fails the stalled requests and goes on
+        self.progress = ProgressGuard(self.scheduler.prefill_steps)
+        self.fail_stalled = False
+        self._stalled: str | None = None       # a stall's sentence, until the next step's sync stops every rank
 
     @torch.no_grad()
     def _time_forwards(self) -> None:
@@ -294,6 +301,7 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------------
 
     def add_request(self, req: Request) -> None:
+        self.faults.arrived(self.dp.rank, req.id)
         self.scheduler.add(req)
 
     def make_request(self, req_id, prompt_ids: list[int], params: SamplingParams, seed: int | None) -> Request:
@@ -343,11 +351,18 @@ class Engine:
 
     def agree(self, fields: list[list[int]], step: int, k: int) -> StepSizes | None:
         """Every rank's fields (F_*: rows, drafter forwards, verification window, wide bits, has work,
-        messages received, batch size, preferred k, feeds the drafter) -> the step's sizes, computed
-        alike on every rank (wide bits: prompt chunks ride in the step's forwards / a drafter catches
-        up); None when no rank has work and every rank has received the same messages (see
-        `server/rank.py`): the ranks stop stepping together. Also decides the next step's k from the
-        batch sizes and preferences (`SpecLength.agree`): the same numbers give the same k everywhere."""
+        messages received, batch size, preferred k, feeds the drafter, stalled) -> the step's sizes,
+        computed alike on every rank (wide bits: prompt chunks ride in the step's forwards / a drafter
+        catches up); None when no rank has work and every rank has received the same messages (see
+        `server/rank.py`): the ranks stop stepping together. A rank whose last step ended a stall
+        stops every rank here, together. Also decides the next step's k from the batch sizes and
+        preferences (`SpecLength.agree`): the same numbers give the same k everywhere."""
+        stalled = [r for r, f in enumerate(fields) if f[F_STALLED]]
+        if stalled:
+            if self._stalled is not None:
+                raise NoProgressError(self._stalled)
+            raise StalledPeerError(f"stopped with rank {stalled[0]}, which made no progress (its message says "
+                                   f"why), at step {step}")
         self.k_next = SpecLength.agree([f[F_BATCH] for f in fields], [f[F_PREF_K] for f in fields])
         if not any(f[F_WORK] for f in fields) and len({f[F_RECEIVED] for f in fields}) == 1:
             return None
@@ -418,7 +433,7 @@ class Engine:
         # adaptive: the preference worked out while the last step ran (`_plan_k`); fixed k and ranges: now
         fields = [len(rows), K, 1 + k if (K or any(n_drafts)) else 1, wide, int(bool(rows) or self.has_work), received,
                   batch, self.k_pref if sl.adaptive else sl.preferred(batch, pad_rows(max(batch, 1), self.row_sizes)),
-                  int(any(r.d_tokens for r in rows))]
+                  int(any(r.d_tokens for r in rows)), int(self._stalled is not None)]
         synced = self.dp.sync_step(fields, step)
         sizes = self.agree(synced, step, k)
         if sizes is None:
@@ -454,7 +469,9 @@ class Engine:
         verified = []                       # (drafts, accepted) of each drafting row: the acceptance averages
         for i, (row, res) in enumerate(zip(rows, result)):
             if i < n_decode or row.done:
-                outputs.append(self._accept(row.seq, row.n_drafts, [int(t) for t in res[:res[W]]]))
+                frozen = i < n_decode and self.faults.frozen(row.seq.req.id)       # fault injection
+                new = [] if frozen else [int(t) for t in res[:res[W]]]
+                outputs.append(self._accept(row.seq, row.n_drafts, new))
                 if row.n_drafts:
                     verified.append((row.n_drafts, int(res[W]) - 1))
                 if proposed is not None:
@@ -473,9 +490,27 @@ class Engine:
             if out.finished:
                 c.spec.merge(out.seq.stats)
                 self.scheduler.remove(out.seq)
+        if self.progress.after_step(bool(rows) or bool(self.scheduler.waiting),
+                                    any(out.new_tokens or out.finished for out in outputs)):
+            outputs += self._stall(step)
         c.steps += 1
         c.last_step_t = time.time()
         return outputs
+
+    def _stall(self, step: int) -> list[StepOutput]:
+        """The progress guard fired: say which sequences stalled; a server fails them (the running ones,
+        or the waiting ones when none runs) and goes on, a job stops at the next step's sync."""
+        sc = self.scheduler
+        message = describe_stall(self.dp.rank, step, self.progress.limit, sc.running, sc.waiting, self.pool.num_free,
+                                 self.k, self.D, self.M)
+        if not self.fail_stalled:
+            self._stalled = message
+            return []
+        failed = list(sc.running or sc.waiting)
+        for s in failed:
+            sc.abort(s.req.id)
+            s.finish_reason, s.error = "error", message
+        return [StepOutput(s, [], True) for s in failed]
 
     def _plan_k(self, batch: int) -> None:
         """The adaptive k's host work, done while the device runs a step (the host would only wait for
@@ -581,9 +616,11 @@ class Engine:
         return torch.cat(cols, 1).cpu().numpy()
 
     def _accept(self, s: Sequence, n_drafts: int, new: list[int]) -> StepOutput:
+        """`new`: the tokens verification emitted (none only under the `freeze` fault: the sequence stays
+        where it was, its last token to be fed again)."""
         old_len = s.L
         accepted = len(new) - 1
-        if n_drafts:
+        if n_drafts and new:
             s.stats.add(n_drafts, accepted)
         s.target_len = old_len + accepted
         if n_drafts:

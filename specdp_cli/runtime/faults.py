@@ -6,6 +6,8 @@
   exit:R:S                 rank R exits with status 3 at the start of its step S (steps count from 1)
   slow:R:MS                rank R is a straggler: each of its steps takes MS milliseconds longer (a slower
                            host); without lockstep its rank then serves fewer of the inputs
+  freeze:R:N               rank R's N-th request (counting from 1, in the order requests reach the rank) never
+                           gains a token: every step drops what it emitted (a livelock, for the progress guard)
   no-guard                 (tests) the step sync does not compare the ranks' drafter forwards: each rank
                            runs the count it planned. With one of the first two, this shows what the guard
                            prevents (the ranks' collectives no longer pair up: a timeout or a backend error)
@@ -31,6 +33,9 @@ class Faults:
     single_dummy_forward: set[int] = field(default_factory=set)
     exit_at: dict[int, int] = field(default_factory=dict)    # rank -> step
     slow: dict[int, float] = field(default_factory=dict)     # rank -> seconds added to each step
+    freeze: dict[int, int] = field(default_factory=dict)     # rank -> which of its requests never gains a token
+    _arrived: int = field(default=0, init=False, repr=False)        # requests that reached this rank so far
+    _frozen: object = field(default=None, init=False, repr=False)   # the frozen request's id, once it arrived
     guard: bool = True                                       # the step sync compares drafter forwards
 
     @classmethod
@@ -58,10 +63,13 @@ class Faults:
             elif kind == "slow" and nums is not None and len(nums) == 2 and nums[1] >= 0:
                 rank = nums[0]
                 f.slow[rank] = nums[1] / 1000
+            elif kind == "freeze" and nums is not None and len(nums) == 2 and nums[1] >= 1:
+                rank = nums[0]
+                f.freeze[rank] = nums[1]
             else:
                 raise FaultSpecError(f"{ENV}: cannot read {item!r}; expected skip-drafter:R, "
-                                     f"single-dummy-forward:R, exit:R:S (S >= 1), slow:R:MS or no-guard, "
-                                     f"comma-separated")
+                                     f"single-dummy-forward:R, exit:R:S (S >= 1), slow:R:MS, freeze:R:N (N >= 1) "
+                                     f"or no-guard, comma-separated")
             if not 0 <= rank < world:
                 raise FaultSpecError(f"{ENV}: {item!r} names rank {rank}, but ranks are 0..{world - 1}")
         return f
@@ -78,6 +86,16 @@ class Faults:
             if rank in self.single_dummy_forward:
                 return 1
         return wanted
+
+    def arrived(self, rank: int, req_id) -> None:
+        """A request reached rank `rank` (freeze counts them)."""
+        if rank in self.freeze:
+            self._arrived += 1
+            if self._arrived == self.freeze[rank]:
+                self._frozen = req_id
+
+    def frozen(self, req_id) -> bool:
+        return self._frozen is not None and req_id == self._frozen
 
     def exit_step(self, rank: int) -> int | None:
         return self.exit_at.get(rank)

@@ -3,8 +3,8 @@ tokens, which prompt chunks are prefilled, and who is preempted when blocks run 
 
 As in vLLM: a waiting request is admitted (first come, first served, up to `max_num_seqs`) when
 the blocks of its whole prompt are free; every step, each running sequence first gets the blocks
-this step writes (up to position L - 1 + k_eff); when none are free the newest running sequence is
-preempted — its blocks are freed and it goes back to the head of the queue, to be recomputed
+this step writes (`kv_positions`: the one rule for both); when none are free the newest running
+sequence is preempted — its blocks are freed and it goes back to the head of the queue, to be recomputed
 later (its prompt and generated tokens, but the last, prefilled again) with nothing it produced
 lost: it then goes on decoding from the same length, so its outputs do not change. Prompts are
 prefilled within `max_num_batched_tokens` minus what the decode rows need, in chunks when they do
@@ -13,6 +13,10 @@ not fit whole.
 Lengths follow DESIGN.md's contract: L = prompt + generated; a sequence fits the drafter when
 L + k <= D and then drafts k_eff = min(k, M - L - 1, max_tokens_left - 1), at most the step's k
 (`spec_length.py`; k stays num_speculative_tokens in the fit, so the no-draft window is unchanged).
+
+Progress: the oldest running sequence is never preempted for another, and alone it always gets its
+blocks (`kv_positions` never asks for more than a full-length sequence, which the cache always
+holds), so some sequence gains a token within the steps its prefill takes (`progress.py` checks it).
 """
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ class Sequence:
         self.draft_len = 0           # positions held in the drafter's KV cache
         self.next_drafts: list[int] = []   # drafts proposed after the last verification (EAGLE), for the next step
         self.finish_reason: str | None = None
+        self.error: str | None = None          # why the engine failed it (finish_reason "error")
         self.stop_text_end: int | None = None   # where a matched stop string starts in the text
         self.stats = SpecStats()
         self.preemptions = 0
@@ -125,6 +130,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # admission order: the last is the newest
 
+    @property
+    def prefill_steps(self) -> int:
+        """The most steps the prefill of a max_model_len-token prompt takes when nothing else runs (a
+        step prefills up to max_num_batched_tokens tokens, in up to max_rows rows of row_tokens)."""
+        return -(-self.M // min(self.max_batched_tokens, self.max_rows * self.row_tokens))
+
     def add(self, req: Request) -> None:
         self.waiting.append(Sequence(req, self.M))
 
@@ -136,7 +147,7 @@ class Scheduler:
         preempted = self._grow_running()
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = self.pool.blocks_for(seq.prefill_len + self.lookahead)
+            need = self.pool.blocks_for(self.kv_positions(seq))
             if need > self.pool.num_free:
                 break
             self.waiting.popleft()
@@ -154,6 +165,22 @@ class Scheduler:
                 rows -= -(-(end - s.target_len) // self.row_tokens)
         return StepPlan(decode, prefill, preempted)
 
+    def kv_positions(self, s: Sequence) -> int:
+        """KV positions sequence `s` holds blocks for before a step: the one rule of admission and growth.
+
+        Whatever the step writes for it: prefilling, the tokens to prefill (the prompt; after a
+        preemption, all it had but the last token); decoding at length L, the last token and its drafts
+        (L + k_eff positions, k_eff at num_speculative_tokens: the most any step's k drafts); plus the
+        drafter's look-ahead (an EAGLE head or MTP layer drafting the next step writes k - 1 positions
+        past the verified ones). Never more than limit - 1 (limit = min(M, prompt + max_tokens)): no
+        forward reads a position from limit - 1 on — the last step feeds its last token at limit - 2,
+        and a draft that could land there is never made (k_eff <= limit - L - 1). A drafter's writes
+        past a sequence's blocks go to the trash block. So a sequence never needs more blocks than a
+        full-length one, which the cache always holds: alone, it always runs (a look-ahead counted past
+        M once asked for more blocks than a minimal cache has, and a sequence preempted itself forever)."""
+        written = s.prefill_len if s.in_prefill else s.L + s.k_eff(self.k, self.D)
+        return min(written + self.lookahead, s.limit - 1)
+
     def _grow_running(self) -> int:
         """Give every decoding sequence the blocks this step writes, preempting the newest
         sequences while the pool is short. Returns how many were preempted."""
@@ -161,8 +188,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             s = self.running[i]
-            need = 0 if s.in_prefill else (self.pool.blocks_for(s.L + s.k_eff(self.k, self.D) + self.lookahead)
-                                           - len(s.blocks))
+            need = 0 if s.in_prefill else self.pool.blocks_for(self.kv_positions(s)) - len(s.blocks)
             while need > self.pool.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)

@@ -113,7 +113,7 @@ async def _collect(frontend: Frontend, request: Request, inf: Inflight, req: Gen
         raise
     if ev.finish_reason in ("error", "abort"):
         frontend.release(inf, "error")
-        raise APIError(503, ev.error or "the request was aborted")
+        raise APIError(ev.status, ev.error or "the request was aborted")
     frontend.release(inf, ev.finish_reason, ev.stats)
     created = int(time.time())
     text = ev.final_text or ""

@@ -3,6 +3,7 @@ into per-request asyncio queues."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -10,6 +11,8 @@ from dataclasses import dataclass, field
 from .link import RankLink
 from .metrics import Metrics
 from .protocol import APIError, GenRequest
+
+log = logging.getLogger("specdp.server")
 
 
 @dataclass
@@ -19,6 +22,7 @@ class Event:
     final_text: str | None = None
     stats: dict | None = None
     error: str | None = None
+    status: int = 503                    # the HTTP status of an error: 503 a lost rank or an abort, 500 a failed request
 
 
 @dataclass
@@ -99,9 +103,16 @@ class Frontend:
     # -- on the event loop ----------------------------------------------------------------------
 
     def _dispatch(self, events) -> None:
+        """events: (request id, new tokens, finish reason or None, final text — for "error" the reason —,
+        stats) from a rank's step."""
         for rid, tokens, finish, text, stats in events:
             inf = self.inflight.get(rid)
-            if inf is not None:
+            if inf is None:
+                continue
+            if finish == "error":          # the engine failed the request (its progress guard): a bug to report
+                log.error("request %s failed on rank %d: %s", rid, inf.rank, text)
+                inf.queue.put_nowait(Event(tokens, finish, error=text, status=500))
+            else:
                 inf.queue.put_nowait(Event(tokens, finish, text, stats))
 
     def rank_lost(self, rank: int, why: str) -> None:

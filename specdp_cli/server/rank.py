@@ -20,6 +20,7 @@ from .link import link_address
 
 
 def serve_rank(engine, dp, job: dict) -> None:
+    engine.fail_stalled = True        # a stall fails its requests (a 500 each); the server goes on
     address, authkey = link_address(job["link"])
     conn = Client(address, authkey=authkey)
     conn.send(("hello", dp.rank))
@@ -78,7 +79,7 @@ def serve_rank(engine, dp, job: dict) -> None:
         if outs is None:
             continue
         events = [(o.seq.req.id, o.new_tokens, o.seq.finish_reason if o.finished else None,
-                   engine.output.text(o.seq) if o.finished else None,
+                   (o.seq.error or engine.output.text(o.seq)) if o.finished else None,
                    _stats(o.seq) if o.finished else None) for o in outs if o.new_tokens or o.finished]
         if events:
             used = engine.spec_len.used

@@ -1,0 +1,47 @@
+"""The randomized search of `search.py` (seeded, time-boxed): at dp 1, 2 and 3, over every drafter, k
+schedule, policy, dp_sync, max_num_seqs 1-6, KV caches from the minimum up and prompts at the edges of
+M and D, every job ends and its greedy float32 output equals transformers' target-only output.
+`--search-seconds` / `--search-seed` run it longer or elsewhere."""
+import pytest
+
+from helpers import make_deepseek_dir, make_eagle3_head, make_eagle_head
+from search import check_outputs, run_launched, run_scenarios
+
+SECONDS = {1: 15, 2: 15, 3: 12}      # per DP size, in the test suite (2 CPU cores)
+SEED = 20261201
+
+
+@pytest.fixture(scope="module")
+def search_models(tmp_path_factory, models):
+    root = tmp_path_factory.mktemp("search")
+    return {"target": str(models["target"]), "mtp": str(make_deepseek_dir(root / "mtp", models["tokenizer"], seed=7)),
+            "drafters": {"draft_model": str(models["draft"]),
+                         "eagle": str(make_eagle_head(root / "eagle", models["target"])),
+                         "eagle3": str(make_eagle3_head(root / "eagle3", models["target"]))}}
+
+
+def budget(request, world):
+    s = request.config.getoption("--search-seconds")
+    return SECONDS[world] if s is None else s
+
+
+def seed(request):
+    s = request.config.getoption("--search-seed")
+    return SEED if s is None else s
+
+
+def test_search_one_rank(request, tmp_path, search_models):
+    from specdp_cli.runtime.dist import DPGroup
+
+    n = run_scenarios(DPGroup.solo(), search_models, tmp_path, seed(request), budget(request, 1))
+    print(f"dp 1: {n} scenarios")
+    assert check_outputs(tmp_path, n) == []
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_search_launched(request, tmp_path, search_models, world):
+    seconds = budget(request, world)
+    n = run_launched(search_models, tmp_path, world, seed(request), seconds, timeout=seconds + 90)
+    print(f"dp {world}: {n} scenarios")
+    assert n >= 2
+    assert check_outputs(tmp_path, n) == []
