@@ -4,45 +4,19 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 from dataclasses import dataclass
 from functools import cached_property
 
-MOE_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-# architecture -> transformers' module name; specdp's decoder (runtime/model.py) runs all of them
-FAMILIES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-            "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe",
-            "DeepseekV3ForCausalLM": "deepseek_v3"}
+from .runtime.models.naming import expert_split, layer_index  # noqa: F401 - preflight's too
+from .runtime.models.registry import (UnsupportedModel, architecture_of, attention_kv_shapes,  # noqa: F401
+                                      family_of)
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
 
 
 class ModelDirError(Exception):
     pass
-
-
-class UnsupportedModel(ValueError):
-    pass
-
-
-def architecture_of(config: dict) -> str:
-    """The supported architecture a config.json names, or UnsupportedModel saying what is supported."""
-    quantized = config.get("quantization_config")
-    if isinstance(quantized, dict):
-        # e.g. DeepSeek-V3's fp8 release: its weights need their scales, which specdp does not read
-        raise UnsupportedModel(f"quantized checkpoints ({quantized.get('quant_method', 'unknown method')}) are not "
-                               f"supported; give bfloat16, float16 or float32 weights")
-    archs = config.get("architectures") or []
-    for a in archs:
-        if a in FAMILIES:
-            return a
-    mt = config.get("model_type")
-    if not archs:
-        for a, family in FAMILIES.items():
-            if mt == family:
-                return a
-    named = ", ".join(archs) or f"model_type {mt!r}"
-    raise UnsupportedModel(f"{named} is not supported; specdp runs {', '.join(sorted(FAMILIES))}")
 
 
 @dataclass
@@ -97,8 +71,11 @@ class ModelDir:
 
     @property
     def num_experts(self) -> int:
-        """Routed experts per MoE layer (0 for a dense model)."""
-        return next((self.get(k) for k in MOE_KEYS if isinstance(self.get(k), int) and self.get(k) > 1), 0)
+        """Routed experts per MoE layer (0 for a dense model, or an architecture specdp does not run)."""
+        try:
+            return family_of(self.config).num_experts(self.config)
+        except UnsupportedModel:
+            return 0
 
     @property
     def is_moe(self) -> bool:
@@ -142,28 +119,14 @@ class ModelDir:
     def num_layers(self) -> int:
         return int(self.get("num_hidden_layers") or self.get("n_layer") or 0)
 
-    @property
-    def kv_heads(self) -> int:
-        return int(self.get("num_key_value_heads") or self.get("num_attention_heads") or 0)
-
-    @property
-    def head_dim(self) -> int:
-        hd = self.get("head_dim")
-        if hd:
-            return int(hd)
-        heads = self.get("num_attention_heads") or 1
-        return int(self.get("hidden_size", 0)) // int(heads)
-
     def kv_shapes(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
-        """Per layer ((kv heads, key dim), (kv heads, value dim)), from config.json — what the loaded
-        model's `kv_shapes()` returns (runtime/model.py), known before loading it. DeepSeek's latent
-        attention (MLA) caches every head's expanded key [nope | rope] and its narrower value."""
-        if self.get("kv_lora_rank"):
-            heads = int(self.get("num_attention_heads"))
-            key = int(self.get("qk_nope_head_dim")) + int(self.get("qk_rope_head_dim"))
-            return [((heads, key), (heads, int(self.get("v_head_dim")))) for _ in range(self.num_layers)]
-        kv = (self.kv_heads, self.head_dim)
-        return [(kv, kv) for _ in range(self.num_layers)]
+        """Per layer ((kv heads, key dim), (kv heads, value dim)), from config.json by its family — what the
+        loaded model's `kv_shapes()` returns, known before loading it. An EAGLE head (whose architecture
+        names no family) caches like the Llama layer it is."""
+        try:
+            return family_of(self.config).kv_shapes(self.config)
+        except UnsupportedModel:
+            return attention_kv_shapes(self.config)
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         return kv_bytes_per_token(self.kv_shapes(), DTYPE_BYTES.get(dtype, 4))
@@ -283,25 +246,9 @@ def aux_layer_ids(head_config: dict, target_layers: int) -> tuple[int, ...]:
     return (2, target_layers // 2, target_layers - 3)
 
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def layer_index(name: str) -> int | None:
-    """The decoder layer a tensor belongs to (`model.layers.{i}.…`), None for the others."""
-    m = _LAYER.search(name)
-    return None if m is None else int(m.group(1))
-
-
 def _numel(shape) -> int:
     n = 1
     for d in shape:
         n *= int(d)
     return n
 
-
-def expert_split(num_experts: int, world: int, rank: int) -> range:
-    """The routed experts rank `rank` of `world` holds under expert parallelism: contiguous, the first
-    (num_experts % world) ranks one more (3 ranks, 4 experts: 0-1, 2, 3)."""
-    base, extra = divmod(num_experts, world)
-    start = rank * base + min(rank, extra)
-    return range(start, start + base + (1 if rank < extra else 0))

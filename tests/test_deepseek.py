@@ -28,7 +28,7 @@ def deepseek(tmp_path_factory, models):
 
 
 def load(target, **kw):
-    from specdp_cli.runtime.model import load_model
+    from specdp_cli.runtime.models.loader import load_model
 
     return load_model(str(target), torch.float32, torch.device("cpu"), 64, **kw)
 
@@ -81,7 +81,7 @@ def test_each_rank_reads_only_its_experts(deepseek):
     from types import SimpleNamespace
 
     from specdp_cli.modeldir import ModelDir
-    from specdp_cli.runtime.model import _read_weights, _weights_of
+    from specdp_cli.runtime.models.weights import read_weights, weights_of
 
     for rank, want in ((0, range(2)), (1, range(2, 3)), (2, range(3, 4))):
         m = load(deepseek["lora"], ep=SimpleNamespace(world=3, rank=rank))
@@ -89,12 +89,12 @@ def test_each_rank_reads_only_its_experts(deepseek):
         for layer in m.layers[1:]:
             moe = layer.moe
             assert moe.experts == want and moe.gate_up.shape[0] == moe.down.shape[0] == len(want)
-            assert moe.router.shape == (4, 64) and moe.router.dtype == torch.float32
-            assert moe.sigmoid.bias.shape == (4,) and moe.sigmoid.bias.abs().sum() > 0
+            assert moe.route.router.shape == (4, 64) and moe.route.router.dtype == torch.float32
+            assert moe.route.bias.shape == (4,) and moe.route.bias.abs().sum() > 0
             assert moe.shared_gate_up.shape == (64, 64) and moe.shared_down.shape == (64, 32)
     md = ModelDir.open(str(deepseek["lora"]), "model")
     assert any(name.startswith("model.layers.3.") for name in md.tensor_headers)
-    names = set(_read_weights(md.weight_files, torch.device("cpu"), _weights_of(range(3), {2})))
+    names = set(read_weights(md.weight_files, torch.device("cpu"), weights_of(range(3), {2})))
     assert not any(name.startswith("model.layers.3.") for name in names)
     assert {n for n in names if ".experts." in n} == {f"model.layers.{i}.mlp.experts.2.{w}_proj.weight"
                                                       for i in (1, 2) for w in ("gate", "up", "down")}

@@ -30,8 +30,8 @@ def test_head_forward_equals_the_published_head(models, eagle):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from specdp_cli.runtime.eagle_model import load_eagle_head
-    from specdp_cli.runtime.model import load_model
+    from specdp_cli.runtime.models.eagle import load_eagle_head
+    from specdp_cli.runtime.models.loader import load_model
 
     cpu, N, bs = torch.device("cpu"), 21, 4
     target = load_model(str(models["target"]), torch.float32, cpu, 64)

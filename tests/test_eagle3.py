@@ -67,9 +67,9 @@ def reference_head(head_dir, embed, feats, ids, cfg):
 def test_aux_states_and_head_equal_the_reference(models, heads, which):
     from transformers import LlamaForCausalLM
 
-    from specdp_cli.runtime.eagle_model import load_eagle3_head
+    from specdp_cli.runtime.models.eagle import load_eagle3_head
     from specdp_cli.runtime.kv_cache import allocate_kv
-    from specdp_cli.runtime.model import load_model
+    from specdp_cli.runtime.models.loader import load_model
     from specdp_cli.runtime.model_runner import ModelRunner
 
     head_dir = heads[which]

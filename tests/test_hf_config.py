@@ -5,7 +5,8 @@ import json
 import pytest
 import torch
 
-from specdp_cli.runtime import hf_config, model as model_module
+from specdp_cli.runtime.models import config as hf_config, loader
+from specdp_cli.runtime.models.registry import families
 
 FAMILIES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -15,6 +16,10 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16}),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
 }
+
+
+def family_named(model_type):
+    return next(f for f in families().values() if f.model_type == model_type)
 
 
 def save_tiny(path, family):
@@ -46,11 +51,11 @@ def test_fast_config_reads_what_transformers_gives(tmp_path, monkeypatch, family
 
     path = save_tiny(tmp_path / family, family)
     config = json.loads((path / "config.json").read_text())
-    fast = hf_config.from_json(config, family)
+    fast = hf_config.from_json(config, family_named(family))
     assert fast is not None, "a config Hugging Face wrote must take the fast path"
     seen = []
-    monkeypatch.setattr(model_module, "load_config", lambda p, c, t: seen.append(Recorder(fast)) or seen[-1])
-    model_module.load_model(str(path), torch.float32, torch.device("cpu"), 64)
+    monkeypatch.setattr(loader, "load_config", lambda p, c, f: seen.append(Recorder(fast)) or seen[-1])
+    loader.load_model(str(path), torch.float32, torch.device("cpu"), 64)
     ref = AutoConfig.from_pretrained(str(path))
     assert seen[0].read, "load_model read no field"
     for name in seen[0].read:
@@ -61,13 +66,14 @@ def test_fast_config_reads_what_transformers_gives(tmp_path, monkeypatch, family
 
 def test_configs_the_fast_path_cannot_vouch_for(tmp_path):
     config = json.loads((save_tiny(tmp_path / "llama", "llama") / "config.json").read_text())
-    assert hf_config.from_json(config, "llama") is not None
+    assert hf_config.from_json(config, family_named("llama")) is not None
     missing = {k: v for k, v in config.items() if k != "rms_norm_eps"}                 # a default to fill in
     legacy = {**{k: v for k, v in config.items() if k != "rope_parameters"}, "rope_theta": 10000.0}
     scaled = {**config, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}
     for other in (missing, legacy, scaled):
-        assert hf_config.from_json(other, "llama") is None
-    assert hf_config.from_json(config, "deepseek_v3") is None and hf_config.from_json(config, "qwen3_moe") is None
+        assert hf_config.from_json(other, family_named("llama")) is None
+    assert hf_config.from_json(config, family_named("deepseek_v3")) is None
+    assert hf_config.from_json(config, family_named("qwen3_moe")) is None
 
 
 def test_loading_a_model_and_its_tokenizer_skips_transformers_auto_classes(models):
@@ -77,7 +83,7 @@ def test_loading_a_model_and_its_tokenizer_skips_transformers_auto_classes(model
     import sys
 
     code = ("import sys, torch; import transformers.tokenization_utils_tokenizers; "
-            "from specdp_cli.runtime.model import load_model; from specdp_cli.modeldir import load_tokenizer; "
+            "from specdp_cli.runtime.models.loader import load_model; from specdp_cli.modeldir import load_tokenizer; "
             "load_model(sys.argv[1], torch.float32, torch.device('cpu'), 64); load_tokenizer(sys.argv[1]); "
             "print(sorted(m for m in sys.modules if m.startswith('transformers.models.auto')))")
     out = subprocess.run([sys.executable, "-c", code, str(models["target"])], capture_output=True, text=True,

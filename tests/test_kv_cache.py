@@ -6,7 +6,7 @@ import torch
 
 from engine_util import make_config, make_engine, prompts_of_lengths, run_engine
 from specdp_cli.runtime.kv_cache import BlockPool, allocate_kv
-from specdp_cli.runtime.model import load_model
+from specdp_cli.runtime.models.loader import load_model
 from specdp_cli.runtime.model_runner import ModelRunner
 from specdp_cli.runtime.sampling import SamplingParams
 from specdp_cli.runtime.scheduler import Request, Scheduler

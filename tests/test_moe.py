@@ -118,14 +118,14 @@ def test_each_rank_reads_only_its_experts(moe):
     import torch
     from types import SimpleNamespace
 
-    from specdp_cli.runtime.model import load_model
+    from specdp_cli.runtime.models.loader import load_model
 
     for rank, want in ((0, range(0, 2)), (1, range(2, 3)), (2, range(3, 4))):
         m = load_model(str(moe["mixtral"]), torch.float32, torch.device("cpu"), 64,
                        ep=SimpleNamespace(world=3, rank=rank))
         for layer in m.layers:
             assert layer.moe.experts == want and layer.moe.gate_up.shape[0] == len(want)
-            assert layer.moe.router.shape[0] == 4          # the router stays whole: every rank routes every token
+            assert layer.moe.route.router.shape[0] == 4          # the router stays whole: every rank routes every token
 
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)

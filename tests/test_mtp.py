@@ -44,13 +44,13 @@ def test_a_draft_step_is_the_mtp_layer(mtp):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from specdp_cli.runtime.eagle_model import load_mtp_head
-    from specdp_cli.runtime.model import load_model
+    from specdp_cli.runtime.models.loader import load_head
+    from specdp_cli.runtime.models.loader import load_model
 
     torch.set_num_threads(1)
     cpu, N, bs = torch.device("cpu"), 21, 4
     target = load_model(str(mtp["lora"]), torch.float32, cpu, 64)
-    head = load_mtp_head(str(mtp["lora"]), target, torch.float32, cpu)
+    head = load_head("mtp", str(mtp["lora"]), target, torch.float32, cpu, 64)
     assert head.layers[0].moe is not None and head.layers[0].mla is not None
     runner = single_row_runner(head, N, bs)
     g = torch.Generator().manual_seed(0)
@@ -81,8 +81,8 @@ def test_own_embedding_and_missing_head(tmp_path, mtp):
     """An MTP layer with embed_tokens of its own uses it; one without shared_head.head uses the target's LM head."""
     from safetensors.torch import load_file, save_file
 
-    from specdp_cli.runtime.eagle_model import load_mtp_head
-    from specdp_cli.runtime.model import load_model
+    from specdp_cli.runtime.models.loader import load_head
+    from specdp_cli.runtime.models.loader import load_model
 
     d = shutil.copytree(mtp["lora"], tmp_path / "t")
     f = next(d.glob("*.safetensors"))
@@ -91,20 +91,20 @@ def test_own_embedding_and_missing_head(tmp_path, mtp):
     del w[MTP + "shared_head.head.weight"]
     save_file(w, str(f), metadata={"format": "pt"})
     target = load_model(str(d), torch.float32, torch.device("cpu"), 64)
-    head = load_mtp_head(str(d), target, torch.float32, torch.device("cpu"))
+    head = load_head("mtp", str(d), target, torch.float32, torch.device("cpu"), 64)
     assert torch.equal(head.embed, w[MTP + "embed_tokens.weight"]) and head.lm_head is target.lm_head
 
 
 def test_under_expert_parallelism_the_mtp_layer_holds_this_ranks_experts(mtp):
-    from specdp_cli.runtime.eagle_model import load_mtp_head
-    from specdp_cli.runtime.model import load_model
+    from specdp_cli.runtime.models.loader import load_head
+    from specdp_cli.runtime.models.loader import load_model
 
     for rank, want in ((0, range(2)), (1, range(2, 3)), (2, range(3, 4))):
         ep = SimpleNamespace(world=3, rank=rank)
         target = load_model(str(mtp["lora"]), torch.float32, torch.device("cpu"), 64, ep=ep)
-        moe = load_mtp_head(str(mtp["lora"]), target, torch.float32, torch.device("cpu"), ep=ep).layers[0].moe
+        moe = load_head("mtp", str(mtp["lora"]), target, torch.float32, torch.device("cpu"), 64, ep=ep).layers[0].moe
         assert moe.experts == want and moe.gate_up.shape[0] == len(want) and moe.ep is ep
-        assert moe.router.shape == (4, 64) and moe.shared_gate_up is not None
+        assert moe.route.router.shape == (4, 64) and moe.shared_gate_up is not None
 
 
 @pytest.mark.parametrize("variant,D", [("lora", None), ("plain", 40)])

@@ -175,7 +175,8 @@ def test_parallel_paths(base, models, tmp_path, monkeypatch):
     # dp_sync auto resolves from the model config: mixture of experts -> always; an explicit never warns
     import shutil
     moe = shutil.copytree(models["target"], tmp_path / "moe")
-    set_config_json(moe, num_local_experts=8, num_experts_per_tok=2)
+    set_config_json(moe, architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=8,
+                    num_experts_per_tok=2)
     code, out, _ = validate(base(model=str(moe), parallel={"data_parallel_size": 2}))
     assert code == 0 and out["dp_sync"] == "always" and out["policy"] == "dummy"
     code, out, _ = validate(base(model=str(moe), parallel={"data_parallel_size": 2, "dp_sync": "never"}))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from specdp_cli.runtime.model import rotary_tables
+from specdp_cli.runtime.models.rotary import rotary_tables
 
 
 def module_tables(cfg, model_type: str, arch: str, n: int):

@@ -38,11 +38,11 @@ from .drafters.base import Drafter, Drafts, NoDrafter
 from .drafters.draft_model import ModelDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.ngram import NgramDrafter
-from .eagle_model import load_head
 from .faults import EXIT_STATUS, Faults
 from .heap import collections_since_startup
 from .kv_cache import BlockPool, allocate_kv, kv_bytes_per_token
-from .model import load_model, routed_expert_bytes
+from .models.decoder import routed_expert_bytes
+from .models.loader import load_head, load_model
 from .model_runner import ModelRunner, capture_sizes, pad_rows
 from .output import OutputProcessor
 from .progress import NoProgressError, ProgressGuard, StalledPeerError, describe_stall

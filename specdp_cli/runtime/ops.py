@@ -51,15 +51,28 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up over x = [gate | up]: "silu" (Llama's SwiGLU) or "gelu_tanh" (Gemma's GeGLU,
+    transformers' gelu_pytorch_tanh)."""
+    if act == "silu":
+        return silu_and_mul(x)
+    gate, up = x.chunk(2, dim=-1)
+    if act == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    raise ValueError(f"unknown activation {act!r}")
+
+
 def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, H: int, KV: int, D: int) -> None:
     """Rotate q and k of qkv [N, (H + 2 KV) * D] in place (rotate-half convention); store k and v
-    into the caches [blocks, BS, KV, D] at meta.slot_mapping. cos, sin: [max_pos, D // 2] float32."""
-    if qkv.is_cuda:
+    into the caches [blocks, BS, KV, D] at meta.slot_mapping. cos, sin: [max_pos, rot // 2] float32, where
+    rot = D, or with a partial rotary factor the leading rot dims of each head (the rest pass through)."""
+    rot = 2 * cos.shape[-1]
+    if qkv.is_cuda and rot == D:
         _triton().rope_and_store(qkv, cos, sin, meta.positions, meta.slot_mapping, k_cache, v_cache, H, KV, D)
         return
     x = qkv.view(qkv.shape[0], H + 2 * KV, D)
-    rotate(x[:, :H + KV], cos, sin, meta.positions)
+    rotate(x[:, :H + KV, :rot], cos, sin, meta.positions)
     store_kv(x[:, H:H + KV], x[:, H + KV:], meta, k_cache, v_cache)
 
 
@@ -82,11 +95,14 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, k_cache: torch.Te
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
-                    scale: float, window: int | None) -> torch.Tensor:
+                    scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q [N, H, D] over the cache; returns [N, H, DV]. A token sees its own
-    row's keys at positions <= its own (and within `window` when set)."""
+    row's keys at positions <= its own (and within `window` when set). `sinks` [H]: a logit per head
+    that joins each softmax's denominator and adds no value (GPT-OSS)."""
     N, H, D = q.shape
     DV = v_cache.shape[-1]
+    if sinks is not None:
+        return _attention_reference(q, k_cache, v_cache, meta, scale, window, sinks)
     if q.is_cuda:
         out = torch.empty((N, H, DV), dtype=q.dtype, device=q.device)
         _triton().paged_attention(q, k_cache, v_cache, out, meta.positions, meta.block_table, meta.T, scale, window)
@@ -94,7 +110,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return _attention_reference(q, k_cache, v_cache, meta, scale, window)
 
 
-def _attention_reference(q, k_cache, v_cache, meta: AttnMeta, scale, window) -> torch.Tensor:
+def _attention_reference(q, k_cache, v_cache, meta: AttnMeta, scale, window, sinks=None) -> torch.Tensor:
     N, H, D = q.shape
     _, BS, KV, DV = v_cache.shape
     G = H // KV
@@ -115,5 +131,20 @@ def _attention_reference(q, k_cache, v_cache, meta: AttnMeta, scale, window) -> 
     if window:
         visible = visible & (qpos.unsqueeze(-1) - kpos.view(1, 1, S) < window)
     mask = visible.unsqueeze(1).expand(R, G, T, S).reshape(R, 1, G * T, S)
+    if sinks is not None:
+        o = _attention_with_sinks(qg, keys, vals, mask, scale, sinks.view(KV, G, 1).expand(KV, G, T).reshape(KV, G * T))
+        return o.view(R, KV, G, T, DV).permute(0, 3, 1, 2, 4).reshape(N, H, DV)
     o = F.scaled_dot_product_attention(qg, keys, vals, attn_mask=mask, scale=scale)
     return o.view(R, KV, G, T, DV).permute(0, 3, 1, 2, 4).reshape(N, H, DV)
+
+
+def _attention_with_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax over each query's keys also holds a sink logit (`sinks` [KV, G * T], one per
+    query row), which takes probability and gives nothing back, as GPT-OSS trains it (transformers' eager
+    attention: the max subtracted over keys and sink together)."""
+    w = torch.matmul(q, k.transpose(-1, -2)) * scale
+    w = w.masked_fill(~mask, float("-inf"))
+    both = torch.cat([w, sinks.to(w.dtype).unsqueeze(0).unsqueeze(-1).expand(w.shape[0], -1, -1, 1)], -1)
+    both = both - both.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(both, dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)

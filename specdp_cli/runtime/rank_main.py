@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         from .heap import freeze_startup_heap
 
         # the tokenizers' backend, imported while waiting for the job (not AutoTokenizer / AutoConfig: under
-        # transformers 5.17 those import its generation stack, ~3 s; modeldir and hf_config avoid them)
+        # transformers 5.17 those import its generation stack, ~3 s; modeldir and runtime/models/config.py avoid them)
         import transformers.tokenization_utils_tokenizers  # noqa: F401
 
         imported_at = time.time()

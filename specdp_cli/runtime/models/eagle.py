@@ -1,5 +1,5 @@
-"""Drafting heads on specdp's decoder: EAGLE-1 (Li et al., 2024), EAGLE-3 (Li et al., 2025) and
-DeepSeek-V3's multi-token-prediction (MTP) layer. Each proposes after verification (`drafters/eagle.py`).
+"""EAGLE drafting heads on specdp's decoder: EAGLE-1 (Li et al., 2024) and EAGLE-3 (Li et al., 2025).
+Each proposes after verification (`drafters/eagle.py`).
 
 EAGLE-1: one Llama decoder layer that predicts the target's next hidden state.
 
@@ -22,44 +22,23 @@ vocabulary give logits, mapped to target ids by `d2t` (target id = draft id + d2
 next draft step feeds the stream before `norm` back in. The head's own `embed_tokens` is used when the
 checkpoint has one, else the target's.
 
-MTP (`method: mtp`): the layer DeepSeek-V3 trains beside its decoder and stores in the target's own
-checkpoint as layer num_hidden_layers (`model.layers.{N}.*`; transformers skips it): `enorm`, `hnorm`,
-`eh_proj` [h, 2h] (no bias), a full decoder layer (latent attention, MoE with shared experts) and
-`shared_head.{norm, head}`, with `embed_tokens` there too in some checkpoints (else the target's embedding;
-no `shared_head.head`: the target's LM head). A step: x = eh_proj(cat(enorm(embed(token)), hnorm(feature)))
-(the embedding first), then the decoder layer; logits = shared_head.head(shared_head.norm(output)). The
-first step's feature is the target's last hidden state (after its final norm, as vLLM passes it); the next
-steps feed back the layer's output before `shared_head.norm`, as vLLM's `deepseek_mtp` does when k exceeds
-the layers it has. Only the first MTP layer is used (DeepSeek-V3 has one). Under expert parallelism its
-MoE holds this rank's experts and exchanges tokens with the other ranks like the target's.
+DeepSeek-V3's multi-token-prediction layer, which drafts the same way, lives with its family
+(`deepseek_v3.py`).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..modeldir import FAMILIES, ModelDir, UnsupportedModel, architecture_of, aux_layer_ids, eagle_layout
-from . import ops
-from .model import (CausalLM, Layer, _read_weights, _weights_of, decoder_layer, rank_experts, rotary_tables,
-                    weight_getter)
-from .hf_config import head_config
-from .ops import AttnMeta
-
-
-class TargetFeatureHead(CausalLM):
-    """A head whose forward reads the features of its N tokens from `self.feats[:N]`: the target runner's
-    last hidden states (after the target's final norm), which the drafter overwrites with the head's own
-    output for forwards 2..k. Fixed inputs, so a CUDA graph of it replays."""
-    needs_target_hidden = True          # the target runner keeps every token's last hidden state
-    feats: torch.Tensor | None = None
-
-    def attach(self, target_runner) -> None:
-        """Read the features of forward 1 — the target's last hidden states — in place."""
-        self.feats = target_runner.hidden
-
-    def prepare_features(self, n: int) -> None:
-        """Nothing to do: forward 1 reads the target's hidden states in place."""
-
+from ...modeldir import ModelDir, aux_layer_ids, eagle_layout
+from .. import ops
+from ..ops import AttnMeta
+from .config import head_config
+from .decoder import CausalLM, Layer
+from .heads import TargetFeatureHead
+from .registry import UnsupportedModel
+from .rotary import rotary_tables
+from .weights import read_weights
 
 class EagleHead(TargetFeatureHead):
     def __init__(self, config, layer: Layer, fc: torch.Tensor, fc_bias: torch.Tensor | None, target: CausalLM,
@@ -73,7 +52,7 @@ class EagleHead(TargetFeatureHead):
         layer, (k_cache, v_cache) = self.layers[0], self.kv_caches[0]
         residual = x
         a = self._attention(layer, x, meta, k_cache, v_cache)
-        h = ops.rms_norm(a, layer.post_norm, self.eps, residual)          # residual += a
+        h = ops.rms_norm(a, layer.mlp_norm, self.eps, residual)          # residual += a
         return residual + self._mlp(layer, h)
 
 
@@ -82,7 +61,7 @@ def _open_head(path: str, layout: str, dtype: torch.dtype, device: torch.device)
     same defaults and rope handling as a target's) and `get(name, required=True)`, which takes a weight
     out of the checkpoint in `dtype`."""
     md = ModelDir.open(path, "EAGLE head")
-    w = _read_weights(md.weight_files, device)
+    w = read_weights(md.weight_files, device)
     if eagle_layout(w) != layout:
         want = "fc.weight and layers.0.*" if layout == "eagle" else "midlayer.* and fc.weight"
         raise UnsupportedModel(f"{path}: not an {'EAGLE-1' if layout == 'eagle' else 'EAGLE-3'} head "
@@ -106,9 +85,9 @@ def _head_layer(path: str, get, w: dict, p: str, in_norm: torch.Tensor | None) -
         in_norm=in_norm,
         qkv=torch.cat([get(p + f"self_attn.{x}_proj.weight") for x in "qkv"], 0).contiguous(),
         qkv_bias=None, o=get(p + "self_attn.o_proj.weight"), o_bias=None,
-        post_norm=get(p + "post_attention_layernorm.weight"),
+        mlp_norm=get(p + "post_attention_layernorm.weight"),
         gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")], 0).contiguous(),
-        gate_up_bias=None, down=get(p + "mlp.down_proj.weight"), down_bias=None, q_norm=None, k_norm=None, window=None)
+        gate_up_bias=None, down=get(p + "mlp.down_proj.weight"), down_bias=None)
 
 
 def load_eagle_head(path: str, target: CausalLM, dtype: torch.dtype, device: torch.device, max_len: int) -> EagleHead:
@@ -161,7 +140,7 @@ class Eagle3Head(CausalLM):
         x = torch.cat([ops.rms_norm(F.embedding(ids, self.embed), layer.in_norm, self.eps),
                        ops.rms_norm(residual, self.hidden_norm, self.eps)], -1)
         a = self._attention(layer, x, meta, k_cache, v_cache)
-        h = ops.rms_norm(a, layer.post_norm, self.eps, residual)          # residual += a
+        h = ops.rms_norm(a, layer.mlp_norm, self.eps, residual)          # residual += a
         return residual + self._mlp(layer, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -200,57 +179,3 @@ def load_eagle3_head(path: str, target: CausalLM, dtype: torch.dtype, device: to
     return Eagle3Head(config, layer, get(p + "hidden_norm.weight"), fc, target.embed if embed is None else embed,
                       get("norm.weight"), lm_head, None if d2t is None else d2t.to(device).long(),
                       target.vocab_size, cos.to(device), sin.to(device), aux)
-
-
-class MTPHead(TargetFeatureHead):
-    """DeepSeek-V3's MTP layer (see the module docstring). forward returns the layer's output stream (the
-    feature of the next draft step); `logits` applies shared_head.norm and shared_head.head."""
-
-    def __init__(self, config, layer: Layer, enorm: torch.Tensor, hnorm: torch.Tensor, eh_proj: torch.Tensor,
-                 embed: torch.Tensor, norm: torch.Tensor, lm_head: torch.Tensor, target: CausalLM):
-        super().__init__(config, [layer], embed, norm, lm_head, target.cos, target.sin)
-        self.enorm, self.hnorm, self.eh_proj = enorm, hnorm, eh_proj
-
-    def forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
-        N = ids.shape[0]
-        layer, (k_cache, v_cache) = self.layers[0], self.kv_caches[0]
-        residual = F.linear(torch.cat([ops.rms_norm(F.embedding(ids, self.embed), self.enorm, self.eps),
-                                       ops.rms_norm(self.feats[:N], self.hnorm, self.eps)], -1), self.eh_proj)
-        a = self._attention(layer, ops.rms_norm(residual, layer.in_norm, self.eps), meta, k_cache, v_cache)
-        h = ops.rms_norm(a, layer.post_norm, self.eps, residual)          # residual += a
-        return residual + self._mlp(layer, h)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(ops.rms_norm(hidden, self.norm, self.eps), self.lm_head)
-
-
-def load_mtp_head(path: str, target: CausalLM, dtype: torch.dtype, device: torch.device, ep=None) -> MTPHead:
-    """The first MTP layer of the target checkpoint at `path` (layer num_hidden_layers of `target`'s config),
-    with this rank's routed experts only under expert parallelism (`ep`, as in load_model)."""
-    md = ModelDir.open(path, "model")
-    c, i = target.config, target.config.num_hidden_layers
-    w = _read_weights(md.weight_files, device, _weights_of(range(i, i + 1), rank_experts(md, ep), top_level=False))
-    p = f"layers.{i}."
-    prefix = "model." if f"model.{p}eh_proj.weight" in w else ""
-    if prefix + p + "eh_proj.weight" not in w:
-        raise UnsupportedModel(f"{path}: no multi-token-prediction layer (weight model.{p}eh_proj.weight)")
-    get = weight_getter(w, prefix, path, dtype)
-    layer = decoder_layer(c, FAMILIES[architecture_of(md.config)], i, get, path, ep)
-    h = target.embed.shape[1]
-    eh_proj = get(p + "eh_proj.weight")
-    if eh_proj.shape != (h, 2 * h):
-        raise UnsupportedModel(f"{path}: {prefix}{p}eh_proj.weight is {list(eh_proj.shape)}, expected [{h}, {2 * h}]")
-    embed, head = get(p + "embed_tokens.weight", False), get(p + "shared_head.head.weight", False)
-    return MTPHead(c, layer, get(p + "enorm.weight"), get(p + "hnorm.weight"), eh_proj,
-                   target.embed if embed is None else embed, get(p + "shared_head.norm.weight"),
-                   target.lm_head if head is None else head, target)
-
-
-def load_head(method: str, path: str, target: CausalLM, dtype: torch.dtype, device: torch.device, max_len: int,
-              ep=None):
-    """The drafting head of `method`: an EAGLE head from its directory ("eagle", "eagle3"), or the MTP layer
-    of the target's checkpoint ("mtp"; `ep` splits its experts as the target's)."""
-    loaders = {"eagle": lambda: load_eagle_head(path, target, dtype, device, max_len),
-               "eagle3": lambda: load_eagle3_head(path, target, dtype, device, max_len),
-               "mtp": lambda: load_mtp_head(path, target, dtype, device, ep)}
-    return loaders[method]()

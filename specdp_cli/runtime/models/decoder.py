@@ -1,0 +1,198 @@
+"""The decoder every family runs: a flat list of tokens from many sequences over a paged KV cache.
+
+Why not the transformers modules themselves: a decode step must be one CUDA graph of a few fused
+kernels per layer (q/k/v and gate/up are single matrix products; rotary embedding and the KV store
+are one kernel; norms fuse the residual add). transformers is used for what it is the reference of:
+the config (defaults of every family) and the rotary tables (every rope type).
+
+A layer is pre-norm (Llama): `in_norm` before attention, `mlp_norm` before the MLP, each fused with
+the residual add. A family that norms differently sets the optional parts: norms of the attention's
+and the MLP's outputs before they join the stream (Gemma-3, OLMo-2), no input norms (OLMo-2: attention
+and MLP read the stream itself), q/k norms per head (Qwen3, Gemma-3) or over the whole projection
+(OLMo-2), per-layer rotary tables (Gemma-3's local layers), attention sinks (GPT-OSS); a sparse MLP
+(`moe`) or latent attention (`mla`, DeepSeek-V3) replace the dense parts.
+
+A forward: `hidden = model.forward(ids [N], meta)`, then `model.logits(hidden[rows])`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..ops import AttnMeta
+from .weights import cat_rows
+
+
+@dataclass
+class Layer:
+    in_norm: torch.Tensor | None         # before attention (None: attention reads the residual stream itself)
+    qkv: torch.Tensor | None             # [(H + 2 KV) * D, hidden]; None with latent attention (mla)
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    mlp_norm: torch.Tensor | None        # before the MLP (Llama's post_attention_layernorm; None: the stream itself)
+    gate_up: torch.Tensor | None         # [2 * inter, hidden]; None with a sparse MLP (moe)
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None   # RMSNorm of q and k before rotation: of each head [D], or of the whole
+    k_norm: torch.Tensor | None = None   # projection [H * D], [KV * D] (`qk_norm_whole`)
+    qk_norm_whole: bool = False
+    window: int | None = None            # sliding-window attention: a token sees the last `window` positions
+    attn_out_norm: torch.Tensor | None = None    # the attention output's norm before it joins the stream
+    mlp_out_norm: torch.Tensor | None = None     # the MLP output's norm before it joins the stream
+    act: str = "silu"                    # the gated MLP's activation (ops.act_and_mul)
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None     # this layer's cos, sin (None: the model's)
+    sinks: torch.Tensor | None = None    # [H] per-head attention sink logits (GPT-OSS)
+    moe: object | None = None            # a sparse MLP instead of gate_up / down (moe.MoE)
+    mla: object | None = None            # latent attention instead of qkv (deepseek_v3.MLA, its model's forward)
+
+
+class CausalLM:
+    def __init__(self, hf_config, layers: list[Layer], embed: torch.Tensor, norm: torch.Tensor,
+                 lm_head: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        c = hf_config
+        self.config = c
+        self.layers = layers
+        self.embed, self.norm, self.lm_head = embed, norm, lm_head
+        self.cos, self.sin = cos, sin                       # [max_pos, rotary dim // 2] float32
+        self.H = c.num_attention_heads
+        self.KV = getattr(c, "num_key_value_heads", None) or self.H
+        self.D = getattr(c, "head_dim", None) or c.hidden_size // self.H
+        self.DV = self.D
+        self.scale = self.D ** -0.5
+        self.embed_scale: float | None = None               # the embedding is scaled by this (Gemma: sqrt(hidden))
+        self.eps = c.rms_norm_eps
+        self.vocab_size = lm_head.shape[0]
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []    # per layer, set by the KV cache
+        # EAGLE-3 reads the residual stream entering these layers (vLLM's aux hidden states; id N: after the
+        # last layer, before the final norm), written side by side into aux_buf [tokens, len(aux) * hidden]
+        self.aux_layers: tuple[int, ...] = ()
+        self.aux_buf: torch.Tensor | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def kv_shapes(self) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+        """Per layer ((kv_heads, key dim), (kv_heads, value dim)): what one cached token holds."""
+        return [((self.KV, self.D), (self.KV, self.DV)) for _ in self.layers]
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)     # rounded to the dtype, as transformers does
+        return x
+
+    def forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
+        """ids [N] -> final hidden states [N, hidden] (after the last norm)."""
+        x = self.embedding(ids)
+        residual = None
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, self.kv_caches)):
+            h, residual = self._join(x, residual, layer.in_norm)
+            if i in self.aux_layers:
+                self._keep_aux(i, residual)
+            x = self._attention(layer, h, meta, k_cache, v_cache)
+            if layer.attn_out_norm is not None:
+                x = ops.rms_norm(x, layer.attn_out_norm, self.eps)
+            h, residual = self._join(x, residual, layer.mlp_norm)
+            x = self._mlp(layer, h)
+            if layer.mlp_out_norm is not None:
+                x = ops.rms_norm(x, layer.mlp_out_norm, self.eps)
+        out = ops.rms_norm(x, self.norm, self.eps, residual)
+        if len(self.layers) in self.aux_layers:
+            self._keep_aux(len(self.layers), residual)
+        return out
+
+    def _join(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor | None):
+        """x joins the residual stream (the first layer's x starts it); returns (what the next block
+        reads: the stream's norm, or the stream itself without one, the stream)."""
+        if residual is None:
+            return (x if norm is None else ops.rms_norm(x, norm, self.eps)), x
+        if norm is None:
+            residual.add_(x)
+            return residual, residual
+        return ops.rms_norm(x, norm, self.eps, residual), residual          # residual += x, then its norm
+
+    def _keep_aux(self, layer: int, stream: torch.Tensor) -> None:
+        h = stream.shape[1]
+        for j, at in enumerate(self.aux_layers):
+            if at == layer:
+                self.aux_buf[:stream.shape[0], j * h:(j + 1) * h].copy_(stream)
+
+    @staticmethod
+    def _mlp(layer: Layer, h: torch.Tensor) -> torch.Tensor:
+        if layer.moe is not None:
+            return layer.moe(h)
+        return F.linear(ops.act_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias), layer.act), layer.down,
+                        layer.down_bias)
+
+    def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
+        N = h.shape[0]
+        H, KV, D = self.H, self.KV, self.D
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        if layer.q_norm is not None:
+            if layer.qk_norm_whole:
+                q, k = qkv[:, :H * D], qkv[:, H * D:(H + KV) * D]
+                q.copy_(ops.rms_norm(q.contiguous(), layer.q_norm, self.eps))
+                k.copy_(ops.rms_norm(k.contiguous(), layer.k_norm, self.eps))
+            else:
+                heads = qkv.view(N, H + 2 * KV, D)
+                heads[:, :H] = ops.rms_norm(heads[:, :H].reshape(N * H, D), layer.q_norm, self.eps).view(N, H, D)
+                heads[:, H:H + KV] = ops.rms_norm(heads[:, H:H + KV].reshape(N * KV, D), layer.k_norm,
+                                                  self.eps).view(N, KV, D)
+        cos, sin = layer.rope or (self.cos, self.sin)
+        ops.rope_and_store(qkv, cos, sin, meta, k_cache, v_cache, H, KV, D)
+        q = qkv[:, :H * D].view(N, H, D)
+        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window, layer.sinks)
+        return F.linear(out.reshape(N, -1), layer.o, layer.o_bias)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head)
+
+
+def routed_expert_bytes(model: CausalLM) -> int:
+    """Bytes of the routed experts' weights `model` holds (under expert parallelism: this rank's share)."""
+    return sum(layer.moe.nbytes for layer in model.layers if layer.moe is not None)
+
+
+def layer_window(c, i: int) -> int | None:
+    """Layer i's sliding window from `layer_types` (transformers 5 names each layer's attention), or None."""
+    types = getattr(c, "layer_types", None)
+    if types and types[i] == "sliding_attention" and getattr(c, "sliding_window", None):
+        return int(c.sliding_window)
+    return None
+
+
+def attention_weights(get, p: str, path: str) -> dict:
+    """The Layer fields of a layer's attention stored as q_proj, k_proj, v_proj, o_proj (with biases where
+    the checkpoint has them) and optional per-head q_norm / k_norm, under prefix `p` + "self_attn."."""
+    a = p + "self_attn."
+    return dict(qkv=cat_rows(path, get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")),
+                qkv_bias=cat_rows(path, get(a + "q_proj.bias", False), get(a + "k_proj.bias", False),
+                                  get(a + "v_proj.bias", False)),
+                o=get(a + "o_proj.weight"), o_bias=get(a + "o_proj.bias", False),
+                q_norm=get(a + "q_norm.weight", False), k_norm=get(a + "k_norm.weight", False))
+
+
+def mlp_weights(get, p: str, path: str) -> dict:
+    """The Layer fields of a dense gated MLP stored as gate_proj, up_proj, down_proj under `p` + "mlp."."""
+    m = p + "mlp."
+    return dict(gate_up=cat_rows(path, get(m + "gate_proj.weight"), get(m + "up_proj.weight")),
+                gate_up_bias=cat_rows(path, get(m + "gate_proj.bias", False), get(m + "up_proj.bias", False)),
+                down=get(m + "down_proj.weight"), down_bias=get(m + "down_proj.bias", False))
+
+
+def pre_norm_layer(get, i: int, path: str, window: int | None = None, moe=None, **fields) -> Layer:
+    """Decoder layer i of a pre-norm (Llama-style) checkpoint: input_layernorm, attention, post_attention_layernorm
+    (the norm before the MLP), and a dense gated MLP unless a sparse one (`moe`) replaces it."""
+    p = f"layers.{i}."
+    mlp = dict(gate_up=None, gate_up_bias=None, down=None, down_bias=None) if moe is not None else mlp_weights(get, p, path)
+    parts = {**attention_weights(get, p, path), **mlp, **fields}
+    return Layer(in_norm=get(p + "input_layernorm.weight"), mlp_norm=get(p + "post_attention_layernorm.weight"),
+                 window=window, moe=moe, **parts)

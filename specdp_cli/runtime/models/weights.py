@@ -1,0 +1,71 @@
+"""Reading a checkpoint's tensors: which ones a model reads, and taking them out by name in a dtype."""
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+
+from .naming import expert_split, layer_index
+from .registry import UnsupportedModel
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")      # routed experts only: ".shared_experts." does not match
+
+
+def read_weights(files: list[str], device: torch.device,
+                 wanted: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors whose names are `wanted` (the others are never read from a safetensors file)."""
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        if f.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(f, framework="pt", device=str(device)) as fh:
+                for name in fh.keys():
+                    if wanted(name):
+                        out[name] = fh.get_tensor(name)
+        else:
+            out.update((k, v) for k, v in torch.load(f, map_location=device, weights_only=True).items() if wanted(k))
+    return out
+
+
+def weights_of(layers: range, experts: set[int] | None, top_level: bool = True) -> Callable[[str], bool]:
+    """Which tensors a model reads: those of the decoder layers in `layers` and, with `top_level`, those of
+    no layer (embedding, final norm, LM head); with `experts` set (expert parallelism) only those routed
+    experts' per-expert tensors. A target reads layers 0..num_hidden_layers - 1: DeepSeek-V3 stores its
+    multi-token-prediction layer as layer num_hidden_layers, a drafter's weights (`method: mtp`)."""
+    def wanted(name: str) -> bool:
+        layer = layer_index(name)
+        if layer is None:
+            return top_level
+        if layer not in layers:
+            return False
+        expert = _EXPERT.search(name) if experts is not None else None
+        return expert is None or int(expert.group(1)) in experts
+    return wanted
+
+
+def rank_experts(num_experts: int, ep) -> set[int] | None:
+    """The routed experts this rank reads under expert parallelism (None: all of them)."""
+    return None if ep is None else set(expert_split(num_experts, ep.world, ep.rank))
+
+
+def weight_getter(w: dict[str, torch.Tensor], prefix: str, path: str, dtype: torch.dtype):
+    """`get(name, required=True, as_dtype=None)`: takes weight `prefix + name` out of `w`, in `dtype`."""
+    def get(name: str, required: bool = True, as_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        t = w.pop(prefix + name, None)
+        if t is None:
+            if required:
+                raise UnsupportedModel(f"{path}: weight {prefix + name} is missing")
+            return None
+        return t.to(as_dtype or dtype)
+    return get
+
+
+def cat_rows(path: str, *ts: torch.Tensor | None) -> torch.Tensor | None:
+    """Projections stacked into one matrix (q, k, v -> qkv; gate, up -> gate_up), or their biases."""
+    if all(t is None for t in ts):
+        return None
+    if any(t is None for t in ts):
+        raise UnsupportedModel(f"{path}: some projections of a layer have a bias and others not")
+    return torch.cat(ts, 0).contiguous()
