@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor OUT_DIR
 # Needs .bench/codepair (a copy of ../shared/models/codepair) and .bench/{hf_baselines,widen,graph_floor}.py
 # (copies of ../shared/bench/); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -287,6 +287,43 @@ final)
      wait ;;
   esac
   wait; tail -n 4 "$out"/*.log
+  ;;
+refactor)
+  # session 12 (issue 28: the plan, the per-family model files, the step as schedule -> execute -> update):
+  # the offline rows before and after on one machine, interleaved. OLD: a copy of the code before (e.g.
+  # `git archive 8fd26ff specdp_cli benchmarks | tar -x -C .bench/old`), run by its own benchmarks/offline.py.
+  # PART=1: every GPU test, then the codepair at batch 1 and 32 (none, draft_model, eagle), old / new / old / new;
+  # PART=2: the 8B-shaped target at batch 1 and 16 (none, draft_model), old / new / old / new.
+  OLD=${OLD:-.bench/old}
+  pair() {   # NAME ARGS...: the same offline rows by the old code and the new, twice, alternating
+    name=$1; shift
+    for i in 1 2; do
+      for v in old new; do
+        dir=.; [ $v = old ] && dir=$OLD
+        timeout 240 python3 $dir/benchmarks/offline.py "$@" --json "$out/${name}_${v}_$i.json" > /tmp/${name}_${v}_$i.log 2>&1 \
+          || { echo "== ${name} $v $i failed"; tail -20 /tmp/${name}_${v}_$i.log; }
+      done
+    done
+  }
+  case "${PART:-1}" in
+  1) timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
+     tail -3 "$out/gpu_tests.log"
+     pair codepair --pair $P --batches 1,32 --methods none,draft_model,eagle ;;
+  2) widen || exit 1
+     pair widened --pair $P --target $W/target --prompts 16 --batches 1,16 --methods none,draft_model --label widened ;;
+  esac
+  python3 - "$out" <<'PY'
+import glob, json, sys
+rows = {}
+for f in sorted(glob.glob(sys.argv[1] + "/*_[on]*_[12].json")):
+    name, v, i = f.rsplit("/", 1)[1][:-5].rsplit("_", 2)
+    for r in json.load(open(f)).get("rows", []):
+        rows.setdefault((name, r["method"], r["batch"]), {}).setdefault(v, []).append(r["tok_s"])
+for (name, m, b), d in sorted(rows.items()):
+    o, n = d.get("old", []), d.get("new", [])
+    ratio = (sum(n) / len(n)) / (sum(o) / len(o)) if o and n else float("nan")
+    print(f"{name:10s} {m:12s} bs {b:3d}  old {o}  new {n}  new/old {ratio:.3f}")
+PY
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

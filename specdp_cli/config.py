@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .methods import METHODS
+from .request_params import ParamError, SamplingParams, check_sampling
 
 PATH_FIELDS = (("model",), ("tokenizer",), ("chat_template",), ("speculative", "model"))
 
@@ -120,10 +121,19 @@ class CacheConfig(_Strict):
 
 
 class SamplingConfig(_Strict):
-    max_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0, allow_inf_nan=False)
-    top_p: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0)
+    """Defaults for requests that do not say (request_params.py defines the fields, their defaults and bounds)."""
+    max_tokens: int = SamplingParams.max_tokens
+    temperature: float = SamplingParams.temperature
+    top_p: float = SamplingParams.top_p
+    top_k: int = SamplingParams.top_k
+
+    @model_validator(mode="after")
+    def _bounds(self):
+        try:
+            check_sampling(self.model_dump(), {})
+        except ParamError as e:
+            raise ValueError(str(e)) from None
+        return self
 
 
 class ServerConfig(_Strict):

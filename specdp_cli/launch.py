@@ -26,7 +26,7 @@ from dataclasses import asdict
 import yaml
 
 from .config import Config
-from .preflight import Plan
+from .plan import Plan, ranks_per_machine
 from .runtime.status import read_states
 
 GRACE_S = 10.0
@@ -112,15 +112,10 @@ def process_state(pid: int) -> str | None:
         return None
 
 
-def threads_per_rank(device: str, ranks_per_machine: int) -> int:
+def threads_per_rank(device: str, per_machine: int) -> int:
     if device == "cuda":
-        return 1 if ranks_per_machine > 1 else 4
-    return max(1, (os.cpu_count() or 1) // ranks_per_machine)
-
-
-def ranks_per_machine(cfg: Config) -> int:
-    par = cfg.parallel
-    return max(1, par.data_parallel_size // max(1, par.num_machines))
+        return 1 if per_machine > 1 else 4
+    return max(1, (os.cpu_count() or 1) // per_machine)
 
 
 def accelerate_command(cfg: Config, run_dir: RunDir, port: int, threads: int) -> list[str]:
@@ -141,7 +136,7 @@ def accelerate_command(cfg: Config, run_dir: RunDir, port: int, threads: int) ->
             "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
             "--rdzv_backend", "static", "--same_network", "--monitor_interval", "0.1",
             "--num_cpu_threads_per_process", str(threads),
-            "-m", "specdp_cli.runtime.rank_main", run_dir.path]
+            "-m", "specdp_cli.rank", run_dir.path]
 
 
 def rank_env(cfg: Config) -> dict[str, str]:
@@ -162,7 +157,7 @@ class Ranks:
         self.cfg = cfg
         self.run_dir = run_dir or RunDir()
         par = cfg.parallel
-        n = ranks_per_machine(cfg)
+        n = ranks_per_machine(cfg.parallel)
         first = par.machine_rank * n
         self.local_ranks = range(first, first + n)
         self.proc: subprocess.Popen | None = None
@@ -180,7 +175,7 @@ class Ranks:
         threads = threads_per_rank(self.cfg.device if self.cfg.device != "auto" else "cpu", len(self.local_ranks))
         if self.cfg.parallel.data_parallel_size == 1:
             # one rank needs no launcher (accelerate's --multi_gpu refuses a single process)
-            cmd = [sys.executable, "-m", "specdp_cli.runtime.rank_main", self.run_dir.path]
+            cmd = [sys.executable, "-m", "specdp_cli.rank", self.run_dir.path]
             env.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "OMP_NUM_THREADS": str(threads)})
         else:
             cmd = accelerate_command(self.cfg, self.run_dir, self.port, threads)

@@ -1,9 +1,9 @@
-"""Preflight: check a configuration and its model directories (no weights loaded), resolve the
-settings left on `auto`, and choose the skip / dummy policy.
+"""Preflight: check a configuration and its model directories (no weights loaded) and report on the
+Plan `plan.resolve` derives from it (settings left on `auto`, the skip / dummy policy, D, memory).
 
-The result is a `Report`: one row per check (ok / warn / error) plus the resolved `Plan` that the
-launcher and the ranks read instead of re-deriving anything. Definitions (M, k, D, the no-draft
-window, lockstep) follow the contract in DESIGN.md.
+The result is a `Report`: one row per check (ok / warn / error) plus the Plan, which the checks read
+and never change; the launcher and the ranks read it instead of re-deriving anything. Definitions (M,
+k, D, the no-draft window, lockstep) follow the contract in DESIGN.md.
 """
 from __future__ import annotations
 
@@ -13,32 +13,11 @@ from typing import Optional
 
 from .config import Config
 from .methods import METHODS
-from .modeldir import (DTYPE_BYTES, ModelDir, ModelDirError, UnsupportedModel, architecture_of, aux_layer_ids,
-                       eagle_layout, expert_split, has_tokenizer_files, kv_bytes_per_token, load_tokenizer)
+from .modeldir import (ModelDir, ModelDirError, UnsupportedModel, architecture_of, aux_layer_ids, eagle_layout,
+                       expert_split, has_tokenizer_files, load_tokenizer)
+from .plan import Plan, resolve
 
 STATUS_ORDER = {"ok": 0, "warn": 1, "error": 2}
-ACTIVATION_RESERVE = 1 << 30             # preflight's guess at activations + CUDA graphs on a GPU
-
-
-@dataclass
-class Plan:
-    """Everything preflight resolved. Passed down to the launcher and every rank."""
-    device: str = "cpu"                      # cpu | cuda
-    dtype: str = "float32"
-    backend: str = "gloo"                    # gloo | nccl
-    dp_sync: Optional[str] = None            # always | never
-    policy: Optional[str] = None             # skip | dummy | None (method none)
-    drafter_max_model_len: Optional[int] = None   # D
-    no_draft_window: Optional[list[int]] = None   # [D - k + 1, M - 1]
-    ranks_per_machine: int = 1
-    model_name: str = ""
-    num_blocks: Optional[int] = None              # KV blocks: cache.num_blocks, the CPU default, or None (a GPU sizes it)
-    expert_parallel: bool = False                 # the target's routed experts are split over the DP ranks
-    speculation: Optional[dict] = None            # the step k's schedule: mode, ranges, k values (spec_length.py)
-
-    @property
-    def lockstep(self) -> bool:
-        return self.dp_sync == "always"
 
 
 @dataclass
@@ -92,30 +71,8 @@ def schema_failure(problems: list[str]) -> Report:
     return r
 
 
-# ---------------------------------------------------------------------------------------------
-# the hooks that tests replace
-
-def cuda_device_count() -> int:
-    import torch
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def device_memory(device: str) -> Optional[tuple[int, int]]:
-    """(free, total) bytes of one device; None on CPU (there the memory check reports the estimate only)."""
-    if device != "cuda":
-        return None
-    import torch
-    if not torch.cuda.is_available():
-        return None     # the parallel check already reports the missing GPU
-    free, total = torch.cuda.mem_get_info(0)
-    return int(free), int(total)
-
-
-# ---------------------------------------------------------------------------------------------
-
 def run_preflight(cfg: Config) -> Report:
     report = Report()
-    plan = report.plan
     spec = cfg.speculative
     k = spec.num_speculative_tokens
     meth = METHODS[spec.method]
@@ -163,10 +120,7 @@ def run_preflight(cfg: Config) -> Report:
     if cfg.chat_template and "{" not in cfg.chat_template and not os.path.isfile(cfg.chat_template):
         findings.append(("error", f"chat_template file not found: {cfg.chat_template}."))
     report.add("files", findings)
-    plan.model_name = cfg.server.model_name or (target.name if target else os.path.basename(cfg.model))
-
-    # 4 first: device, backend and dp_sync feed the other checks --------------------------------
-    parallel_findings = _parallel(cfg, plan, target)
+    plan = report.plan = resolve(cfg, target, drafter)
 
     # 2. lengths -------------------------------------------------------------------------------
     if target is not None:
@@ -176,7 +130,8 @@ def run_preflight(cfg: Config) -> Report:
     if meth.separate_lm and target is not None and drafter is not None:
         report.add("vocab", _vocab(target, drafter, tokenizer, drafter_tokenizer))
 
-    report.add("parallel", parallel_findings)
+    # 4. parallel --------------------------------------------------------------------------------
+    report.add("parallel", _parallel(cfg, plan, target))
 
     # 5. policy ----------------------------------------------------------------------------------
     report.add("policy", _policy(cfg, plan))
@@ -184,8 +139,8 @@ def run_preflight(cfg: Config) -> Report:
     report.add("speculation length", _speculation(cfg, plan))
 
     # 6. memory ----------------------------------------------------------------------------------
-    if target is not None and (drafter is not None or not uses_drafter_model):
-        report.add("memory", _memory(cfg, plan, target, drafter, report))
+    if plan.memory is not None:
+        report.add("memory", _memory(cfg, plan, report))
 
     # 7. scheduler -------------------------------------------------------------------------------
     s = cfg.scheduler
@@ -289,44 +244,33 @@ def _parallel(cfg: Config, plan: Plan, target: ModelDir | None) -> list[tuple[st
     elif dp % machines:
         out.append(("error", f"data_parallel_size ({dp}) must be a multiple of num_machines ({machines}): "
                              f"every machine runs the same number of ranks."))
-    plan.ranks_per_machine = max(1, dp // machines) if dp >= 1 else 1
-    gpus = cuda_device_count() if cfg.device in ("auto", "cuda") else 0
-    plan.device = cfg.device if cfg.device != "auto" else ("cuda" if gpus else "cpu")
+    gpus = plan.gpus
     if plan.device == "cuda":
         if gpus == 0:
             out.append(("error", "device is cuda but no GPU is visible (check CUDA_VISIBLE_DEVICES, or set device: cpu)."))
         elif plan.ranks_per_machine > gpus:
             out.append(("error", f"{plan.ranks_per_machine} ranks per machine need {plan.ranks_per_machine} GPUs, "
                                  f"but {gpus} are visible: lower data_parallel_size or raise num_machines."))
-    plan.backend = par.backend if par.backend != "auto" else ("nccl" if plan.device == "cuda" else "gloo")
     if plan.backend == "nccl" and plan.device != "cuda":
         out.append(("error", "backend nccl needs device cuda; use backend gloo (or auto) on CPU."))
-    if cfg.dtype != "auto":
-        plan.dtype = cfg.dtype
-    elif plan.device == "cuda" and target is not None:
-        plan.dtype = target.stored_dtype if target.stored_dtype in ("float32", "bfloat16", "float16") else "float32"
-    else:
-        plan.dtype = "float32"
     moe = bool(target and target.is_moe)
     if par.dp_sync == "auto":
-        plan.dp_sync = "always" if moe else "never"
         why = ("a mixture-of-experts model: ranks step in lockstep" if moe
                else "a dense model: ranks step independently")
     else:
-        plan.dp_sync = par.dp_sync
         why = "as configured"
         if moe and par.dp_sync == "never":
             out.append(("warn", "dp_sync is never on a mixture-of-experts model: expert-parallel engines need "
                                 "lockstep (dp_sync: always); fine only while experts are not sharded across ranks."))
     if par.enable_expert_parallel:
-        out += _expert_parallel(cfg, plan, target, moe)
+        out += _expert_parallel(cfg, target, moe)
     out.insert(0, ("ok", f"{dp} rank(s) on {machines} machine(s), {plan.ranks_per_machine} per machine, "
                          f"device {plan.device}, backend {plan.backend}, dtype {plan.dtype}; "
                          f"dp_sync {plan.dp_sync} ({why})."))
     return out
 
 
-def _expert_parallel(cfg: Config, plan: Plan, target: ModelDir | None, moe: bool) -> list[tuple[str, str]]:
+def _expert_parallel(cfg: Config, target: ModelDir | None, moe: bool) -> list[tuple[str, str]]:
     """parallel.enable_expert_parallel: every MoE layer's forward exchanges tokens between the ranks, so
     they must step in lockstep (and pad idle ranks' drafter forwards: see the policy check)."""
     dp = cfg.parallel.data_parallel_size
@@ -343,7 +287,6 @@ def _expert_parallel(cfg: Config, plan: Plan, target: ModelDir | None, moe: bool
     if dp > experts:
         return [("error", f"enable_expert_parallel over {dp} ranks needs at least as many experts ({experts}): lower "
                           f"data_parallel_size or turn expert parallelism off.")]
-    plan.dp_sync, plan.expert_parallel = "always", True
     split = ", ".join(f"rank {r}: {len(expert_split(experts, dp, r))}" for r in range(dp))
     return [("ok", f"expert parallel: {experts} experts per layer over {dp} ranks ({split}); ranks step in lockstep.")]
 
@@ -374,13 +317,11 @@ def _lengths(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None
         limits["speculative.max_model_len"] = spec.max_model_len
     if drafter is not None and drafter.max_position_embeddings:
         limits["drafter max_position_embeddings"] = drafter.max_position_embeddings
-    D = min(limits.values())
-    plan.drafter_max_model_len = D
+    D = plan.drafter_max_model_len
     which = min(limits, key=limits.get)
-    lo, hi = D - k + 1, M - 1
     detail = f"M = {M}, k = {k}, D = {D} (from {which})."
-    if lo <= hi:
-        plan.no_draft_window = [lo, hi]
+    if plan.no_draft_window:
+        lo, hi = plan.no_draft_window
         detail += (f" No-draft window [{lo}, {hi}]: a sequence whose length (prompt + generated) reaches {lo} no "
                    f"longer fits the drafter (L + k > D) and gains one token per step from then on;")
         detail += (" the policy below says what its rank does then." if cfg.parallel.data_parallel_size > 1
@@ -422,15 +363,10 @@ def _vocab(target: ModelDir, drafter: ModelDir, tok, dtok) -> list[tuple[str, st
 def _policy(cfg: Config, plan: Plan) -> list[tuple[str, str]]:
     spec = cfg.speculative
     if not METHODS[spec.method].drafts:
-        plan.policy = None
         return [("ok", "method none: no drafter, no policy.")]
     dp = cfg.parallel.data_parallel_size
     drafter_forward = METHODS[spec.method].forward
     need_dummy = dp > 1 and plan.dp_sync == "always" and drafter_forward
-    if spec.policy == "auto":
-        plan.policy = "dummy" if need_dummy else "skip"
-    else:
-        plan.policy = spec.policy
     if need_dummy and plan.policy == "skip":
         return [("error", f"policy skip with dp_sync always and {dp} ranks would hang: a rank with nothing to draft "
                           f"would run no drafter forward while the others run {spec.num_speculative_tokens}, so ranks "
@@ -455,7 +391,6 @@ def _speculation(cfg: Config, plan: Plan) -> list[tuple[str, str]]:
     spec = cfg.speculative
     k, ranges = spec.num_speculative_tokens, spec.num_speculative_tokens_per_batch_size
     if not METHODS[spec.method].drafts:
-        plan.speculation = {"mode": "none", "ranges": None, "k_values": [0]}
         if ranges or spec.adaptive:
             return [("warn", "method none drafts nothing: num_speculative_tokens_per_batch_size / adaptive are unused.")]
         return [("ok", "method none: k = 0.")]
@@ -464,13 +399,10 @@ def _speculation(cfg: Config, plan: Plan) -> list[tuple[str, str]]:
             " Each rank chooses for its own batch." if cfg.parallel.data_parallel_size > 1 else "")
     window = " The no-draft window does not depend on the step's k (a sequence fits the drafter when L + k <= D)."
     if spec.adaptive:
-        plan.speculation = {"mode": "adaptive", "ranges": None, "k_values": list(range(k + 1))}
         return [("ok", f"adaptive: each step drafts k in 0..{k}, the k that maximises expected tokens per second "
                        f"(acceptance per position as running averages; target and drafter forward costs timed at "
                        f"start-up and corrected by measured step times).{lock}{window}")]
     if ranges:
-        ks = sorted({k} | {r[2] for r in ranges})
-        plan.speculation = {"mode": "per batch size", "ranges": [list(r) for r in sorted(ranges)], "k_values": ks}
         parts = ", ".join(f"{a}-{b} running: k {kk}" for a, b, kk in sorted(ranges))
         unused = [r for r in ranges if r[0] > cfg.scheduler.max_num_seqs]
         out = [("ok", f"per batch size: {parts}; any other batch size: k {k}.{lock}{window}")]
@@ -478,7 +410,6 @@ def _speculation(cfg: Config, plan: Plan) -> list[tuple[str, str]]:
             out.append(("warn", f"ranges {unused} start above max_num_seqs ({cfg.scheduler.max_num_seqs}): a rank "
                                 f"never runs that many sequences, so they are never used."))
         return out
-    plan.speculation = {"mode": "fixed", "ranges": None, "k_values": [k]}
     return [("ok", f"fixed: k = {k} every step.")]
 
 
@@ -490,38 +421,14 @@ def _fmt_bytes(n: float) -> str:
     return f"{n}"
 
 
-def _memory(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None,
-            report: Report) -> list[tuple[str, str]]:
-    """Weights and the paged KV cache's capacity, in tokens and in full-length sequences."""
-    M, n, c = cfg.max_model_len, cfg.scheduler.max_num_seqs, cfg.cache
-    bs = c.block_size
-    mtp = METHODS[cfg.speculative.method].in_target
-    # under expert parallelism each rank holds 1/dp of the routed experts (the most any rank holds)
-    experts_held = (-(-target.num_experts // cfg.parallel.data_parallel_size) / target.num_experts
-                    if plan.expert_parallel else 1.0)
-    weights = int(target.weight_bytes(plan.dtype) * target.loaded_share(mtp, experts_held))
-    per_token = target.kv_bytes_per_token(plan.dtype)
-    if drafter:
-        weights += drafter.weight_bytes(plan.dtype)
-        per_token += drafter.kv_bytes_per_token(plan.dtype)
-    if mtp:                          # the MTP layer caches like one of the target's layers
-        per_token += kv_bytes_per_token(target.kv_shapes()[:1], DTYPE_BYTES.get(plan.dtype, 4))
-    with_mtp = " with the MTP layer" if mtp else ""
-    per_seq = -(-M // bs)                                    # blocks of one full-length sequence
-    mem = device_memory(plan.device)
-    if c.num_blocks:
-        blocks, how = c.num_blocks, "cache.num_blocks"
-        plan.num_blocks = blocks
-    elif mem is None:
-        blocks, how = n * per_seq, f"max_num_seqs ({n}) full-length sequences"
-        plan.num_blocks = blocks
-    else:
-        free, total = mem
-        # what gpu_memory_utilization leaves after this device's current use, the weights and a
-        # reserve for activations (the engine measures those at start and sizes the pool exactly)
-        budget = c.gpu_memory_utilization * total - (total - free) - weights - ACTIVATION_RESERVE
-        blocks, how = max(0, int(budget // max(per_token * bs, 1))), \
-            f"gpu_memory_utilization {c.gpu_memory_utilization} of {_fmt_bytes(total)}"
+def _memory(cfg: Config, plan: Plan, report: Report) -> list[tuple[str, str]]:
+    """Weights and the paged KV cache's capacity, in tokens and in full-length sequences (plan.memory)."""
+    m = plan.memory
+    M, n, bs = cfg.max_model_len, cfg.scheduler.max_num_seqs, m["block_size"]
+    weights, per_token, blocks, per_seq = m["weight_bytes"], m["kv_bytes_per_token"], m["num_blocks"], m["sequence_blocks"]
+    with_mtp = " with the MTP layer" if METHODS[cfg.speculative.method].in_target else ""
+    how = {"config": "cache.num_blocks", "cpu": f"max_num_seqs ({n}) full-length sequences"}.get(
+        m["source"], f"gpu_memory_utilization {cfg.cache.gpu_memory_utilization} of {_fmt_bytes(m['device_total'] or 0)}")
     tokens = blocks * bs
     seqs = blocks // per_seq
     report.kv_cache = {"block_size": bs, "num_blocks": blocks, "tokens": tokens, "sequences": seqs}
@@ -532,7 +439,8 @@ def _memory(cfg: Config, plan: Plan, target: ModelDir, drafter: ModelDir | None,
     if blocks < per_seq:
         return [("error", f"{numbers}; not even one sequence of max_model_len {M} fits ({per_seq} blocks): raise "
                           f"cache.num_blocks or cache.gpu_memory_utilization, or lower max_model_len.")]
-    where = "estimate only: no GPU to compare with" if mem is None else "an estimate; the engine measures it at start"
+    where = ("estimate only: no GPU to compare with" if m["source"] == "cpu" or m["device_total"] is None
+             else "an estimate; the engine measures it at start")
     out = [("ok", f"{numbers} ({where}).")]
     if seqs < n:
         out.append(("ok", f"Fewer than max_num_seqs ({n}) sequences fit at full length: sequences take blocks "

@@ -1,21 +1,53 @@
-"""The sampling fields of one request — a `generate` input line or an API body — checked once, the
-same way for both, with the bounds vLLM applies: integers are integers that fit in 64 bits,
-numbers are finite (JSON parsers accept NaN and Infinity), ranges as below. A bad value is the
-caller's 400 or error line, never a failed job or a dead rank.
-
-  max_tokens   integer >= 1 (a caller may default it)
-  temperature  number >= 0 (0: greedy)
-  top_p        number in (0, 1]
-  top_k        integer >= -1 (-1 and 0: off)
-  seed         integer in [-2**63, 2**63 - 1], or absent
-  stop         a string or a list of strings (empty ones are dropped)
-  speculative  a boolean (an extension field; false: the request's sequence verifies no drafts), or absent
+"""The sampling fields of a request, defined once: their names and defaults (`SamplingParams`), their
+bounds (`BOUNDS`, JSON-schema fragments: /openapi.json shows them as they are), and the one check of a
+request's values (`check_sampling`) — for a `generate` input line, an API body and the config's
+`sampling` defaults alike, with the bounds vLLM applies: integers are integers that fit in 64 bits,
+numbers are finite (JSON parsers accept NaN and Infinity). A bad value is the caller's 400, error line
+or config error naming the field, never a failed job or a dead rank.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field, fields
 
 INT64_MIN, INT64_MAX = -(2 ** 63), 2 ** 63 - 1
+
+
+@dataclass
+class SamplingParams:
+    """What a request asks of sampling (what a rank's engine reads)."""
+    max_tokens: int = 128             # tokens to generate at most (the sequence also stops at max_model_len)
+    temperature: float = 0.0          # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0: off (a request's -1 means off too)
+    seed: int = 0                     # a request without one gets one derived from the job's seed and its id
+    stop: list[str] = field(default_factory=list)
+    speculative: bool = True          # False: the request's rows verify no drafts (an extension field)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_dict(cls, p: dict) -> "SamplingParams":
+        """From `check_sampling`'s values (a field it leaves out keeps its default)."""
+        return cls(**{f.name: p[f.name] for f in fields(cls) if p.get(f.name) is not None})
+
+
+# each field's bounds; a request may leave any out (its default: the config's `sampling` section, else
+# SamplingParams'); `seed` may also be null
+BOUNDS: dict[str, dict] = {
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "description": "0: greedy"},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": -1, "description": "-1 or 0: off"},
+    "seed": {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX},
+    "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "speculative": {"type": "boolean",
+                    "description": "specdp extension: false = this request verifies no drafts (others still speculate)"},
+}
+CONFIGURABLE = ("max_tokens", "temperature", "top_p", "top_k")      # what a config's `sampling` section may default
+assert set(BOUNDS) == {f.name for f in fields(SamplingParams)}
 
 
 class ParamError(ValueError):
@@ -34,7 +66,7 @@ def _int(key: str, v, lo: int | None = None) -> int:
     return v
 
 
-def _float(key: str, v) -> float:
+def _float(key: str, v, bounds: dict) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ParamError(key, f"{key} must be a number (got {v!r})")
     try:
@@ -43,50 +75,56 @@ def _float(key: str, v) -> float:
         raise ParamError(key, f"{key} is out of range (got an integer of {len(str(v))} digits)") from None
     if not math.isfinite(f):
         raise ParamError(key, f"{key} must be a finite number (got {v!r})")
+    if "exclusiveMinimum" in bounds:                     # (lo, hi]
+        lo, hi = bounds["exclusiveMinimum"], bounds["maximum"]
+        if not lo < f <= hi:
+            raise ParamError(key, f"{key} must be in ({lo}, {hi}] (got {f})")
+    elif f < bounds["minimum"]:
+        raise ParamError(key, f"{key} must be >= {bounds['minimum']} (got {f})")
     return f
+
+
+def _value(key: str, v, name: str):
+    """Field `key`'s value `v` (sent as `name`), checked against its bounds and normalised: top_k -1 -> 0,
+    stop -> a list of non-empty strings."""
+    b = BOUNDS[key]
+    if key == "stop":
+        stop = [v] if isinstance(v, str) else v
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise ParamError(name, "stop must be a string or a list of strings")
+        return [s for s in stop if s]
+    if b["type"] == "boolean":
+        if not isinstance(v, bool):
+            raise ParamError(name, f"{name} must be true or false (got {v!r})")
+        return v
+    if b["type"] == "integer":
+        n = _int(name, v, lo=b["minimum"] if key != "seed" else None)
+        return max(n, 0) if key == "top_k" else n
+    return _float(name, v, b)
 
 
 def sampling_defaults(sampling, max_tokens: bool = True) -> dict:
     """The config's `sampling` section as check_sampling's defaults; max_tokens=False leaves
     max_tokens to the caller (the server fills it to the room the prompt leaves)."""
-    return {"max_tokens": sampling.max_tokens if max_tokens else None, "temperature": sampling.temperature,
-            "top_p": sampling.top_p, "top_k": sampling.top_k}
+    out = {k: getattr(sampling, k) for k in CONFIGURABLE}
+    if not max_tokens:
+        out["max_tokens"] = None
+    return out
 
 
 def check_sampling(raw: dict, defaults: dict, max_tokens_key: str = "max_tokens") -> dict:
-    """raw: the request's fields (absent or null: the default). defaults: max_tokens (may be None),
-    temperature, top_p, top_k. Returns max_tokens, temperature, top_p, top_k (0 when off), seed (None
-    or an int64), stop (a list of non-empty strings), and speculative: False when the request opts out.
-    Raises ParamError naming the field."""
-    def given(key):
-        return raw.get(key) is not None
-
-    out = {"max_tokens": defaults.get("max_tokens"), "temperature": float(defaults.get("temperature", 0.0)),
-           "top_p": float(defaults.get("top_p", 1.0)), "top_k": int(defaults.get("top_k") or 0), "seed": None,
-           "stop": []}
-    if given(max_tokens_key):
-        out["max_tokens"] = _int(max_tokens_key, raw[max_tokens_key], lo=1)
-    if given("temperature"):
-        out["temperature"] = t = _float("temperature", raw["temperature"])
-        if t < 0:
-            raise ParamError("temperature", f"temperature must be >= 0 (got {t})")
-    if given("top_p"):
-        out["top_p"] = p = _float("top_p", raw["top_p"])
-        if not 0 < p <= 1:
-            raise ParamError("top_p", f"top_p must be in (0, 1] (got {p})")
-    if given("top_k"):
-        out["top_k"] = max(_int("top_k", raw["top_k"], lo=-1), 0)
-    if given("seed"):
-        out["seed"] = _int("seed", raw["seed"])
-    if given("stop"):
-        stop = raw["stop"]
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise ParamError("stop", "stop must be a string or a list of strings")
-        out["stop"] = [s for s in stop if s]
-    if given("speculative"):
-        if not isinstance(raw["speculative"], bool):
-            raise ParamError("speculative", f"speculative must be true or false (got {raw['speculative']!r})")
-        if not raw["speculative"]:
-            out["speculative"] = False      # only when off: the fields (and input hashes) of other requests stay as they were
+    """raw: the request's fields (absent or null: the default). defaults: the configurable fields'
+    (max_tokens may be None). Returns max_tokens, temperature, top_p, top_k (0 when off), seed (None or an
+    int64), stop (a list of non-empty strings), and speculative: False when the request opts out (only then,
+    so the fields — and the input hashes — of other requests stay as they were). Raises ParamError naming
+    the field (`max_tokens_key` for max_tokens: chat's max_completion_tokens)."""
+    base = SamplingParams()
+    out = {**{k: getattr(base, k) for k in CONFIGURABLE}, **defaults, "seed": None, "stop": []}
+    out["top_k"] = max(int(out["top_k"] or 0), 0)
+    for key in BOUNDS:
+        name = max_tokens_key if key == "max_tokens" else key
+        if raw.get(name) is not None:
+            out[key] = _value(key, raw[name], name)
+    if out.pop("speculative", True) is False:
+        out["speculative"] = False
     return out

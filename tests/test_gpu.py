@@ -64,6 +64,22 @@ def test_triton_kernels_match_reference(dtype):
                 m = ops.AttnMeta(p, None, bt, T)
                 assert rel(ops.paged_attention(q, kc, vc, m, 0.1, window),
                            ops._attention_reference(q, kc, vc, m, 0.1, window)) < tol, (H, KV, D, DV, T, window)
+            sinks = (torch.randn(H, generator=g) * 3).to(dtype).cuda()        # GPT-OSS's per-head sink logits
+            m = ops.AttnMeta(p, None, bt, T)
+            assert rel(ops.paged_attention(q, kc, vc, m, 0.1, 20, sinks),
+                       ops._attention_reference(q, kc, vc, m, 0.1, 20, sinks)) < tol, ("sinks", H, KV, D, DV, T)
+
+    # a partial rotary factor (Phi-4-mini: 0.75): the leading 3/4 of each head rotate, by torch on every device
+    D, rot = 64, 48
+    cos, sin = torch.randn(200, rot // 2, generator=g), torch.randn(200, rot // 2, generator=g)
+    qkv = rnd(9, (H + 2 * KV) * D)
+    kc, vc = torch.zeros(NB, BS, KV, D, dtype=dtype), torch.zeros(NB, BS, KV, D, dtype=dtype)
+    q_ref = qkv.clone()
+    ops.rope_and_store(q_ref, cos, sin, meta, kc, vc, H, KV, D)
+    q_gpu, kg, vg = qkv.cuda(), torch.zeros_like(kc).cuda(), torch.zeros_like(vc).cuda()
+    ops.rope_and_store(q_gpu, cos.cuda(), sin.cuda(), ops.AttnMeta(pos.cuda(), slots.cuda(), None), kg, vg, H, KV, D)
+    assert rel(q_gpu, q_ref) < tol and rel(kg, kc) < tol
+    assert torch.equal(q_ref.view(9, -1, D)[:, :, rot:], qkv.view(9, -1, D)[:, :, rot:])       # the rest passes through
 
 
 def test_forward_layout_kernel_matches_reference():
@@ -180,5 +196,36 @@ def test_moe_graphs_equal_eager_float32(models, tmp_path, family, method):
     for eager in (True, False):
         cfg, plan = make_config(target, models["draft"] if method == "draft_model" else None, enforce_eager=eager, **kw)
         out[eager] = run_engine(cuda_engine(cfg, plan), prompts, max_tokens=30)
+    for i, p in enumerate(prompts):
+        assert out[False][i].generated == out[True][i].generated == hf_reference(target, p, min(30, 64 - len(p))), i
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3", "olmo2", "gpt_oss"])
+def test_new_families_graphs_equal_eager_float32(models, tmp_path, family):
+    """Gemma-3 (sandwich norms, per-layer rotary tables, windows), Phi-3 (fused projections, a partial rotary
+    factor: rotated in plain torch), OLMo-2 (post-norms, whole-projection q/k norms) and GPT-OSS (attention
+    sinks in the Triton kernel, biases, its MoE) inside CUDA graphs, with a draft model: greedy float32 tokens
+    equal eager ones and transformers'."""
+    from test_gemma3 import make_gemma3_dir
+    from test_gpt_oss import DEFAULT, make_gpt_oss_dir
+    from test_olmo2 import make_olmo2_dir
+    from test_phi3 import make_phi3_dir
+
+    tok = models["tokenizer"]
+    target = {"gemma3": lambda: make_gemma3_dir(tmp_path / family, tok, seed=5, sliding_window=8,
+                                                layer_types=["sliding_attention", "full_attention"] * 2),
+              "phi3": lambda: make_phi3_dir(tmp_path / family, tok, seed=7, sliding_window=16,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                             "partial_rotary_factor": 0.75}),
+              "olmo2": lambda: make_olmo2_dir(tmp_path / family, tok, seed=3, kv_heads=2),
+              "gpt_oss": lambda: make_gpt_oss_dir(tmp_path / family, tok, DEFAULT, seed=3)}[family]()
+    prompts = prompts_of_lengths([3, 9, 17, 26, 33])
+    kw = dict(method="draft_model", k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda", cache=ROOM)
+    out = {}
+    for eager in (True, False):
+        cfg, plan = make_config(target, models["draft"], enforce_eager=eager, **kw)
+        engine = cuda_engine(cfg, plan)
+        out[eager] = run_engine(engine, prompts, max_tokens=30)
+        assert (engine.graphs == 0) == eager
     for i, p in enumerate(prompts):
         assert out[False][i].generated == out[True][i].generated == hf_reference(target, p, min(30, 64 - len(p))), i

@@ -5,7 +5,7 @@ import pytest
 from typer.testing import CliRunner
 
 from helpers import REPO, build_tokenizer, make_model_dir, set_config_json, write_config
-from specdp_cli import preflight
+from specdp_cli import plan as plan_module
 from specdp_cli.cli import app
 
 runner = CliRunner()
@@ -162,11 +162,11 @@ def test_parallel_paths(base, models, tmp_path, monkeypatch):
     assert code == 1 and "multiple of num_machines" in check(out, "parallel")["detail"]
     code, out, _ = validate(base(parallel={"data_parallel_size": 0}))
     assert code == 1 and ">= 1" in check(out, "parallel")["detail"]
-    monkeypatch.setattr(preflight, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(plan_module, "cuda_device_count", lambda: 0)
     code, out, _ = validate(base(device="cuda"))
     assert code == 1 and "no GPU" in check(out, "parallel")["detail"]
-    monkeypatch.setattr(preflight, "cuda_device_count", lambda: 2)
-    monkeypatch.setattr(preflight, "device_memory", lambda device: (80 << 30, 80 << 30))
+    monkeypatch.setattr(plan_module, "cuda_device_count", lambda: 2)
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: (80 << 30, 80 << 30))
     code, out, _ = validate(base(device="cuda", parallel={"data_parallel_size": 4}))
     assert code == 1 and "4 ranks per machine need 4 GPUs" in check(out, "parallel")["detail"]
     code, out, _ = validate(base(device="cuda", parallel={"data_parallel_size": 2}))
@@ -196,19 +196,19 @@ def test_memory_paths(base, monkeypatch):
     code, out, _ = validate(base(cache={"num_blocks": 15}))
     assert code == 1 and "not even one" in check(out, "memory")["detail"]
     # GPU: what gpu_memory_utilization leaves after the device's current use, weights and a reserve
-    monkeypatch.setattr(preflight, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(plan_module, "cuda_device_count", lambda: 1)
     big = {"max_model_len": 256, "scheduler": {"max_num_seqs": 64}}
     gib = 1 << 30
-    monkeypatch.setattr(preflight, "device_memory", lambda device: (80 * gib, 80 * gib))
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: (80 * gib, 80 * gib))
     code, out, _ = validate(base(device="cuda", **big))
     assert code == 0 and check(out, "memory")["status"] == "ok" and out["kv_cache"]["sequences"] > 64
     tokens = out["kv_cache"]["tokens"]
     code, out, _ = validate(base(device="cuda", cache={"gpu_memory_utilization": 0.5}, **big))
     assert out["kv_cache"]["tokens"] < tokens * 0.6
-    monkeypatch.setattr(preflight, "device_memory", lambda device: (int(1.01 * gib), 80 * gib))
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: (int(1.01 * gib), 80 * gib))
     code, out, _ = validate(base(device="cuda", cache={"gpu_memory_utilization": 1.0}, **big))
     assert code == 0 and 0 < out["kv_cache"]["sequences"] < 64 and "preempted" in check(out, "memory")["detail"]
-    monkeypatch.setattr(preflight, "device_memory", lambda device: (1000, 80 * gib))
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: (1000, 80 * gib))
     code, out, _ = validate(base(device="cuda", **big))
     assert code == 1 and check(out, "memory")["status"] == "error" and "not even one" in check(out, "memory")["detail"]
 

@@ -76,7 +76,7 @@ class Server:
 
     def ranks(self):
         return [p for p in psutil.Process(self.proc.pid).children(recursive=True)
-                if "specdp_cli.runtime.rank_main" in p.cmdline() and p.name() != "pt_elastic"]
+                if "specdp_cli.rank" in p.cmdline() and p.name() != "pt_elastic"]
 
     def stop(self):
         if self.proc.poll() is None:

@@ -250,7 +250,7 @@ def test_a_frozen_rank_is_reported_unresponsive(tmp_path, models):
     port = free_port()
     s = Server(server_config(tmp_path, models, port, parallel={"dp_sync": "never", "collective_timeout_s": 3}), port)
     try:
-        frozen = [p for p in s.ranks() if "specdp_cli.runtime.rank_main" in " ".join(p.cmdline())]
+        frozen = [p for p in s.ranks() if "specdp_cli.rank" in " ".join(p.cmdline())]
         assert len(frozen) == 2
         frozen = sorted(frozen, key=lambda p: p.pid)[1]
         frozen.send_signal(sig.SIGSTOP)

@@ -16,7 +16,7 @@ import os
 
 from ..config import Config
 from ..methods import METHODS
-from ..preflight import Plan
+from ..plan import Plan
 
 def _hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]

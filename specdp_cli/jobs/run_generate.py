@@ -15,7 +15,7 @@ from rich.table import Table
 from ..config import Config
 from ..launch import Ranks, Terminated, launch_phases, process_start_time, threads_per_rank
 from ..modeldir import load_tokenizer
-from ..preflight import Plan
+from ..plan import Plan
 from ..prompts import PromptEncoder
 from ..runtime.faults import FaultSpecError, Faults
 from . import JobFailed
@@ -189,11 +189,9 @@ def check_resumable(output: str, requests: list[JobRequest], prior: dict[str, di
 
 def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result, console: Console) -> dict:
     started_ranks_at = time.time()
-    import torch
-
+    from ..runtime.build import build_engine, rank_device
     from ..runtime.dist import DPGroup
-    from ..runtime.engine import Engine
-    from ..runtime.heap import freeze_startup_heap, thaw_heap
+    from ..runtime.heap import thaw_heap
     from ..runtime.progress import NoProgressError
     from .generate import run_rank
 
@@ -203,13 +201,12 @@ def _in_process(cfg, plan, faults, output, retry_errors, requests, on_result, co
     def fault_exit(code: int, message: str) -> None:
         raise FaultExit(f"rank 0 exited with status {code} during step {engine.step_no} ({message})")
 
-    torch.set_num_threads(threads_per_rank(plan.device, plan.ranks_per_machine))
-    device = torch.device("cuda", 0) if plan.device == "cuda" else torch.device("cpu")
+    device = rank_device(plan, 0, threads_per_rank(plan.device, plan.ranks_per_machine))
     t0 = process_start_time()
     now = time.time()
     launch = launch_phases(t0, started_ranks_at, started_ranks_at, now, now, now)
-    engine = Engine(cfg, plan, DPGroup.solo(), device, faults, on_fault_exit=fault_exit, started_at=t0, launch=launch)
-    freeze_startup_heap()
+    engine = build_engine(cfg, plan, DPGroup.solo(), device, faults, on_fault_exit=fault_exit, started_at=t0,
+                          launch=launch)
     console.print(engine.ready_line, markup=False, highlight=False)
     try:
         return run_rank(engine, engine.dp, output, retry_errors, requests, True, on_result)

@@ -26,14 +26,14 @@ from __future__ import annotations
 import os
 import time
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
 from ..config import Config
 from ..methods import METHODS
-from ..preflight import Plan
+from ..plan import Plan
 from .drafters.base import Drafter, Drafts, NoDrafter
 from .drafters.draft_model import ModelDrafter
 from .drafters.eagle import EagleDrafter
@@ -50,40 +50,12 @@ from .sampling import SamplingParams, row_tensors, verify
 from .scheduler import Request, Scheduler, Sequence, SpecStats
 from .spec_length import SpecLength
 from .step_inputs import FIRST, NDRAFT, NREAL, OUT, START, RowSpec, StepInputs
+from .step_types import (WIDE_CHUNKS, WIDE_DRAFTER, DeviceResult, ScheduledStep, StepContext, StepOutput, StepSizes,
+                         StepSync)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHUNK_ROW_TOKENS = 16    # tokens per row in a step with prompt chunks (a chunk takes one row per 16 tokens)
 CHUNK_ROWS = 32          # rows a step has for prompt chunks beyond max_num_seqs decode rows
-
-
-@dataclass
-class StepOutput:
-    seq: Sequence
-    new_tokens: list[int]
-    finished: bool
-
-
-@dataclass
-class StepSizes:
-    """What every rank of a lockstep step agrees on before its first forward."""
-    R_pad: int            # rows of every forward of the step (a CUDA graph size)
-    K: int                # drafter forwards
-    T_dec: int            # the verification window: 1 + draft slots
-    T: int                # tokens per row of the target forward (T_dec, or the prompt-chunk width)
-    T1: int               # tokens per row of the first drafter forward (2, or the prompt-chunk width)
-    k: int = 0            # the step's k (agreed at the last step's sync: spec_length.py)
-
-
-@dataclass
-class StepContext:
-    step: int
-    rows: list[RowSpec]
-    sizes: StepSizes
-    inputs: StepInputs
-    rt: dict                                      # sampling settings of the R_pad rows
-    publish: Callable[[str], None]
-    graphs: bool                                  # replay CUDA graphs (where captured)
-    drafter_runs: bool                            # the drafter phase runs: it drafts, catches up or takes prompt chunks
 
 
 class RankCounters:
@@ -110,11 +82,6 @@ class RankCounters:
                 **collections_since_startup()}
 
 
-# the step sync's fields (one integer each per rank)
-F_ROWS, F_K, F_TDEC, F_WIDE, F_WORK, F_RECEIVED, F_BATCH, F_PREF_K, F_FEEDS, F_STALLED = range(10)
-WIDE_CHUNKS, WIDE_DRAFTER = 1, 2          # F_WIDE bits: prompt chunks (every forward wide); a drafter catch-up
-
-
 def _exit_process(code: int, message: str) -> None:
     os._exit(code)
 
@@ -127,44 +94,94 @@ def request_seed(global_seed: int, req_id) -> int:
 class Engine:
     def __init__(self, cfg: Config, plan: Plan, dp, device: torch.device, faults: Faults | None = None,
                  on_fault_exit=None, started_at: float | None = None, launch: dict[str, float] | None = None):
+        """Load the models, build their runners and the drafter, size and allocate the KV cache, capture
+        the CUDA graphs: each phase timed for the start-up report."""
         t_begin = time.time()
         self.cfg, self.plan, self.dp, self.device = cfg, plan, dp, device
         self.faults = faults or Faults()
         self.on_fault_exit = on_fault_exit or _exit_process
-        spec = cfg.speculative
-        meth = METHODS[spec.method]
-        self.k = spec.num_speculative_tokens if meth.drafts else 0
-        lookahead = self.k - 1 if meth.after_verify else 0     # positions an EAGLE head writes past the verified ones
+        meth = METHODS[cfg.speculative.method]
+        self.k = cfg.speculative.num_speculative_tokens if meth.drafts else 0
+        self.lookahead = self.k - 1 if meth.after_verify else 0     # positions an EAGLE head writes past the verified ones
         self.M = cfg.max_model_len
         self.D = plan.drafter_max_model_len or self.M
         self.output = OutputProcessor(cfg.tokenizer_path, cfg.model)
-        dtype = DTYPES[plan.dtype]
+        self.counters = RankCounters()
 
+        models = self._load_models(meth)
+        t_loaded = time.time()
+        self._build_runners(models, meth)
+        num_blocks = self._num_blocks(models)
+        for m in models:
+            allocate_kv(m, num_blocks, cfg.cache.block_size)
+        self.pool = BlockPool(num_blocks, cfg.cache.block_size)
+        t_kv = time.time()
+        self._capture_graphs()
+        if self.spec_len.adaptive:
+            self._time_forwards()
+        t_captured = time.time()
+
+        self.startup = {"launch_s": max(0.0, t_begin - started_at) if started_at else 0.0,
+                        "load_s": t_loaded - t_begin, "kv_alloc_s": t_kv - t_loaded,
+                        "capture_s": t_captured - t_kv}
+        self.scheduler = Scheduler(self.pool, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, self.k,
+                                   self.M, self.D, max_rows=self.row_sizes[-1], row_tokens=self.T_chunk,
+                                   lookahead=self.lookahead)
+        self.launch = launch or {}
+        self.ready_line = (f"rank {dp.rank} ready in {t_captured - (started_at or t_begin):.1f} s: "
+                           + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in self.startup.items())
+                           + (" (launch: " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in self.launch.items()) + ")"
+                              if self.launch else "")
+                           + f"; KV cache {num_blocks} blocks x {cfg.cache.block_size} tokens; {self.graphs} CUDA graphs"
+                           + (" (enforce_eager)" if cfg.enforce_eager and device.type == "cuda" else "")
+                           + (" (expert parallel: eager)" if plan.expert_parallel and device.type == "cuda" else "")
+                           + (f"; step sync over {dp.sync_transport}" if dp.lockstep else ""))
+        self.step_no = 0
+        # set by an offline job once it has handed over every input: when nothing waits to be admitted the
+        # adaptive k then finishes the running rows soonest (the job's end) instead of maximising tokens per
+        # second. A server leaves it off: a request may come at any time, and each one's latency counts.
+        self.drain_to_finish = False
+        # the progress guard: a stall stops the job (every rank, at the next step's sync), or with
+        # fail_stalled (a server) fails the stalled requests and goes on
+        self.progress = ProgressGuard(self.scheduler.prefill_steps)
+        self.fail_stalled = False
+        self._stalled: str | None = None       # a stall's sentence, until the next step's sync stops every rank
+
+    def _load_models(self, meth) -> list:
+        """The target, and the drafter's model (a draft model, an EAGLE head, the target's MTP layer), on the
+        device; under expert parallelism each holds this rank's experts."""
+        cfg, plan, device, spec = self.cfg, self.plan, self.device, self.cfg.speculative
+        dtype = DTYPES[plan.dtype]
         # rotary tables reach past M: a padding row of a drafter forward may sit up to k positions beyond
-        positions = self.M + self.k + lookahead + 2
-        ep = dp if plan.expert_parallel else None
+        positions = self.M + self.k + self.lookahead + 2
+        ep = self.dp if plan.expert_parallel else None
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         target = load_model(cfg.model, dtype, device, positions, ep=ep)
         draft = load_model(spec.model, dtype, device, positions) if meth.separate_lm else None
         head = (load_head(spec.method, cfg.model if meth.in_target else spec.model, target, dtype, device, positions,
                           ep) if meth.after_verify else None)
         models = [m for m in (target, draft, head) if m is not None]
-        t_loaded = time.time()
-        weight_bytes = torch.cuda.memory_allocated(device) - allocated_before if allocated_before is not None else None
+        c = self.counters
+        c.weight_bytes = torch.cuda.memory_allocated(device) - allocated_before if allocated_before is not None else None
+        c.expert_weight_bytes = sum(routed_expert_bytes(m) for m in models)
+        return models
 
-        bs = cfg.cache.block_size
-        n_seqs = cfg.scheduler.max_num_seqs
+    def _build_runners(self, models: list, meth) -> None:
+        """The step's buffers, the target's runner, the drafter (with its runner) and the step k's schedule."""
+        cfg, device, spec = self.cfg, self.device, self.cfg.speculative
+        target, draft, head = models[0], models[1] if meth.separate_lm else None, models[1] if meth.after_verify else None
+        bs, n_seqs = cfg.cache.block_size, cfg.scheduler.max_num_seqs
         self.T_chunk = max(CHUNK_ROW_TOKENS, self.k + 1)       # row width of a step with prompt chunks
         self.decode_sizes = capture_sizes(n_seqs)               # rows of a decode step
         self.row_sizes = capture_sizes(n_seqs + CHUNK_ROWS)     # rows of a step with prompt chunks too
         max_rows = self.row_sizes[-1]
-        max_blocks = -(-(self.M + self.k + 1 + lookahead) // bs)
         for m in models:
             allocate_kv(m, 1, bs)                    # a trash block only, until the pool is sized
-        self.inputs = StepInputs(max_rows, self.T_chunk, max_blocks, device)
+        self.inputs = StepInputs(max_rows, self.T_chunk, -(-(self.M + self.k + 1 + self.lookahead) // bs), device)
         drafter_forward = ("none" if draft is None and head is None else "always" if head is not None else "per_draft")
-        self.spec_len = SpecLength(self.k, spec.num_speculative_tokens_per_batch_size if self.k else None,
-                                   spec.adaptive and bool(self.k), dp.rank, drafter_forward)
+        sched = self.plan.speculation
+        self.spec_len = SpecLength(self.k, sched["ranges"], sched["mode"] == "adaptive", self.dp.rank, drafter_forward)
+        self.counters.spec_length = self.spec_len
         self.k_next = self.k                 # the next step's k (decided at each step's sync)
         self.k_pref = self.k                 # adaptive: this rank's preference, worked out while a step ran
         self._observed: tuple | None = None  # adaptive: the last step's measurements, read in while the next runs
@@ -185,54 +202,21 @@ class Engine:
         else:
             self.drafter = NoDrafter()
         self.runners = [self.target] + ([self.drafter.runner] if self.drafter.has_forward else [])
-        num_blocks = self._num_blocks(models)
-        for m in models:
-            allocate_kv(m, num_blocks, bs)
-        self.pool = BlockPool(num_blocks, bs)
-        t_kv = time.time()
 
+    def _capture_graphs(self) -> None:
+        """On a GPU: a CUDA graph per forward size of each runner, and of each step kind's whole device work.
+        Expert parallelism runs eagerly for now: capturing its NCCL collectives in CUDA graphs is not yet
+        verified on a GPU machine."""
         self.graphs = 0
         self.step_graphs: dict[tuple, tuple] = {}
-        # expert parallelism runs eagerly for now: capturing its NCCL collectives in CUDA graphs is not yet
-        # verified on a GPU machine
-        if device.type == "cuda" and not cfg.enforce_eager and not plan.expert_parallel:
-            self.graph_pool = torch.cuda.graph_pool_handle()
-            with torch.no_grad():
-                self.graphs = sum(r.capture({T: self.row_sizes if T == self.T_chunk else self.decode_sizes
-                                             for T in r.t_values}, self.graph_pool) for r in self.runners)
-                self._capture_steps()
-            self.graphs += len(self.step_graphs)
-        if self.spec_len.adaptive:
-            self._time_forwards()
-        t_captured = time.time()
-        self.startup = {"launch_s": max(0.0, t_begin - started_at) if started_at else 0.0,
-                        "load_s": t_loaded - t_begin, "kv_alloc_s": t_kv - t_loaded,
-                        "capture_s": t_captured - t_kv}
-        self.scheduler = Scheduler(self.pool, n_seqs, cfg.scheduler.max_num_batched_tokens, self.k, self.M, self.D,
-                                   max_rows=max_rows, row_tokens=self.T_chunk, lookahead=lookahead)
-        self.launch = launch or {}
-        self.ready_line = (f"rank {dp.rank} ready in {t_captured - (started_at or t_begin):.1f} s: "
-                           + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in self.startup.items())
-                           + (" (launch: " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in self.launch.items()) + ")"
-                              if self.launch else "")
-                           + f"; KV cache {num_blocks} blocks x {bs} tokens; {self.graphs} CUDA graphs"
-                           + (" (enforce_eager)" if cfg.enforce_eager and device.type == "cuda" else "")
-                           + (" (expert parallel: eager)" if plan.expert_parallel and device.type == "cuda" else "")
-                           + (f"; step sync over {dp.sync_transport}" if dp.lockstep else ""))
-        self.counters = RankCounters()
-        self.counters.weight_bytes = weight_bytes
-        self.counters.expert_weight_bytes = sum(routed_expert_bytes(m) for m in models)
-        self.counters.spec_length = self.spec_len
-        self.step_no = 0
-        # set by an offline job once it has handed over every input: when nothing waits to be admitted the
-        # adaptive k then finishes the running rows soonest (the job's end) instead of maximising tokens per
-        # second. A server leaves it off: a request may come at any time, and each one's latency counts.
-        self.drain_to_finish = False
-        # the progress guard: a stall stops the job (every rank, at the next step's sync), or with
-        # fail_stalled (a server) fails the stalled requests and goes on
-        self.progress = ProgressGuard(self.scheduler.prefill_steps)
-        self.fail_stalled = False
-        self._stalled: str | None = None       # a stall's sentence, until the next step's sync stops every rank
+        if self.device.type != "cuda" or self.cfg.enforce_eager or self.plan.expert_parallel:
+            return
+        self.graph_pool = torch.cuda.graph_pool_handle()
+        with torch.no_grad():
+            self.graphs = sum(r.capture({T: self.row_sizes if T == self.T_chunk else self.decode_sizes
+                                         for T in r.t_values}, self.graph_pool) for r in self.runners)
+            self._capture_steps()
+        self.graphs += len(self.step_graphs)
 
     @torch.no_grad()
     def _time_forwards(self) -> None:
@@ -349,32 +333,31 @@ class Engine:
             wanted = max((ke for _, ke in rows), default=0)
         return self.faults.drafter_forwards(self.dp.rank, has_draft, wanted)
 
-    def agree(self, fields: list[list[int]], step: int, k: int) -> StepSizes | None:
-        """Every rank's fields (F_*: rows, drafter forwards, verification window, wide bits, has work,
-        messages received, batch size, preferred k, feeds the drafter, stalled) -> the step's sizes,
-        computed alike on every rank (wide bits: prompt chunks ride in the step's forwards / a drafter
-        catches up); None when no rank has work and every rank has received the same messages (see
-        `server/rank.py`): the ranks stop stepping together. A rank whose last step ended a stall
-        stops every rank here, together. Also decides the next step's k from the batch sizes and
-        preferences (`SpecLength.agree`): the same numbers give the same k everywhere."""
-        stalled = [r for r, f in enumerate(fields) if f[F_STALLED]]
+    def agree(self, synced: list[StepSync], step: int, k: int) -> StepSizes | None:
+        """Every rank's row of the step sync -> the step's sizes, computed alike on every rank (wide bits:
+        prompt chunks ride in the step's forwards / a drafter catches up); None when no rank has work and
+        every rank has received the same messages (see `server/rank.py`): the ranks stop stepping together.
+        A rank whose last step ended a stall stops every rank here, together. Also decides the next step's
+        k from the batch sizes and preferences (`SpecLength.agree`): the same numbers give the same k
+        everywhere."""
+        stalled = [r for r, f in enumerate(synced) if f.stalled]
         if stalled:
             if self._stalled is not None:
                 raise NoProgressError(self._stalled)
             raise StalledPeerError(f"stopped with rank {stalled[0]}, which made no progress (its message says "
                                    f"why), at step {step}")
-        self.k_next = SpecLength.agree([f[F_BATCH] for f in fields], [f[F_PREF_K] for f in fields])
-        if not any(f[F_WORK] for f in fields) and len({f[F_RECEIVED] for f in fields}) == 1:
+        self.k_next = SpecLength.agree([f.batch for f in synced], [f.preferred_k for f in synced])
+        if not any(f.has_work for f in synced) and len({f.received for f in synced}) == 1:
             return None
-        Ks = [f[F_K] for f in fields]
+        Ks = [f.drafter_forwards for f in synced]
         if len(set(Ks)) > 1 and self.faults.guard:
             self.dp.out_of_step([f"step {step}, start of step: {K} drafter forward{'' if K == 1 else 's'} planned"
                                  for K in Ks])
         K = Ks[self.dp.rank if self.dp.lockstep else 0]      # the same on every rank unless the guard is off
-        T_dec = max(f[F_TDEC] for f in fields)
-        chunks = any(f[F_WIDE] & WIDE_CHUNKS for f in fields)
-        wide_drafter = any(f[F_WIDE] for f in fields)
-        return StepSizes(R_pad=pad_rows(max(max(f[F_ROWS] for f in fields), 1), self.row_sizes), K=K, T_dec=T_dec,
+        T_dec = max(f.window for f in synced)
+        chunks = any(f.wide & WIDE_CHUNKS for f in synced)
+        wide_drafter = any(f.wide for f in synced)
+        return StepSizes(R_pad=pad_rows(max(max(f.rows for f in synced), 1), self.row_sizes), K=K, T_dec=T_dec,
                          T=self.T_chunk if chunks else T_dec, T1=self.T_chunk if wide_drafter else 2, k=k)
 
     def _rows(self, plan, drafts: Drafts) -> list[RowSpec]:
@@ -400,11 +383,25 @@ class Engine:
 
     @torch.no_grad()
     def step(self, received: int = 0, while_device_runs: Callable[[], None] | None = None) -> list[StepOutput] | None:
-        """One step; None when it found no work on any rank (in lockstep: every rank returns None
-        from the same step). `received`: a server rank's count of frontend messages;
-        `while_device_runs`: host work (e.g. writing the last step's results) done while the
-        device runs this step, off the step's critical path — in lockstep, uneven host work is
-        time the other ranks wait."""
+        """One step: schedule -> sync -> execute -> update. None when it found no work on any rank (in
+        lockstep: every rank returns None from the same step). `received`: a server rank's count of
+        frontend messages; `while_device_runs`: host work (e.g. writing the last step's results) done while
+        the device runs this step, off the step's critical path — in lockstep, uneven host work is time the
+        other ranks wait."""
+        sched = self._schedule(received)
+        synced = [StepSync(*row) for row in self.dp.sync_step(sched.sync.row(), sched.step)]
+        sizes = self.agree(synced, sched.step, sched.k)
+        if sizes is None:
+            return None
+        # the drafter phase runs when it drafts, when an EAGLE head learns the verified positions (every
+        # step: their features exist only now), or when some rank feeds it prompt chunks or a catch-up
+        drafter_runs = self.drafter.has_forward and bool(sizes.K or self.drafter.after_verify
+                                                         or any(f.feeds_drafter for f in synced))
+        result = self._execute(sched, sizes, drafter_runs, while_device_runs)
+        return self._update(sched, sizes, result)
+
+    def _schedule(self, received: int) -> ScheduledStep:
+        """This rank's part of the step: the scheduler's rows, the drafter forwards it plans, its sync row."""
         self.step_no += 1
         step = self.step_no
         self.dp.publish(step, "start of step")
@@ -415,7 +412,6 @@ class Engine:
         c = self.counters
         if c.first_step_t is None:
             c.first_step_t = time.time()
-
         t_start = time.perf_counter()
         k = self.scheduler.k_step = self.k_next
         plan = self.scheduler.schedule()
@@ -424,65 +420,69 @@ class Engine:
         K = self.drafter_forwards(drafting, bool(plan.decode or plan.prefill), k)
         if self.drafter.has_forward and not drafting and K == 0:
             c.skipped_drafter_steps += 1
-        drafts = self.drafter.host_drafts(plan.decode, K)
-        rows = self._rows(plan, drafts)
+        rows = self._rows(plan, self.drafter.host_drafts(plan.decode, K))
         n_drafts = [r.n_drafts for r in rows[:len(plan.decode)]]
-        wide = (WIDE_CHUNKS if plan.prefill else 0) | (WIDE_DRAFTER if any(len(r.d_tokens) > 2 for r in rows) else 0)
         batch = len(self.scheduler.running)
         sl = self.spec_len
         # adaptive: the preference worked out while the last step ran (`_plan_k`); fixed k and ranges: now
-        fields = [len(rows), K, 1 + k if (K or any(n_drafts)) else 1, wide, int(bool(rows) or self.has_work), received,
-                  batch, self.k_pref if sl.adaptive else sl.preferred(batch, pad_rows(max(batch, 1), self.row_sizes)),
-                  int(any(r.d_tokens for r in rows)), int(self._stalled is not None)]
-        synced = self.dp.sync_step(fields, step)
-        sizes = self.agree(synced, step, k)
-        if sizes is None:
-            return None
+        sync = StepSync(rows=len(rows), drafter_forwards=K, window=1 + k if (K or any(n_drafts)) else 1,
+                        wide=(WIDE_CHUNKS if plan.prefill else 0) | (WIDE_DRAFTER if any(len(r.d_tokens) > 2 for r in rows)
+                                                                     else 0),
+                        has_work=int(bool(rows) or self.has_work), received=received, batch=batch,
+                        preferred_k=self.k_pref if sl.adaptive else sl.preferred(batch, pad_rows(max(batch, 1),
+                                                                                                 self.row_sizes)),
+                        feeds_drafter=int(any(r.d_tokens for r in rows)), stalled=int(self._stalled is not None))
+        return ScheduledStep(step, k, plan, rows, n_drafts, sync, t_start)
 
+    def _execute(self, sched: ScheduledStep, sizes: StepSizes, drafter_runs: bool,
+                 while_device_runs: Callable[[], None] | None) -> DeviceResult:
+        """The step's device work over the agreed sizes, and its one copy back to the host."""
+        rows, step = sched.rows, sched.step
         self.inputs.stage(rows, sizes.R_pad)
-        # the drafter phase runs when it drafts, when an EAGLE head learns the verified positions (every
-        # step: their features exist only now), or when some rank feeds it prompt chunks or a catch-up
         ctx = StepContext(step, rows, sizes, self.inputs,
                           row_tensors([r.seq.req.params for r in rows], self.device, pad_to=sizes.R_pad),
                           lambda what: self.dp.publish(step, what), graphs=not self.cfg.enforce_eager,
-                          drafter_runs=self.drafter.has_forward and bool(sizes.K or self.drafter.after_verify
-                                                                        or any(f[F_FEEDS] for f in synced)))
+                          drafter_runs=drafter_runs)
         out, n_out, proposed = self._run_device_step(ctx)
         if while_device_runs is not None:
             while_device_runs()
-        if sl.adaptive:
-            self._plan_k(batch)
-        result = self._to_host(out, n_out, proposed, len(rows))
-        W = out.shape[1]
+        if self.spec_len.adaptive:
+            self._plan_k(sched.sync.batch)
+        table = self._to_host(out, n_out, proposed, len(rows))
         if self.drafter.after_verify:
-            drafter_padding = ctx.drafter_runs and not rows
+            drafter_padding = drafter_runs and not rows
         else:
-            drafter_padding = ctx.drafter_runs and (not fields[F_FEEDS] or sizes.K > max(n_drafts, default=0))
+            drafter_padding = drafter_runs and (not sched.sync.feeds_drafter or sizes.K > max(sched.n_drafts, default=0))
         if not rows or drafter_padding:
-            c.padding_steps += 1                  # some forward of the step ran over padding rows only
+            self.counters.padding_steps += 1          # some forward of the step ran over padding rows only
         self.drafter.after_step(ctx)
+        return DeviceResult(table, out.shape[1], proposed is not None)
 
+    def _update(self, sched: ScheduledStep, sizes: StepSizes, result: DeviceResult) -> list[StepOutput]:
+        """Bookkeeping: accepted tokens, stops and frees, the adaptive k's measurements, the progress guard."""
+        c, plan, rows, W = self.counters, sched.plan, sched.rows, result.W
         for s, _start, end in plan.prefill:
             s.target_len = end
         n_decode = len(plan.decode)
         outputs = []
         verified = []                       # (drafts, accepted) of each drafting row: the acceptance averages
-        for i, (row, res) in enumerate(zip(rows, result)):
+        for i, (row, res) in enumerate(zip(rows, result.table)):
             if i < n_decode or row.done:
                 frozen = i < n_decode and self.faults.frozen(row.seq.req.id)       # fault injection
                 new = [] if frozen else [int(t) for t in res[:res[W]]]
                 outputs.append(self._accept(row.seq, row.n_drafts, new))
                 if row.n_drafts:
                     verified.append((row.n_drafts, int(res[W]) - 1))
-                if proposed is not None:
+                if result.proposed:
                     row.seq.next_drafts = [int(t) for t in res[W + 1:]]
-        sl.used[k] += 1
+        sl = self.spec_len
+        sl.used[sched.k] += 1
         if sl.adaptive:                     # read in by `_plan_k` while the next step runs
-            step_s = time.perf_counter() - t_start
+            step_s = time.perf_counter() - sched.t_start
             if rows and sizes.T1 == 2 and sizes.T == sizes.T_dec:        # a plain decode step: its cost
                 timed = (sizes.R_pad, sizes.T_dec - 1, step_s, False)
             elif rows and plan.decode and sizes.T != sizes.T_dec:        # decode rows riding in a chunk step
-                timed = (pad_rows(batch, self.row_sizes), k, step_s, True)
+                timed = (pad_rows(sched.sync.batch, self.row_sizes), sched.k, step_s, True)
             else:
                 timed = None
             self._observed = (verified, timed)
@@ -492,7 +492,7 @@ class Engine:
                 self.scheduler.remove(out.seq)
         if self.progress.after_step(bool(rows) or bool(self.scheduler.waiting),
                                     any(out.new_tokens or out.finished for out in outputs)):
-            outputs += self._stall(step)
+            outputs += self._stall(sched.step)
         c.steps += 1
         c.last_step_t = time.time()
         return outputs

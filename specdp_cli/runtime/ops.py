@@ -101,13 +101,12 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     that joins each softmax's denominator and adds no value (GPT-OSS)."""
     N, H, D = q.shape
     DV = v_cache.shape[-1]
-    if sinks is not None:
-        return _attention_reference(q, k_cache, v_cache, meta, scale, window, sinks)
     if q.is_cuda:
         out = torch.empty((N, H, DV), dtype=q.dtype, device=q.device)
-        _triton().paged_attention(q, k_cache, v_cache, out, meta.positions, meta.block_table, meta.T, scale, window)
+        _triton().paged_attention(q, k_cache, v_cache, out, meta.positions, meta.block_table, meta.T, scale, window,
+                                  sinks)
         return out
-    return _attention_reference(q, k_cache, v_cache, meta, scale, window)
+    return _attention_reference(q, k_cache, v_cache, meta, scale, window, sinks)
 
 
 def _attention_reference(q, k_cache, v_cache, meta: AttnMeta, scale, window, sinks=None) -> torch.Tensor:

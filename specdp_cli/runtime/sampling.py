@@ -13,33 +13,12 @@ reduce to "accept while the draft equals the target's argmax" and emit the argma
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
+
+from ..request_params import SamplingParams  # noqa: F401 - the one definition; the engine's callers use it from here
 
 MASK32 = 0xFFFFFFFF
 STREAM_DRAFT, STREAM_ACCEPT, STREAM_TARGET = 1, 2, 3
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    stop: list[str] = field(default_factory=list)
-    speculative: bool = True        # False: the request's rows verify no drafts (per-request opt-out)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @classmethod
-    def from_dict(cls, p: dict) -> "SamplingParams":
-        """From a request's validated values (max_tokens, temperature, top_p, top_k, stop, speculative)."""
-        return cls(max_tokens=p["max_tokens"], temperature=p["temperature"], top_p=p["top_p"],
-                   top_k=p["top_k"], stop=list(p["stop"]), speculative=p.get("speculative", True))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -107,13 +107,27 @@ def interpolate(table: dict[tuple[int, int], float], R: float, T: float) -> floa
     return max(at(r0) + (at(r1) - at(r0)) * fr, 1e-6)
 
 
+def schedule(k_max: int, ranges: list[list[int]] | None, adaptive: bool) -> dict:
+    """The step k's schedule as the Plan records it: mode, ranges and every k a step can use (each gets its
+    CUDA graphs). k_max = 0 (method none): mode none."""
+    if not k_max:
+        return {"mode": "none", "ranges": None, "k_values": [0]}
+    if adaptive:
+        return {"mode": "adaptive", "ranges": None, "k_values": list(range(k_max + 1))}
+    if ranges:
+        return {"mode": "per batch size", "ranges": [list(r) for r in sorted(ranges)],
+                "k_values": sorted({k_max} | {r[2] for r in ranges})}
+    return {"mode": "fixed", "ranges": None, "k_values": [k_max]}
+
+
 class SpecLength:
     def __init__(self, k_max: int, ranges: list[list[int]] | None, adaptive: bool, rank: int = 0,
                  drafter_forward: str = "none"):
         """drafter_forward: "none" (no drafter model), "per_draft" (a draft model: one forward per draft),
         "always" (an EAGLE head: its first forward runs every step, drafting or not)."""
         self.k_max, self.ranges, self.adaptive = k_max, ranges, adaptive
-        self.mode = "adaptive" if adaptive else "per batch size" if ranges else "fixed"
+        sched = schedule(k_max, ranges, adaptive)
+        self.mode, self.k_values = sched["mode"], sched["k_values"]      # every k a step can use
         self.drafter_forward = drafter_forward
         self.forced = forced_choices(rank)
         self.calls = 0
@@ -136,15 +150,6 @@ class SpecLength:
         self.trace: list | None = [] if os.environ.get(TRACE_ENV) == "1" else None
 
     # -- the choice -----------------------------------------------------------------------------
-
-    @property
-    def k_values(self) -> list[int]:
-        """Every k a step can use (CUDA graphs are captured for each)."""
-        if self.adaptive:
-            return list(range(self.k_max + 1))
-        if self.ranges:
-            return sorted({self.k_max} | {k for _, _, k in self.ranges})
-        return [self.k_max]
 
     def for_batch(self, n: int) -> int:
         for start, end, k in self.ranges or ():

@@ -30,13 +30,13 @@ def _pow2(n: int) -> int:
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, k_cache, v_cache, out_ptr, pos_ptr, bt_ptr,
+        q_ptr, k_cache, v_cache, out_ptr, pos_ptr, bt_ptr, sinks_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         qn, scale, window,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        BS: tl.constexpr, PREC: tl.constexpr):
+        BS: tl.constexpr, PREC: tl.constexpr, HAS_SINKS: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     q0 = row * qn
@@ -60,6 +60,9 @@ def _paged_attention_kernel(
         lo = (lo // BLOCK_N) * BLOCK_N
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:       # a head's sink logit starts its softmax: it takes probability and adds no value
+        m_i = tl.load(sinks_ptr + head, mask=m_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634            # exp2 instead of exp
     for start in range(lo, last + 1, BLOCK_N):
@@ -87,9 +90,10 @@ def _paged_attention_kernel(
              acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < DV))
 
 
-def paged_attention(q, k_cache, v_cache, out, positions, block_table, T: int, scale: float, window: int) -> None:
+def paged_attention(q, k_cache, v_cache, out, positions, block_table, T: int, scale: float, window: int,
+                    sinks=None) -> None:
     """q [N, H, D] (any token/head strides, unit last stride), caches [blocks, BS, KV, D(V)],
-    out [N, H, DV]; row r (of block_table's rows) owns tokens [r*T, (r+1)*T)."""
+    out [N, H, DV]; row r (of block_table's rows) owns tokens [r*T, (r+1)*T); sinks [H] or None."""
     H, D = q.shape[1], q.shape[2]
     BS, KV, DV = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     G = H // KV
@@ -98,14 +102,14 @@ def paged_attention(q, k_cache, v_cache, out, positions, block_table, T: int, sc
     if R == 0:
         return
     _paged_attention_kernel[(R, KV)](
-        q, k_cache, v_cache, out, positions, block_table,
+        q, k_cache, v_cache, out, positions, block_table, sinks if sinks is not None else positions,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         T, scale, window or 0,
         G=G, G_PAD=G_PAD, D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
         BLOCK_Q=max(_pow2(T), 16 // min(G_PAD, 16)), BLOCK_N=64 if _pow2(D) <= 128 else 32, BS=BS,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4)
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None, num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------

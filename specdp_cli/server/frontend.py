@@ -142,9 +142,7 @@ class Frontend:
         inf = Inflight(rid, req, rank, cost, asyncio.Queue())
         self.inflight[rid] = inf
         self.rank_cost[rank] += cost
-        params = {"max_tokens": req.max_tokens, "temperature": req.temperature, "top_p": req.top_p,
-                  "top_k": req.top_k, "stop": req.stop, "speculative": req.speculative}
-        if not self._send_waking_all(rank, ("add", rid, req.prompt_ids, params, req.seed)):
+        if not self._send_waking_all(rank, ("add", rid, req.prompt_ids, req.params, req.params["seed"])):
             self.release(inf)
             raise APIError(503, f"rank {rank} is not reachable")
         return inf

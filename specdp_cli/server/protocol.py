@@ -34,18 +34,20 @@ def bad(message: str, param: str | None = None) -> APIError:
 @dataclass
 class GenRequest:
     prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
+    params: dict                   # the sampling fields, checked (request_params.check_sampling), max_tokens filled
     stream: bool
     include_usage: bool
     chat: bool
     echo_model: str
-    speculative: bool = True       # the extension field "speculative": false opts the request out of drafting
     extra: dict = field(default_factory=dict)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.params["max_tokens"]
+
+    @property
+    def stop(self) -> list[str]:
+        return self.params["stop"]
 
 
 def parse_json(raw: bytes) -> dict:
@@ -105,7 +107,7 @@ def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: st
         raise bad(str(e), e.param) from None
     max_tokens = p["max_tokens"]
     if max_tokens is None:
-        max_tokens = min(defaults.max_tokens, max_model_len - P)
+        p["max_tokens"] = max_tokens = min(defaults.max_tokens, max_model_len - P)
     elif P + max_tokens > max_model_len:
         raise bad(f"this model's maximum context length is {max_model_len} tokens; you asked for {P} prompt "
                   f"tokens + {max_tokens} completion tokens = {P + max_tokens}: lower {key}", key)
@@ -115,11 +117,8 @@ def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: st
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("'stream' must be a boolean", "stream")
-    return GenRequest(
-        prompt_ids=prompt_ids, max_tokens=max_tokens, temperature=p["temperature"], top_p=p["top_p"],
-        top_k=p["top_k"], seed=p["seed"], stop=p["stop"], stream=stream,
-        include_usage=bool((opts or {}).get("include_usage")), chat=chat, echo_model=model_name,
-        speculative=p.get("speculative", True))
+    return GenRequest(prompt_ids=prompt_ids, params=p, stream=stream,
+                      include_usage=bool((opts or {}).get("include_usage")), chat=chat, echo_model=model_name)
 
 
 def _flatten_content(m):

@@ -18,7 +18,7 @@ from rich.console import Console
 from ..config import Config
 from ..launch import Ranks
 from ..modeldir import load_tokenizer
-from ..preflight import Plan
+from ..plan import Plan
 from ..prompts import PromptEncoder
 from .link import RankLink, new_link_spec
 

@@ -3,21 +3,15 @@ schema-driven fuzzers know what to send). Bodies are still parsed by `protocol.p
 decides: the schema describes the fields it reads, with the bounds of `request_params.py`."""
 from __future__ import annotations
 
-INT64 = {"type": "integer", "minimum": -(2 ** 63), "maximum": 2 ** 63 - 1}
+from ..request_params import BOUNDS
 
+# the sampling fields with their bounds as request_params.py defines them (each may be null: the default)
 SAMPLING = {
     "model": {"type": "string", "description": "the served model's name (optional)"},
-    "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
-    "temperature": {"type": "number", "minimum": 0, "nullable": True, "description": "0: greedy"},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "nullable": True},
-    "top_k": {"type": "integer", "minimum": -1, "nullable": True, "description": "-1 or 0: off"},
-    "seed": {**INT64, "nullable": True},
-    "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}], "nullable": True},
+    **{name: {**bounds, "nullable": True} for name, bounds in BOUNDS.items()},
     "stream": {"type": "boolean", "default": False},
     "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}, "nullable": True},
     "n": {"type": "integer", "enum": [1], "nullable": True},
-    "speculative": {"type": "boolean", "nullable": True,
-                    "description": "specdp extension: false = this request verifies no drafts (others still speculate)"},
 }
 
 COMPLETION = {
@@ -48,7 +42,7 @@ CHAT = {
     "required": ["messages"],
     "properties": {
         "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
-        "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+        "max_completion_tokens": {**BOUNDS["max_tokens"], "nullable": True},
         **SAMPLING,
     },
 }

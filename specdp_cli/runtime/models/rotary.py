@@ -7,14 +7,19 @@ import torch
 
 
 def rotary_tables(hf_config, model_type: str, arch: str, max_len: int,
-                  rope: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  rope: dict | None = None, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [max_len, rotary dim // 2] float32 (DeepSeek's config sets head_dim to its qk_rope_head_dim:
     only the rope part of a head rotates; a partial_rotary_factor rotates that share of each head), as
     transformers computes them: the inverse frequencies of every rope type come from transformers' own
     functions (linear, llama3, yarn…). Only the types that depend on the sequence length (dynamic, longrope)
     run the family's rotary module itself — importing a modeling module costs seconds of start-up.
-    `rope`: rope parameters other than the config's own (a family with per-layer-type tables)."""
+    `rope`: rope parameters other than the config's own (a family with per-layer-type tables). Rope parameters
+    kept per layer type (Gemma-3: {"full_attention": {...}, "sliding_attention": {...}}) give `layer_type`'s
+    tables (by default full_attention's)."""
     rope = rope if rope is not None else (getattr(hf_config, "rope_parameters", None) or {})
+    if isinstance(rope.get("full_attention"), dict):
+        layer_type = layer_type or "full_attention"
+        rope = rope[layer_type]
     rope_type = rope.get("rope_type", "default")
     pos = torch.arange(max_len, dtype=torch.float32)
     if rope_type in ("dynamic", "longrope"):
@@ -26,12 +31,13 @@ def rotary_tables(hf_config, model_type: str, arch: str, max_len: int,
         return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
     if rope_type == "default":
         dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        dim = int(dim * getattr(hf_config, "partial_rotary_factor", 1.0))
+        dim = int(dim * rope.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", 1.0)))
         inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         scaling = 1.0
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+        per_type = {"layer_type": layer_type} if layer_type else {}
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, **per_type)
     freqs = pos.view(-1, 1) * inv_freq.float().view(1, -1)
     return (freqs.cos() * scaling).contiguous(), (freqs.sin() * scaling).contiguous()

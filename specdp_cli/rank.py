@@ -1,4 +1,4 @@
-"""What `accelerate launch` runs in each rank: `python -m specdp_cli.runtime.rank_main RUN_DIR`.
+"""What `accelerate launch` runs in each rank: `python -m specdp_cli.rank RUN_DIR`.
 
 Imports what it needs (seconds: torch, transformers), waits for the job the CLI writes into RUN_DIR
 (the CLI starts the ranks before its own checks, so both happen at once), joins the process group,
@@ -32,7 +32,7 @@ def wait_for_job(run_dir: str, status) -> dict:
     CLI itself be gone, or its run directory, the rank leaves."""
     import time
 
-    from .dist import alive
+    from .runtime.dist import alive
 
     path = os.path.join(run_dir, "job.json")
     parent = int(os.environ.get("SPECDP_PARENT_PID", "0"))
@@ -50,14 +50,14 @@ def wait_for_job(run_dir: str, status) -> dict:
 def main(argv: list[str] | None = None) -> None:
     import time
 
-    from ..launch import launch_phases, process_start_time
+    from .launch import launch_phases, process_start_time
 
     argv = sys.argv[1:] if argv is None else argv
     run_dir = argv[0]
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    from .status import StatusBoard
+    from .runtime.status import StatusBoard
 
     status = StatusBoard(run_dir, rank)
 
@@ -70,14 +70,11 @@ def main(argv: list[str] | None = None) -> None:
     code = 0
     try:
         _silence_libraries()
-        import torch
-
-        from ..config import Config
-        from ..preflight import Plan
-        from .dist import DPGroup
-        from .engine import Engine
-        from .faults import Faults
-        from .heap import freeze_startup_heap
+        from .config import Config
+        from .plan import Plan
+        from .runtime.build import build_engine, rank_device
+        from .runtime.dist import DPGroup
+        from .runtime.faults import Faults
 
         # the tokenizers' backend, imported while waiting for the job (not AutoTokenizer / AutoConfig: under
         # transformers 5.17 those import its generation stack, ~3 s; modeldir and runtime/models/config.py avoid them)
@@ -88,12 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         job_at = time.time()
         cfg = Config.model_validate(job["config"])
         plan = Plan(**job["plan"])
-        torch.set_num_threads(int(job["threads"]))
-        if plan.device == "cuda":
-            device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
+        device = rank_device(plan, local_rank, int(job["threads"]))
         status.set(0, "joining the process group")
         if world == 1:
             dp = DPGroup.solo(status)
@@ -109,12 +101,11 @@ def main(argv: list[str] | None = None) -> None:
             status.exit("fault", message, exit_code)
             os._exit(exit_code)
 
-        engine = Engine(cfg, plan, dp, device, Faults.from_env(world), on_fault_exit=fault_exit,
-                        started_at=job["started_at"], launch=launch)
-        freeze_startup_heap()
+        engine = build_engine(cfg, plan, dp, device, Faults.from_env(world), on_fault_exit=fault_exit,
+                              started_at=job["started_at"], launch=launch)
         print(engine.ready_line, file=sys.stderr, flush=True)
         if job["mode"] == "generate":
-            from ..jobs.generate import run_rank
+            from .jobs.generate import run_rank
 
             requests = None
             if rank == 0:
@@ -126,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                 with open(os.path.join(run_dir, "summary.json"), "w") as fh:
                     json.dump(summary, fh)
         elif job["mode"] == "serve":
-            from ..server.rank import serve_rank
+            from .server.rank import serve_rank
 
             serve_rank(engine, dp, job)
         else:

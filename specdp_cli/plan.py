@@ -1,0 +1,169 @@
+"""`resolve(config) -> Plan`: every number and choice derived from a configuration, computed once.
+
+The Plan is what the launcher and every rank read instead of deriving anything again: the device,
+dtype and backend, dp_sync and the policy, the drafter's limit D and the no-draft window, the step k's
+schedule, the layout (ranks per machine, expert parallelism) and the memory estimate (weights, KV
+bytes per token, KV blocks). Resolving reads the model directories' config.json and safetensors
+headers (never weights) and counts the GPUs; it raises nothing: what it cannot resolve (a missing
+directory, say) it leaves at a default, and preflight reports on the Plan — with a sentence for
+every problem — without ever changing it. Definitions follow DESIGN.md's contract.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+from .config import Config, ParallelConfig
+from .methods import METHODS
+from .modeldir import DTYPE_BYTES, ModelDir, ModelDirError, kv_bytes_per_token
+from .runtime.spec_length import schedule
+
+ACTIVATION_RESERVE = 1 << 30             # the estimate's guess at activations + CUDA graphs on a GPU
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything resolved from a configuration. Passed to the launcher and every rank (as JSON)."""
+    device: str = "cpu"                      # cpu | cuda
+    dtype: str = "float32"
+    backend: str = "gloo"                    # gloo | nccl
+    dp_sync: Optional[str] = None            # always | never
+    policy: Optional[str] = None             # skip | dummy | None (method none)
+    drafter_max_model_len: Optional[int] = None   # D
+    no_draft_window: Optional[list[int]] = None   # [D - k + 1, M - 1], when not empty
+    ranks_per_machine: int = 1
+    gpus: int = 0                                 # GPUs visible on this machine when resolved (device cuda / auto)
+    model_name: str = ""
+    num_blocks: Optional[int] = None              # KV blocks: cache.num_blocks, the CPU default, or None (a GPU sizes it)
+    expert_parallel: bool = False                 # the target's routed experts are split over the DP ranks
+    speculation: Optional[dict] = None            # the step k's schedule: mode, ranges, k_values (spec_length.py)
+    memory: Optional[dict] = None                 # the estimate preflight reports (see _memory)
+
+    @property
+    def lockstep(self) -> bool:
+        return self.dp_sync == "always"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# -- the hooks that tests replace --------------------------------------------------------------------
+
+def cuda_device_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def device_memory(device: str) -> Optional[tuple[int, int]]:
+    """(free, total) bytes of one device; None on CPU (there the memory estimate is all there is)."""
+    if device != "cuda":
+        return None
+    import torch
+    if not torch.cuda.is_available():
+        return None     # preflight's parallel check reports the missing GPU
+    free, total = torch.cuda.mem_get_info(0)
+    return int(free), int(total)
+
+
+# ------------------------------------------------------------------------------------------------------
+
+def ranks_per_machine(parallel: ParallelConfig) -> int:
+    """DP ranks on each machine (the launcher reads it before anything else is resolved)."""
+    return max(1, parallel.data_parallel_size // max(1, parallel.num_machines))
+
+
+def open_models(cfg: Config) -> tuple[ModelDir | None, ModelDir | None]:
+    """The target's and the drafter's directories (None where a directory cannot be read: preflight says why)."""
+    def opened(path: str | None, role: str) -> ModelDir | None:
+        try:
+            return ModelDir.open(path or "", role)
+        except ModelDirError:
+            return None
+    meth = METHODS[cfg.speculative.method]
+    return opened(cfg.model, "target model"), (opened(cfg.speculative.model, "drafter") if meth.loads else None)
+
+
+def resolve(cfg: Config, target: ModelDir | None = None, drafter: ModelDir | None = None) -> Plan:
+    """The Plan of `cfg` (target / drafter: their directories when the caller has opened them already)."""
+    if target is None and drafter is None:
+        target, drafter = open_models(cfg)
+    par, spec = cfg.parallel, cfg.speculative
+    meth = METHODS[spec.method]
+    gpus = cuda_device_count() if cfg.device in ("auto", "cuda") else 0
+    device = cfg.device if cfg.device != "auto" else ("cuda" if gpus else "cpu")
+    if cfg.dtype != "auto":
+        dtype = cfg.dtype
+    elif device == "cuda" and target is not None:
+        dtype = target.stored_dtype if target.stored_dtype in ("float32", "bfloat16", "float16") else "float32"
+    else:
+        dtype = "float32"
+    moe = bool(target and target.is_moe)
+    expert_parallel = par.enable_expert_parallel and moe
+    if par.dp_sync != "auto":
+        dp_sync = par.dp_sync
+    else:
+        dp_sync = "always" if moe or expert_parallel else "never"
+    D = window = None
+    k = spec.num_speculative_tokens
+    if meth.drafts:
+        limits = [cfg.max_model_len] + [v for v in (spec.max_model_len,
+                                                     drafter.max_position_embeddings if drafter else None) if v]
+        D = min(limits)
+        if D - k + 1 <= cfg.max_model_len - 1:
+            window = [D - k + 1, cfg.max_model_len - 1]
+    policy = None
+    if meth.drafts:
+        need_dummy = par.data_parallel_size > 1 and dp_sync == "always" and meth.forward
+        policy = spec.policy if spec.policy != "auto" else ("dummy" if need_dummy else "skip")
+    memory = _memory(cfg, device, dtype, expert_parallel, target, drafter)
+    return Plan(device=device, dtype=dtype, backend=par.backend if par.backend != "auto" else (
+                    "nccl" if device == "cuda" else "gloo"),
+                dp_sync=dp_sync, policy=policy, drafter_max_model_len=D, no_draft_window=window,
+                ranks_per_machine=ranks_per_machine(par), gpus=gpus,
+                model_name=cfg.server.model_name or (target.name if target else os.path.basename(cfg.model)),
+                num_blocks=memory["num_blocks"] if memory and memory["source"] != "gpu" else cfg.cache.num_blocks,
+                expert_parallel=expert_parallel, speculation=speculation(cfg), memory=memory)
+
+
+def speculation(cfg: Config) -> dict:
+    """The step k's schedule (`runtime/spec_length.schedule`): mode, ranges, k values."""
+    spec = cfg.speculative
+    k = spec.num_speculative_tokens if METHODS[spec.method].drafts else 0
+    return schedule(k, spec.num_speculative_tokens_per_batch_size, spec.adaptive)
+
+
+def _memory(cfg: Config, device: str, dtype: str, expert_parallel: bool, target: ModelDir | None,
+            drafter: ModelDir | None) -> dict | None:
+    """Weights, KV bytes per token and the KV cache's blocks: `cache.num_blocks`; on CPU max_num_seqs
+    full-length sequences; on a GPU what gpu_memory_utilization leaves after this device's current use,
+    the weights and a reserve for activations (an estimate: the engine measures activations at start and
+    sizes the pool exactly). None without a readable target (or drafter, for a method that loads one)."""
+    meth = METHODS[cfg.speculative.method]
+    if target is None or (meth.loads and drafter is None):
+        return None
+    M, n, c = cfg.max_model_len, cfg.scheduler.max_num_seqs, cfg.cache
+    mtp = meth.in_target
+    experts = target.num_experts
+    # under expert parallelism each rank holds 1/dp of the routed experts (the most any rank holds)
+    experts_held = -(-experts // cfg.parallel.data_parallel_size) / experts if expert_parallel else 1.0
+    weights = int(target.weight_bytes(dtype) * target.loaded_share(mtp, experts_held))
+    per_token = target.kv_bytes_per_token(dtype)
+    if drafter:
+        weights += drafter.weight_bytes(dtype)
+        per_token += drafter.kv_bytes_per_token(dtype)
+    if mtp:                          # the MTP layer caches like one of the target's layers
+        per_token += kv_bytes_per_token(target.kv_shapes()[:1], DTYPE_BYTES.get(dtype, 4))
+    per_seq = -(-M // c.block_size)                         # blocks of one full-length sequence
+    mem = device_memory(device)
+    total = None
+    if c.num_blocks:
+        blocks, source = c.num_blocks, "config"
+    elif mem is None:
+        blocks, source = n * per_seq, "cpu"
+    else:
+        free, total = mem
+        budget = c.gpu_memory_utilization * total - (total - free) - weights - ACTIVATION_RESERVE
+        blocks, source = max(0, int(budget // max(per_token * c.block_size, 1))), "gpu"
+    return {"weight_bytes": weights, "kv_bytes_per_token": per_token, "block_size": c.block_size,
+            "num_blocks": blocks, "source": source, "device_total": total, "sequence_blocks": per_seq}

@@ -1,0 +1,85 @@
+"""What one engine step hands from phase to phase (schedule -> execute -> update), as vLLM v1's
+SchedulerOutput / ModelRunnerOutput do: small typed records, built once per step."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .scheduler import Sequence, StepPlan
+from .step_inputs import RowSpec, StepInputs
+
+WIDE_CHUNKS, WIDE_DRAFTER = 1, 2          # StepSync.wide bits: prompt chunks (every forward wide); a drafter catch-up
+
+
+@dataclass(slots=True)
+class StepSync:
+    """One rank's row of the step sync (one integer each): what every rank of a lockstep step agrees on
+    before its first forward, and what the next step's k is chosen from."""
+    rows: int                 # rows of the step's forwards
+    drafter_forwards: int     # K: drafter forwards the rank plans
+    window: int               # the verification window: 1 + draft slots (1: no drafts)
+    wide: int                 # WIDE_* bits
+    has_work: int             # the rank holds rows or requests
+    received: int             # frontend messages received (a server rank; see server/rank.py)
+    batch: int                # running sequences (the next step's k: spec_length.py)
+    preferred_k: int          # the rank's preferred k for the step after
+    feeds_drafter: int        # some row feeds the drafter (a prompt chunk or a catch-up)
+    stalled: int              # the rank's last step ended a stall (progress.py): every rank stops
+
+    def row(self) -> list[int]:
+        return [self.rows, self.drafter_forwards, self.window, self.wide, self.has_work, self.received, self.batch,
+                self.preferred_k, self.feeds_drafter, self.stalled]
+
+
+@dataclass(slots=True)
+class StepSizes:
+    """What every rank of a lockstep step agrees on before its first forward."""
+    R_pad: int            # rows of every forward of the step (a CUDA graph size)
+    K: int                # drafter forwards
+    T_dec: int            # the verification window: 1 + draft slots
+    T: int                # tokens per row of the target forward (T_dec, or the prompt-chunk width)
+    T1: int               # tokens per row of the first drafter forward (2, or the prompt-chunk width)
+    k: int = 0            # the step's k (agreed at the last step's sync: spec_length.py)
+
+
+@dataclass(slots=True)
+class ScheduledStep:
+    """The schedule phase's output: which sequences run and how, before any rank has synced."""
+    step: int
+    k: int                        # the step's k (agreed at the last step's sync)
+    plan: StepPlan                # decode rows with their k_eff, prompt chunks, preemptions
+    rows: list[RowSpec]           # the forwards' rows: decode rows first, then prompt-chunk pieces
+    n_drafts: list[int]           # drafts of each decode row
+    sync: StepSync                # this rank's row of the step sync
+    t_start: float                # perf_counter at the step's start (the adaptive k's step times)
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What a step's device work reads (the drafters too)."""
+    step: int
+    rows: list[RowSpec]
+    sizes: StepSizes
+    inputs: StepInputs
+    rt: dict                                      # sampling settings of the R_pad rows
+    publish: Callable[[str], None]
+    graphs: bool                                  # replay CUDA graphs (where captured)
+    drafter_runs: bool                            # the drafter phase runs: it drafts, catches up or takes prompt chunks
+
+
+@dataclass(slots=True)
+class DeviceResult:
+    """The execute phase's output, on the host: per row its tokens [:W], how many count (column W) and the
+    drafts proposed for its next step (columns W + 1..; an EAGLE head or MTP layer)."""
+    table: np.ndarray
+    W: int
+    proposed: bool
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_tokens: list[int]
+    finished: bool
