@@ -11,7 +11,7 @@ every problem — without ever changing it. Definitions follow DESIGN.md's contr
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 from .config import Config, ParallelConfig
@@ -43,9 +43,6 @@ class Plan:
     @property
     def lockstep(self) -> bool:
         return self.dp_sync == "always"
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 # -- the hooks that tests replace --------------------------------------------------------------------

@@ -128,3 +128,18 @@ def check_sampling(raw: dict, defaults: dict, max_tokens_key: str = "max_tokens"
     if out.pop("speculative", True) is False:
         out["speculative"] = False
     return out
+
+
+def fit_max_tokens(params: dict, prompt_tokens: int, default_max_tokens: int, max_model_len: int,
+                   prompt_key: str = "prompt") -> None:
+    """The one rule for a request's length, `generate`'s and the server's (DESIGN.md's contract): a prompt of
+    max_model_len tokens or more is refused (there is no room for one token); a max_tokens is an upper bound,
+    and the sequence also ends at max_model_len (finish_reason "length"), so prompt + max_tokens >
+    max_model_len is no error; a request that gives no max_tokens gets the config's default, or the room the
+    prompt leaves when that is less. Fills params["max_tokens"]; raises ParamError naming the field."""
+    M, P = max_model_len, prompt_tokens
+    if P >= M:
+        raise ParamError(prompt_key, f"this model's maximum context length is {M} tokens; the prompt has {P} tokens: "
+                                     f"shorten the prompt or raise max_model_len")
+    if params.get("max_tokens") is None:
+        params["max_tokens"] = min(default_max_tokens, M - P)

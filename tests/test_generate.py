@@ -69,23 +69,25 @@ def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
         {"prompt": "for i in range(10):\n    print(i", "max_tokens": 100},  # id 8: stops at M
         {"nothing": "here"},                                               # id 9
         {"prompt": "while True:", "stop": ["\n"], "extra_key": 1, "id": 10},
+        {"prompt": list(range(2, 43)), "id": 11},                          # 41 tokens, no max_tokens: M - 41 = 7 < 12
     ])
     out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
     res = generate(cfg, inp, out, "--summary-json", str(summary))
     assert res.exit_code == 0, res.output
     rows = lines(out)
-    assert [r["id"] for r in rows] == [1, "point", 3, 5, 6, 7, 8, 9, 10]
+    assert [r["id"] for r in rows] == [1, "point", 3, 5, 6, 7, 8, 9, 10, 11]
     by = {r["id"]: r for r in rows}
     for bad in (3, 5, 6, 7, 9):
         assert set(by[bad]) == {"id", "error", "fingerprint"}, by[bad]
     assert "JSON" in by[3]["error"] and "max_model_len" in by[5]["error"] and "chat template" in by[6]["error"]
     assert "top_p" in by[7]["error"] and "prompt" in by[9]["error"]
-    for good in (1, "point", 8, 10):
+    for good in (1, "point", 8, 10, 11):
         assert set(by[good]) == RESULT_KEYS
         assert set(by[good]["spec"]) == {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}
         assert by[good]["completion_tokens"] == len(by[good]["token_ids"])
     assert by["point"]["completion_tokens"] <= 5
-    assert by[8]["prompt_tokens"] + by[8]["completion_tokens"] == 48 and by[8]["finish_reason"] == "length"
+    for at_m in (8, 11):            # max_tokens past the room the prompt leaves, or none and less room than the default
+        assert by[at_m]["prompt_tokens"] + by[at_m]["completion_tokens"] == 48 and by[at_m]["finish_reason"] == "length"
     if by[10]["finish_reason"] == "stop":
         assert "\n" not in by[10]["text"]
     # greedy output equals the reference
@@ -95,8 +97,8 @@ def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
     assert by[1]["token_ids"] == hf_reference(models["target"], ids, 12)
     s = json.load(open(summary))
     assert set(s) == SUMMARY_KEYS
-    assert s["requests"] == 9 and s["errors"] == 5
-    assert s["generated_tokens"] == sum(by[g]["completion_tokens"] for g in (1, "point", 8, 10))
+    assert s["requests"] == 10 and s["errors"] == 5
+    assert s["generated_tokens"] == sum(by[g]["completion_tokens"] for g in (1, "point", 8, 10, 11))
     assert s["acceptance_rate"] is None or 0 <= s["acceptance_rate"] <= 1
     assert len(s["ranks"]) == 1 and set(s["ranks"][0]) == {"rank", "requests", "steps", "padding_steps",
                                                            "skipped_drafter_steps", "generated_tokens", "preemptions",

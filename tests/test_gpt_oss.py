@@ -19,7 +19,7 @@ DEFAULT = {"rope_type": "default", "rope_theta": 10000.0}
 
 
 def make_gpt_oss_dir(path: Path, tokenizer_dir: Path, rope: dict, seed: int, layers: int = 2, experts: int = 4,
-                     hidden: int = 64, peaked: float = 3.0) -> Path:
+                     hidden: int = 64, peaked: float = 3.0, limit: float = 1.0) -> Path:
     """A random GPT-OSS (4 heads of 16, 2 kv heads, window 8, sliding and full layers alternating, 4 experts,
     top 2) with every bias and sink random, saved with the tokenizer; `peaked` scales the LM head."""
     from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
@@ -29,7 +29,7 @@ def make_gpt_oss_dir(path: Path, tokenizer_dir: Path, rope: dict, seed: int, lay
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     cfg = GptOssConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
-                       num_local_experts=experts, num_experts_per_tok=2, swiglu_limit=1.0,
+                       num_local_experts=experts, num_experts_per_tok=2, swiglu_limit=limit,
                        max_position_embeddings=512, rope_parameters=dict(rope), tie_word_embeddings=False,
                        bos_token_id=0, eos_token_id=0, pad_token_id=1)
     torch.manual_seed(seed)

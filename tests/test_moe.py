@@ -139,3 +139,18 @@ def test_expert_parallel_server_equals_generate(tmp_path, models, moe):
         assert complete(PROMPTS[:1]) == expected[:1]        # one request: the other rank serves padding only
         assert complete() == expected
         assert server.health() == 200
+
+
+def test_both_families_are_known_as_moe_before_loading(moe):
+    """Preflight (dp_sync auto, expert parallelism, memory) counts experts from config.json by each family's keys:
+    transformers 5.24 writes Qwen3-MoE's as num_local_experts, earlier releases as num_experts."""
+    import json
+
+    from specdp_cli.modeldir import ModelDir
+
+    for path in moe.values():
+        assert ModelDir.open(str(path), "model").num_experts == 4
+    config = json.loads((moe["qwen3_moe"] / "config.json").read_text())
+    n = config.pop("num_local_experts", None) or config.pop("num_experts")
+    for key in ("num_experts", "num_local_experts"):
+        assert ModelDir(str(moe["qwen3_moe"]), {**config, key: n}).num_experts == 4

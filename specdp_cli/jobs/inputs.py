@@ -4,7 +4,8 @@
 `id`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`, `speculative` (false: no drafts for
 this request); other keys are ignored. Anything
 else: plain text, one prompt a line. Blank lines are skipped. A line without `id` gets its 1-based
-line number. A line that cannot be served becomes an error record; duplicate ids refuse the job.
+line number. A line that cannot be served becomes an error record (lengths: the server's rule,
+`request_params.fit_max_tokens`); duplicate ids refuse the job.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any
 
 from ..config import Config
 from ..prompts import PromptEncoder, PromptError
-from ..request_params import check_sampling, sampling_defaults
+from ..request_params import ParamError, check_sampling, fit_max_tokens, sampling_defaults
 from .fingerprint import input_hash
 
 
@@ -47,7 +48,7 @@ def id_key(value: Any) -> str:
 
 def read_inputs(path: str, cfg: Config, encoder: PromptEncoder) -> list[JobRequest]:
     jsonl = path.lower().endswith((".jsonl", ".json"))
-    defaults = sampling_defaults(cfg.sampling)
+    defaults = sampling_defaults(cfg.sampling, max_tokens=False)     # a line without max_tokens: fit_max_tokens
     M = cfg.max_model_len
     out: list[JobRequest] = []
     seen: dict[str, int] = {}
@@ -65,9 +66,11 @@ def read_inputs(path: str, cfg: Config, encoder: PromptEncoder) -> list[JobReque
                 raise InputError(f"{path}: duplicate id {req.id!r} on lines {seen[req.key]} and {n}; "
                                  f"ids must be unique (a line without id gets its line number)")
             seen[req.key] = n
-            if req.error is None and len(req.prompt_ids) >= M:
-                req.error = (f"prompt has {len(req.prompt_ids)} tokens, but max_model_len is {M}: "
-                             f"shorten the prompt or raise max_model_len")
+            if req.error is None:
+                try:                        # the server's rule too (request_params.fit_max_tokens)
+                    fit_max_tokens(req.params, len(req.prompt_ids), cfg.sampling.max_tokens, M)
+                except ParamError as e:
+                    req.error = f"line {n}: {e}"
             req.fingerprint = {"input": input_hash(req.prompt_ids, req.params, raw=text if req.error else None)}
             out.append(req)
     return out
@@ -75,7 +78,7 @@ def read_inputs(path: str, cfg: Config, encoder: PromptEncoder) -> list[JobReque
 
 def _parse_line(text: str, n: int, jsonl: bool, defaults: dict, encoder: PromptEncoder) -> JobRequest:
     if not jsonl:
-        req = JobRequest(id=n, line=n, params=check_sampling({}, defaults))     # the defaults, complete
+        req = JobRequest(id=n, line=n, params=check_sampling({}, defaults))     # the defaults
         try:
             req.prompt_ids = encoder.encode_text(text)
         except PromptError as e:

@@ -425,13 +425,12 @@ class Engine:
         batch = len(self.scheduler.running)
         sl = self.spec_len
         # adaptive: the preference worked out while the last step ran (`_plan_k`); fixed k and ranges: now
-        sync = StepSync(rows=len(rows), drafter_forwards=K, window=1 + k if (K or any(n_drafts)) else 1,
-                        wide=(WIDE_CHUNKS if plan.prefill else 0) | (WIDE_DRAFTER if any(len(r.d_tokens) > 2 for r in rows)
-                                                                     else 0),
+        preferred = self.k_pref if sl.adaptive else sl.preferred(batch, pad_rows(max(batch, 1), self.row_sizes))
+        wide = (WIDE_CHUNKS if plan.prefill else 0) | (WIDE_DRAFTER if any(len(r.d_tokens) > 2 for r in rows) else 0)
+        sync = StepSync(rows=len(rows), drafter_forwards=K, window=1 + k if (K or any(n_drafts)) else 1, wide=wide,
                         has_work=int(bool(rows) or self.has_work), received=received, batch=batch,
-                        preferred_k=self.k_pref if sl.adaptive else sl.preferred(batch, pad_rows(max(batch, 1),
-                                                                                                 self.row_sizes)),
-                        feeds_drafter=int(any(r.d_tokens for r in rows)), stalled=int(self._stalled is not None))
+                        preferred_k=preferred, feeds_drafter=int(any(r.d_tokens for r in rows)),
+                        stalled=int(self._stalled is not None))
         return ScheduledStep(step, k, plan, rows, n_drafts, sync, t_start)
 
     def _execute(self, sched: ScheduledStep, sizes: StepSizes, drafter_runs: bool,
@@ -466,10 +465,11 @@ class Engine:
         n_decode = len(plan.decode)
         outputs = []
         verified = []                       # (drafts, accepted) of each drafting row: the acceptance averages
+        frozen = self.faults.frozen_id      # fault injection (`freeze`): None unless a request is frozen
         for i, (row, res) in enumerate(zip(rows, result.table)):
             if i < n_decode or row.done:
-                frozen = i < n_decode and self.faults.frozen(row.seq.req.id)       # fault injection
-                new = [] if frozen else [int(t) for t in res[:res[W]]]
+                new = [] if frozen is not None and i < n_decode and row.seq.req.id == frozen else \
+                    [int(t) for t in res[:res[W]]]
                 outputs.append(self._accept(row.seq, row.n_drafts, new))
                 if row.n_drafts:
                     verified.append((row.n_drafts, int(res[W]) - 1))
@@ -486,12 +486,15 @@ class Engine:
             else:
                 timed = None
             self._observed = (verified, timed)
+        progressed = False
         for out in outputs:
             if out.finished:
                 c.spec.merge(out.seq.stats)
                 self.scheduler.remove(out.seq)
-        if self.progress.after_step(bool(rows) or bool(self.scheduler.waiting),
-                                    any(out.new_tokens or out.finished for out in outputs)):
+                progressed = True
+            elif out.new_tokens:
+                progressed = True
+        if self.progress.after_step(bool(rows) or bool(self.scheduler.waiting), progressed):
             outputs += self._stall(sched.step)
         c.steps += 1
         c.last_step_t = time.time()

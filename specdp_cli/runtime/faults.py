@@ -35,7 +35,7 @@ class Faults:
     slow: dict[int, float] = field(default_factory=dict)     # rank -> seconds added to each step
     freeze: dict[int, int] = field(default_factory=dict)     # rank -> which of its requests never gains a token
     _arrived: int = field(default=0, init=False, repr=False)        # requests that reached this rank so far
-    _frozen: object = field(default=None, init=False, repr=False)   # the frozen request's id, once it arrived
+    frozen_id: object = field(default=None, init=False, repr=False)  # the frozen request's id, once it arrived
     guard: bool = True                                       # the step sync compares drafter forwards
 
     @classmethod
@@ -92,10 +92,7 @@ class Faults:
         if rank in self.freeze:
             self._arrived += 1
             if self._arrived == self.freeze[rank]:
-                self._frozen = req_id
-
-    def frozen(self, req_id) -> bool:
-        return self._frozen is not None and req_id == self._frozen
+                self.frozen_id = req_id
 
     def exit_step(self, rank: int) -> int | None:
         return self.exit_at.get(rank)

@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from ..prompts import PromptEncoder, PromptError
-from ..request_params import ParamError, check_sampling, sampling_defaults
+from ..request_params import ParamError, check_sampling, fit_max_tokens, sampling_defaults
 
 
 class APIError(Exception):
@@ -96,21 +96,12 @@ def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: st
                 raise bad("the prompt is empty", "prompt")
     except PromptError as e:
         raise bad(str(e), "messages" if chat else "prompt") from None
-    P = len(prompt_ids)
-    if P >= max_model_len:
-        raise bad(f"this model's maximum context length is {max_model_len} tokens; the prompt has {P} tokens",
-                  "messages" if chat else "prompt")
     key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     try:
         p = check_sampling(body, sampling_defaults(defaults, max_tokens=False), max_tokens_key=key)
+        fit_max_tokens(p, len(prompt_ids), defaults.max_tokens, max_model_len, "messages" if chat else "prompt")
     except ParamError as e:
         raise bad(str(e), e.param) from None
-    max_tokens = p["max_tokens"]
-    if max_tokens is None:
-        p["max_tokens"] = max_tokens = min(defaults.max_tokens, max_model_len - P)
-    elif P + max_tokens > max_model_len:
-        raise bad(f"this model's maximum context length is {max_model_len} tokens; you asked for {P} prompt "
-                  f"tokens + {max_tokens} completion tokens = {P + max_tokens}: lower {key}", key)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise bad("'stream_options' must be an object", "stream_options")

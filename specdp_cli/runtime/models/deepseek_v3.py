@@ -244,5 +244,6 @@ def load_mtp_head(md, target: CausalLM, dtype: torch.dtype, device: torch.device
 
 
 # its config class converts fields (rope, defaults): the config comes from transformers (fields None)
-FAMILIES = [Family("DeepseekV3ForCausalLM", "deepseek_v3", build_layer, fields=None, experts_key="n_routed_experts",
+FAMILIES = [Family("DeepseekV3ForCausalLM", "deepseek_v3", build_layer, fields=None,
+                   experts_keys=("n_routed_experts",),
                    kv_shapes=kv_shapes, model_class=DeepseekV3LM, refuse=refuse_activation, load_mtp=load_mtp_head)]

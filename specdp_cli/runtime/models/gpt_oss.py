@@ -107,5 +107,6 @@ def refuse(config: dict) -> str | None:
 
 
 # its config class fills in layer_types, head_dim and a yarn rope: the config comes from transformers (fields None)
-FAMILIES = [Family("GptOssForCausalLM", "gpt_oss", build_layer, fields=None, experts_key="num_local_experts",
+FAMILIES = [Family("GptOssForCausalLM", "gpt_oss", build_layer, fields=None,
+                   experts_keys=("num_local_experts",),
                    refuse=refuse)]

@@ -39,14 +39,14 @@ class Family:
     model_type: str                        # transformers' model_type and module name, e.g. "llama"
     build_layer: Callable                  # (config, i, get, path, ep) -> decoder layer i (decoder.Layer)
     fields: tuple[str, ...] | None = ()    # config.json fields read beyond COMMON_FIELDS; None: always transformers'
-    experts_key: str | None = None         # the config key of routed experts per MoE layer (None: dense)
+    experts_keys: tuple[str, ...] = ()     # config keys of routed experts per MoE layer, the first found counts (dense: none)
     kv_shapes: Callable[[dict], KVShapes] = attention_kv_shapes
     model_class: type | None = None        # its forward (None: decoder.CausalLM, a pre-norm decoder)
     refuse: Callable[[dict], str | None] | None = None     # why a config cannot run (None: it can)
     load_mtp: Callable | None = None       # (path, target, dtype, device, ep) -> its MTP layer as a drafter
 
     def num_experts(self, config: dict) -> int:
-        n = config.get(self.experts_key) if self.experts_key else 0
+        n = next((config[k] for k in self.experts_keys if k in config), 0)
         return int(n) if isinstance(n, int) and n > 1 else 0
 
 
