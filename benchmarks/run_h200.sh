@@ -294,7 +294,8 @@ refactor)
   # `git archive 8fd26ff specdp_cli benchmarks | tar -x -C .bench/old`), run by its own benchmarks/offline.py.
   # PART=1: every GPU test, then the codepair at batch 1 and 32 (none, draft_model, eagle), old / new / old / new;
   # PART=2: the 8B-shaped target at batch 1 and 16 (none, draft_model), old / new / old / new;
-  # PART=3: the codepair at batch 32 over 256 requests (none, draft_model), old / new / old / new.
+  # PART=3: the codepair at batch 32 over 256 requests (none, draft_model), old / new / old / new;
+  # PART=4: PART=1's codepair rows alone.
   OLD=${OLD:-.bench/old}
   pair() {   # NAME ARGS...: the same offline rows by the old code and the new, twice, alternating
     name=$1; shift
@@ -314,6 +315,8 @@ refactor)
      pair widened --pair $P --target $W/target --prompts 16 --batches 1,16 --methods none,draft_model --label widened ;;
   3) # the codepair at batch 32 over 256 requests (a step's host work, 8x the steps of PART=1's rows)
      pair codepair256 --pair $P --requests 256 --batches 32 --methods none,draft_model ;;
+  4) # PART=1's codepair rows alone, without the GPU tests
+     pair codepair --pair $P --batches 1,32 --methods none,draft_model,eagle ;;
   esac
   python3 - "$out" <<'PY'
 import glob, json, sys
