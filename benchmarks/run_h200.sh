@@ -295,7 +295,7 @@ refactor)
   # PART=1: every GPU test, then the codepair at batch 1 and 32 (none, draft_model, eagle), old / new / old / new;
   # PART=2: the 8B-shaped target at batch 1 and 16 (none, draft_model), old / new / old / new;
   # PART=3: the codepair at batch 32 over 256 requests (none, draft_model), old / new / old / new;
-  # PART=4: PART=1's codepair rows alone.
+  # PART=4: PART=1's codepair rows alone; PART=5: none and eagle over 256 requests at batch 1 and 32.
   OLD=${OLD:-.bench/old}
   pair() {   # NAME ARGS...: the same offline rows by the old code and the new, twice, alternating
     name=$1; shift
@@ -317,6 +317,8 @@ refactor)
      pair codepair256 --pair $P --requests 256 --batches 32 --methods none,draft_model ;;
   4) # PART=1's codepair rows alone, without the GPU tests
      pair codepair --pair $P --batches 1,32 --methods none,draft_model,eagle ;;
+  5) # the host-bound rows over 256 requests (batch 1: 32,768 steps a row), to see a few microseconds a step
+     pair codepair256b1 --pair $P --requests 256 --batches 1,32 --methods none,eagle ;;
   esac
   python3 - "$out" <<'PY'
 import glob, json, sys
