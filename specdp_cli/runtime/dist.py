@@ -195,12 +195,12 @@ class DPGroup:
         self._run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.step_group), *self._at)
         return x[self.rank * N:(self.rank + 1) * N]
 
-    def sync_step(self, fields: list[int], step: int) -> list[list[int]]:
+    def sync_step(self, fields, step: int) -> list:
         """Start of a step: in lockstep, every rank's `fields` (the sizes of its step's forwards) in
         one collective, with the check that all ranks are at the same step; else only this rank's."""
         self.publish(step, "step sync")
         if not self.lockstep:
-            return [list(fields)]
+            return [fields]
         F = len(fields)
         flat = self._sync(fields, step, "step sync")
         return [flat[r * F:(r + 1) * F] for r in range(self.world)]

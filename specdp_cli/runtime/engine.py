@@ -389,7 +389,9 @@ class Engine:
         the device runs this step, off the step's critical path — in lockstep, uneven host work is time the
         other ranks wait."""
         sched = self._schedule(received)
-        synced = [StepSync(*row) for row in self.dp.sync_step(sched.sync.row(), sched.step)]
+        synced = self.dp.sync_step(sched.sync, sched.step)
+        if self.dp.lockstep:
+            synced = [StepSync._make(row) for row in synced]
         sizes = self.agree(synced, sched.step, sched.k)
         if sizes is None:
             return None
@@ -427,10 +429,8 @@ class Engine:
         # adaptive: the preference worked out while the last step ran (`_plan_k`); fixed k and ranges: now
         preferred = self.k_pref if sl.adaptive else sl.preferred(batch, pad_rows(max(batch, 1), self.row_sizes))
         wide = (WIDE_CHUNKS if plan.prefill else 0) | (WIDE_DRAFTER if any(len(r.d_tokens) > 2 for r in rows) else 0)
-        sync = StepSync(rows=len(rows), drafter_forwards=K, window=1 + k if (K or any(n_drafts)) else 1, wide=wide,
-                        has_work=int(bool(rows) or self.has_work), received=received, batch=batch,
-                        preferred_k=preferred, feeds_drafter=int(any(r.d_tokens for r in rows)),
-                        stalled=int(self._stalled is not None))
+        sync = StepSync(len(rows), K, 1 + k if (K or any(n_drafts)) else 1, wide, int(bool(rows) or self.has_work),
+                        received, batch, preferred, int(any(r.d_tokens for r in rows)), int(self._stalled is not None))
         return ScheduledStep(step, k, plan, rows, n_drafts, sync, t_start)
 
     def _execute(self, sched: ScheduledStep, sizes: StepSizes, drafter_runs: bool,

@@ -3,7 +3,7 @@ SchedulerOutput / ModelRunnerOutput do: small typed records, built once per step
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -13,10 +13,10 @@ from .step_inputs import RowSpec, StepInputs
 WIDE_CHUNKS, WIDE_DRAFTER = 1, 2          # StepSync.wide bits: prompt chunks (every forward wide); a drafter catch-up
 
 
-@dataclass(slots=True)
-class StepSync:
+class StepSync(NamedTuple):
     """One rank's row of the step sync (one integer each): what every rank of a lockstep step agrees on
-    before its first forward, and what the next step's k is chosen from."""
+    before its first forward, and what the next step's k is chosen from. A tuple: it is the row the sync
+    sends (built once a step on a path where microseconds count)."""
     rows: int                 # rows of the step's forwards
     drafter_forwards: int     # K: drafter forwards the rank plans
     window: int               # the verification window: 1 + draft slots (1: no drafts)
@@ -27,10 +27,6 @@ class StepSync:
     preferred_k: int          # the rank's preferred k for the step after
     feeds_drafter: int        # some row feeds the drafter (a prompt chunk or a catch-up)
     stalled: int              # the rank's last step ended a stall (progress.py): every rank stops
-
-    def row(self) -> list[int]:
-        return [self.rows, self.drafter_forwards, self.window, self.wide, self.has_work, self.received, self.batch,
-                self.preferred_k, self.feeds_drafter, self.stalled]
 
 
 @dataclass(slots=True)
