@@ -105,3 +105,32 @@ def hf_reference(model_dir, prompt: list[int], max_new: int, eos: int | None = 0
 def prompts_of_lengths(lengths, vocab=300, seed=0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def load_cpu(target, **kw):
+    """specdp's decoder for a model directory, float32 on the CPU, rotary tables for 64 positions."""
+    from specdp_cli.runtime.models.loader import load_model
+
+    return load_model(str(target), torch.float32, torch.device("cpu"), 64, **kw)
+
+
+def prefill_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits of every position of one prefill of `ids` (up to 48 tokens) over three cache blocks of 16."""
+    from specdp_cli.runtime.kv_cache import allocate_kv
+    from specdp_cli.runtime.ops import AttnMeta
+
+    allocate_kv(model, num_blocks=4, block_size=16)
+    n = len(ids)
+    meta = AttnMeta(positions=torch.arange(n), slot_mapping=torch.arange(n) + 16,
+                    block_table=torch.tensor([[1, 2, 3, 0]], dtype=torch.int32), T=n)
+    with torch.no_grad():
+        return model.logits(model.forward(ids, meta))
+
+
+def transformers_logits(target, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' float32 logits of every position of `ids` for the model directory `target`."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return ref(ids.view(1, -1)).logits[0]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from dp_util import HARD_TIMEOUT_S, expert_parallel_equals_dp1
-from engine_util import check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine
+from engine_util import (check_against_reference, load_cpu, make_config, make_engine, prefill_logits,
+                         prompts_of_lengths, run_engine, transformers_logits)
 from helpers import make_deepseek_dir
 
 LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]
@@ -27,31 +28,14 @@ def deepseek(tmp_path_factory, models):
             "yarn": make_deepseek_dir(root / "yarn", tok, q_lora_rank=None, seed=5, rope_parameters=YARN)}
 
 
-def load(target, **kw):
-    from specdp_cli.runtime.models.loader import load_model
-
-    return load_model(str(target), torch.float32, torch.device("cpu"), 64, **kw)
-
-
 @pytest.mark.parametrize("variant", ["lora", "plain", "yarn"])
 def test_logits_equal_transformers(deepseek, variant):
     """One prefill of 40 tokens over three cache blocks: every position's logits."""
-    from transformers import AutoModelForCausalLM
-
-    from specdp_cli.runtime.kv_cache import allocate_kv
-    from specdp_cli.runtime.ops import AttnMeta
-
     torch.set_num_threads(1)
-    model = load(deepseek[variant])
-    allocate_kv(model, num_blocks=4, block_size=16)
-    n = 40
-    ids = torch.tensor(prompts_of_lengths([n], seed=8)[0])
-    meta = AttnMeta(positions=torch.arange(n), slot_mapping=torch.arange(n) + 16,
-                    block_table=torch.tensor([[1, 2, 3, 0]], dtype=torch.int32), T=n)
-    ref = AutoModelForCausalLM.from_pretrained(str(deepseek[variant]), dtype=torch.float32).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(model.logits(model.forward(ids, meta)), ref(ids.view(1, -1)).logits[0],
-                                   rtol=1e-5, atol=1e-5)
+    model = load_cpu(deepseek[variant])
+    ids = torch.tensor(prompts_of_lengths([40], seed=8)[0])
+    torch.testing.assert_close(prefill_logits(model, ids), transformers_logits(deepseek[variant], ids), rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("variant,method", [("lora", "none"), ("lora", "draft_model"), ("plain", "none"),
@@ -72,7 +56,7 @@ def test_kv_shapes_known_before_loading(deepseek):
 
     for target in deepseek.values():
         shapes = ModelDir.open(str(target), "model").kv_shapes()
-        assert shapes == load(target).kv_shapes() == [((4, 24), (4, 16))] * 3
+        assert shapes == load_cpu(target).kv_shapes() == [((4, 24), (4, 16))] * 3
 
 
 def test_each_rank_reads_only_its_experts(deepseek):
@@ -84,7 +68,7 @@ def test_each_rank_reads_only_its_experts(deepseek):
     from specdp_cli.runtime.models.weights import read_weights, weights_of
 
     for rank, want in ((0, range(2)), (1, range(2, 3)), (2, range(3, 4))):
-        m = load(deepseek["lora"], ep=SimpleNamespace(world=3, rank=rank))
+        m = load_cpu(deepseek["lora"], ep=SimpleNamespace(world=3, rank=rank))
         assert m.layers[0].moe is None and m.layers[0].gate_up.shape == (256, 64)
         for layer in m.layers[1:]:
             moe = layer.moe

@@ -10,7 +10,8 @@ import shutil
 import pytest
 import torch
 
-from engine_util import check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine
+from engine_util import (check_against_reference, load_cpu, make_config, make_engine, prefill_logits,
+                         prompts_of_lengths, run_engine, transformers_logits)
 
 LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]
 HIDDEN = 64
@@ -59,33 +60,16 @@ def gemma(tmp_path_factory, models):
     }
 
 
-def load(target):
-    from specdp_cli.runtime.models.loader import load_model
-
-    return load_model(str(target), torch.float32, torch.device("cpu"), 64)
-
-
 @pytest.mark.parametrize("variant", ["tied", "scaled"])
 def test_logits_equal_transformers(gemma, variant):
     """One prefill of 40 tokens over three cache blocks: every position's logits."""
-    from transformers import AutoModelForCausalLM
-
-    from specdp_cli.runtime.kv_cache import allocate_kv
-    from specdp_cli.runtime.ops import AttnMeta
-
     torch.set_num_threads(1)
-    model = load(gemma[variant])
+    model = load_cpu(gemma[variant])
     windows = {"tied": [8, 8, None, 8], "scaled": [None, 16, 16, None]}[variant]
     assert [layer.window for layer in model.layers] == windows
-    allocate_kv(model, num_blocks=4, block_size=16)
-    n = 40
-    ids = torch.tensor(prompts_of_lengths([n], seed=8)[0])
-    meta = AttnMeta(positions=torch.arange(n), slot_mapping=torch.arange(n) + 16,
-                    block_table=torch.tensor([[1, 2, 3, 0]], dtype=torch.int32), T=n)
-    ref = AutoModelForCausalLM.from_pretrained(str(gemma[variant]), dtype=torch.float32).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(model.logits(model.forward(ids, meta)), ref(ids.view(1, -1)).logits[0],
-                                   rtol=1e-5, atol=1e-5)
+    ids = torch.tensor(prompts_of_lengths([40], seed=8)[0])
+    torch.testing.assert_close(prefill_logits(model, ids), transformers_logits(gemma[variant], ids), rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("variant,method", [("tied", "none"), ("tied", "draft_model"), ("scaled", "ngram")])
@@ -106,7 +90,7 @@ def test_kv_shapes_known_before_loading(gemma):
     from specdp_cli.modeldir import ModelDir
 
     for target in gemma.values():
-        assert ModelDir.open(str(target), "model").kv_shapes() == load(target).kv_shapes() == [((2, 16), (2, 16))] * 4
+        assert ModelDir.open(str(target), "model").kv_shapes() == load_cpu(target).kv_shapes() == [((2, 16), (2, 16))] * 4
 
 
 def test_config_of_older_releases_loads_the_same(tmp_path, gemma):
@@ -118,7 +102,7 @@ def test_config_of_older_releases_loads_the_same(tmp_path, gemma):
     old.update(rope_theta=1e4, rope_local_base_freq=100.0, rope_scaling={"rope_type": "linear", "factor": 2.0},
                sliding_window_pattern=2)          # pattern 2: local, global, local, global
     (old_dir / "config.json").write_text(json.dumps(old))
-    a, b = load(gemma["scaled"]), load(old_dir)
+    a, b = load_cpu(gemma["scaled"]), load_cpu(old_dir)
     assert [layer.window for layer in b.layers] == [16, None, 16, None]
     assert torch.equal(a.cos, b.cos) and torch.equal(a.sin, b.sin)
     local = a.layers[1].rope

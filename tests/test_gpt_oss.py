@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine_util import check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine
+from engine_util import check_against_reference, load_cpu, make_config, make_engine, prompts_of_lengths, run_engine
 
 LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]
 YARN = {"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -61,12 +61,6 @@ def gpt_oss(tmp_path_factory, models):
             "default": make_gpt_oss_dir(root / "default", models["tokenizer"], DEFAULT, seed=4)}
 
 
-def load(target, **kw):
-    from specdp_cli.runtime.models.loader import load_model
-
-    return load_model(str(target), torch.float32, torch.device("cpu"), 64, **kw)
-
-
 @pytest.mark.parametrize("variant", ["yarn", "default"])
 def test_logits_equal_transformers(gpt_oss, variant):
     """One prefill of 40 tokens over three cache blocks (past the window): every position's logits; the
@@ -77,7 +71,7 @@ def test_logits_equal_transformers(gpt_oss, variant):
     from specdp_cli.runtime.ops import AttnMeta
 
     torch.set_num_threads(1)
-    model = load(gpt_oss[variant])
+    model = load_cpu(gpt_oss[variant])
     assert [layer.window for layer in model.layers] == [8, None]
     allocate_kv(model, num_blocks=4, block_size=16)
     n = 40
@@ -115,7 +109,7 @@ def test_kv_shapes_and_experts_known_before_loading(gpt_oss):
     from specdp_cli.modeldir import ModelDir
 
     md = ModelDir.open(str(gpt_oss["yarn"]), "model")
-    assert md.kv_shapes() == load(gpt_oss["yarn"]).kv_shapes() == [((2, 16), (2, 16))] * 2
+    assert md.kv_shapes() == load_cpu(gpt_oss["yarn"]).kv_shapes() == [((2, 16), (2, 16))] * 2
     assert md.num_experts == 4
 
 
@@ -125,7 +119,7 @@ def test_each_rank_reads_only_its_experts(gpt_oss):
     from safetensors.torch import load_file
 
     w = load_file(str(gpt_oss["yarn"] / "model.safetensors"))
-    m = load(gpt_oss["yarn"], ep=SimpleNamespace(world=2, rank=1))
+    m = load_cpu(gpt_oss["yarn"], ep=SimpleNamespace(world=2, rank=1))
     for i, layer in enumerate(m.layers):
         moe, p = layer.moe, f"model.layers.{i}.mlp."
         assert moe.experts == range(2, 4) and moe.gate_up.shape == (2, 128, 64) and moe.down.shape == (2, 64, 64)

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_util import check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine
+from engine_util import (check_against_reference, load_cpu, make_config, make_engine, prefill_logits,
+                         prompts_of_lengths, run_engine, transformers_logits)
 
 LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]
 HIDDEN = 64
@@ -57,34 +58,17 @@ def olmo2(tmp_path_factory, models):
                                                            "factor": 2.0, "original_max_position_embeddings": 256}})}
 
 
-def load(target):
-    from specdp_cli.runtime.models.loader import load_model
-
-    return load_model(str(target), torch.float32, torch.device("cpu"), 64)
-
-
 @pytest.mark.parametrize("variant", ["mha", "gqa", "olmo3"])
 def test_logits_equal_transformers(olmo2, variant):
     """One prefill of 40 tokens over three cache blocks: every position's logits."""
-    from transformers import AutoModelForCausalLM
-
-    from specdp_cli.runtime.kv_cache import allocate_kv
-    from specdp_cli.runtime.ops import AttnMeta
-
     torch.set_num_threads(1)
-    model = load(olmo2[variant])
+    model = load_cpu(olmo2[variant])
     layer = model.layers[0]
     assert layer.in_norm is None and layer.mlp_norm is None and layer.qk_norm_whole
     assert layer.q_norm.shape == (4 * 16,) and layer.k_norm.shape == (model.KV * 16,)
-    allocate_kv(model, num_blocks=4, block_size=16)
-    n = 40
-    ids = torch.tensor(prompts_of_lengths([n], seed=8)[0])
-    meta = AttnMeta(positions=torch.arange(n), slot_mapping=torch.arange(n) + 16,
-                    block_table=torch.tensor([[1, 2, 3, 0]], dtype=torch.int32), T=n)
-    ref = AutoModelForCausalLM.from_pretrained(str(olmo2[variant]), dtype=torch.float32).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(model.logits(model.forward(ids, meta)), ref(ids.view(1, -1)).logits[0],
-                                   rtol=1e-5, atol=1e-5)
+    ids = torch.tensor(prompts_of_lengths([40], seed=8)[0])
+    torch.testing.assert_close(prefill_logits(model, ids), transformers_logits(olmo2[variant], ids), rtol=1e-5,
+                               atol=1e-5)
 
 
 @pytest.mark.parametrize("variant,method", [("mha", "none"), ("gqa", "draft_model"), ("gqa", "ngram"),
@@ -118,7 +102,7 @@ def test_config_and_kv_shapes(olmo2):
     real = loader.load_config
     loader.load_config = lambda p, c, f: seen
     try:
-        model = load(path)
+        model = load_cpu(path)
     finally:
         loader.load_config = real
     ref = AutoConfig.from_pretrained(str(path))
@@ -151,7 +135,7 @@ def test_unsupported_configs_are_refused(olmo2):
 
 def test_olmo3_layers(olmo2):
     """Sliding layers get the window and their own rotary tables; the full layer the model's (yarn)."""
-    model = load(olmo2["olmo3"])
+    model = load_cpu(olmo2["olmo3"])
     assert [layer.window for layer in model.layers] == [16, None, 16]
     assert model.layers[1].rope is None and model.layers[0].rope is model.layers[2].rope
     assert not torch.equal(model.layers[0].rope[0], model.cos)

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from engine_util import check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine
+from engine_util import (check_against_reference, load_cpu, make_config, make_engine, prefill_logits, prompts_of_lengths,
+                         run_engine)
 
 LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]
 HIDDEN = 64
@@ -46,31 +47,12 @@ def phi3(tmp_path_factory, models):
             for i, (name, extra) in enumerate(VARIANTS.items())}
 
 
-def load(target):
-    from specdp_cli.runtime.models.loader import load_model
-
-    return load_model(str(target), torch.float32, torch.device("cpu"), 64)
-
-
-def prefill_logits(model, ids):
-    """Logits of every position of one prefill over three cache blocks of 16."""
-    from specdp_cli.runtime.kv_cache import allocate_kv
-    from specdp_cli.runtime.ops import AttnMeta
-
-    allocate_kv(model, num_blocks=4, block_size=16)
-    n = len(ids)
-    meta = AttnMeta(positions=torch.arange(n), slot_mapping=torch.arange(n) + 16,
-                    block_table=torch.tensor([[1, 2, 3, 0]], dtype=torch.int32), T=n)
-    with torch.no_grad():
-        return model.logits(model.forward(ids, meta))
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_logits_equal_transformers(phi3, variant):
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)
-    model = load(phi3[variant])
+    model = load_cpu(phi3[variant])
     ids = torch.tensor(prompts_of_lengths([40], seed=8)[0])
     ref = AutoModelForCausalLM.from_pretrained(str(phi3[variant]), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -94,7 +76,7 @@ def test_fused_projections_load_unsplit(phi3):
     from safetensors.torch import load_file
 
     w = load_file(str(phi3["full"] / "model.safetensors"))
-    model = load(phi3["full"])
+    model = load_cpu(phi3["full"])
     layer = model.layers[1]
     assert layer.qkv.shape == (8 * 16, HIDDEN) and layer.gate_up.shape == (4 * HIDDEN, HIDDEN)
     assert torch.equal(layer.qkv, w["model.layers.1.self_attn.qkv_proj.weight"])
@@ -145,9 +127,9 @@ def test_config_fast_path_equals_transformers(phi3, monkeypatch):
     fam = families()["Phi3ForCausalLM"]
     for target in phi3.values():
         assert hf_config.from_json(json.loads((target / "config.json").read_text()), fam) is not None
-        fast = load(target)
+        fast = load_cpu(target)
         monkeypatch.setattr(hf_config, "from_json", lambda config, family: None)
-        slow = load(target)
+        slow = load_cpu(target)
         monkeypatch.undo()
         assert [x.window for x in fast.layers] == [x.window for x in slow.layers]
         assert torch.equal(fast.cos, slow.cos) and torch.equal(fast.sin, slow.sin)
@@ -158,7 +140,7 @@ def test_preflight_accepts_and_kv_shapes_known_before_loading(models, phi3):
 
     for target in phi3.values():
         make_config(target, models["draft"], method="draft_model", k=3, M=64)       # asserts preflight's ok
-        assert ModelDir.open(str(target), "model").kv_shapes() == load(target).kv_shapes()
+        assert ModelDir.open(str(target), "model").kv_shapes() == load_cpu(target).kv_shapes()
 
 
 def test_refused_with_a_reason(phi3):
