@@ -27,7 +27,7 @@ import torch
 
 from .decoder import CausalLM, Layer, attention_weights, layer_window, mlp_weights
 from .registry import Family, attention_kv_shapes
-from .rotary import rotary_tables
+from .rotary import rope_types
 
 _ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 _DEFAULTS = {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256}      # Gemma3TextConfig's
@@ -51,18 +51,14 @@ def build_layer(c, i: int, get, path: str, ep=None) -> Layer:
 
 
 class Gemma3LM(CausalLM):
-    """The shared decoder with Gemma's scales, final norm, local rotary tables and logit softcapping."""
+    """The shared decoder with Gemma's scales, final norm and logit softcapping (the loader gives the sliding
+    layers their own rotary tables)."""
 
     def __init__(self, c, layers, embed, norm, lm_head, cos, sin):
         super().__init__(c, layers, embed, one_plus(norm), lm_head, cos, sin)   # cos, sin: the global layers'
         self.scale = c.query_pre_attn_scalar ** -0.5
         self.embed_scale = c.hidden_size ** 0.5
         self.softcap = c.final_logit_softcapping
-        local = rotary_tables(c, "gemma3_text", "Gemma3ForCausalLM", cos.shape[0], layer_type="sliding_attention")
-        local = (local[0].to(cos.device), local[1].to(cos.device))
-        for layer, kind in zip(layers, c.layer_types):
-            if kind == "sliding_attention":
-                layer.rope = local
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().logits(hidden)
@@ -75,13 +71,6 @@ def kv_shapes(config: dict):
     return attention_kv_shapes({**_DEFAULTS, **config})
 
 
-def _rope_types(config: dict) -> set[str]:
-    rope = config.get("rope_parameters") or {}
-    per_type = [r for r in (rope.get("full_attention"), rope.get("sliding_attention")) if isinstance(r, dict)]
-    return {r.get("rope_type") or r.get("type") or "default"
-            for r in (per_type or [rope]) + [config.get("rope_scaling") or {}]}
-
-
 def refuse(config: dict) -> str | None:
     act = config.get("hidden_activation") or "gelu_pytorch_tanh"
     if act != "gelu_pytorch_tanh":
@@ -90,7 +79,7 @@ def refuse(config: dict) -> str | None:
         return "attn_logit_softcapping is not supported for Gemma-3 (specdp's attention does not cap its logits)"
     if config.get("use_bidirectional_attention"):
         return "use_bidirectional_attention is not supported: specdp runs Gemma-3 as a causal language model"
-    other = sorted(_rope_types(config) - set(_ROPE_TYPES))
+    other = sorted(rope_types(config) - set(_ROPE_TYPES))
     if other:
         return f"rope type {', '.join(other)} is not supported for Gemma-3 ({', '.join(_ROPE_TYPES)} only)"
     return None

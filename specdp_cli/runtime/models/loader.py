@@ -7,7 +7,7 @@ from ...modeldir import ModelDir
 from .config import load_config
 from .decoder import CausalLM
 from .registry import UnsupportedModel, family_of
-from .rotary import rotary_tables
+from .rotary import rotary_tables, sliding_layer_tables
 from .weights import rank_experts, read_weights, weight_getter, weights_of
 
 
@@ -31,6 +31,12 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     else:
         lm_head = head.to(dtype)
     cos, sin = rotary_tables(c, fam.model_type, fam.architecture, max(max_len, 1))
+    local = sliding_layer_tables(c, fam.model_type, fam.architecture, max(max_len, 1))
+    if local is not None:                    # rope kept per layer type: the sliding layers take their own tables
+        local = (local[0].to(device), local[1].to(device))
+        for layer, kind in zip(layers, c.layer_types):
+            if kind == "sliding_attention":
+                layer.rope = local
     return (fam.model_class or CausalLM)(c, layers, embed, norm, lm_head, cos.to(device), sin.to(device))
 
 

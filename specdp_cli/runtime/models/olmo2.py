@@ -29,10 +29,10 @@ length (dynamic, longrope: transformers recomputes their tables per forward).
 """
 from __future__ import annotations
 
-from .decoder import CausalLM, Layer, attention_weights, layer_window, mlp_weights
+from .decoder import Layer, attention_weights, layer_window, mlp_weights
 from .llama import refuse_activation
 from .registry import Family
-from .rotary import rotary_tables
+from .rotary import rope_types
 
 
 def build_layer(c, i: int, get, path: str, ep=None, window: int | None = None) -> Layer:
@@ -47,28 +47,12 @@ def build_olmo3_layer(c, i: int, get, path: str, ep=None) -> Layer:
     return build_layer(c, i, get, path, ep, window=layer_window(c, i))
 
 
-class Olmo3LM(CausalLM):
-    """The shared decoder with the sliding layers' own rotary tables (cos, sin: the full layers')."""
-
-    def __init__(self, c, layers, embed, norm, lm_head, cos, sin):
-        super().__init__(c, layers, embed, norm, lm_head, cos, sin)
-        local = rotary_tables(c, "olmo3", "Olmo3ForCausalLM", cos.shape[0], layer_type="sliding_attention")
-        local = (local[0].to(cos.device), local[1].to(cos.device))
-        for layer, kind in zip(layers, c.layer_types):
-            if kind == "sliding_attention":
-                layer.rope = local
-
-
 def refuse_olmo3(config: dict) -> str | None:
-    rope = config.get("rope_parameters") or {}
-    ropes = [r for r in (rope.get("full_attention"), rope.get("sliding_attention")) if isinstance(r, dict)] or [rope]
-    for r in ropes + [config.get("rope_scaling") or {}]:
-        kind = r.get("rope_type") or r.get("type") or "default"
-        if kind in ("dynamic", "longrope"):
-            return f"rope type {kind!r} is not supported for OLMo-3 (its tables change with the sequence length)"
+    per_length = sorted(rope_types(config) & {"dynamic", "longrope"})
+    if per_length:
+        return f"rope type {per_length[0]!r} is not supported for OLMo-3 (its tables change with the sequence length)"
     return refuse_activation(config)
 
 
 FAMILIES = [Family("Olmo2ForCausalLM", "olmo2", build_layer, fields=("hidden_act",), refuse=refuse_activation),
-            Family("Olmo3ForCausalLM", "olmo3", build_olmo3_layer, fields=None, model_class=Olmo3LM,
-                   refuse=refuse_olmo3)]
+            Family("Olmo3ForCausalLM", "olmo3", build_olmo3_layer, fields=None, refuse=refuse_olmo3)]
