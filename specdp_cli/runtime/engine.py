@@ -108,9 +108,10 @@ class Engine:
         self.output = OutputProcessor(cfg.tokenizer_path, cfg.model)
         self.counters = RankCounters()
 
-        models = self._load_models(meth)
+        target, draft, head = self._load_models(meth)
+        models = [m for m in (target, draft, head) if m is not None]
         t_loaded = time.time()
-        self._build_runners(models, meth)
+        self._build_runners(target, draft, head, meth)
         num_blocks = self._num_blocks(models)
         for m in models:
             allocate_kv(m, num_blocks, cfg.cache.block_size)
@@ -147,9 +148,9 @@ class Engine:
         self.fail_stalled = False
         self._stalled: str | None = None       # a stall's sentence, until the next step's sync stops every rank
 
-    def _load_models(self, meth) -> list:
-        """The target, and the drafter's model (a draft model, an EAGLE head, the target's MTP layer), on the
-        device; under expert parallelism each holds this rank's experts."""
+    def _load_models(self, meth) -> tuple:
+        """(target, draft model or None, EAGLE head / MTP layer or None) on the device; under expert parallelism
+        each holds this rank's experts."""
         cfg, plan, device, spec = self.cfg, self.plan, self.device, self.cfg.speculative
         dtype = DTYPES[plan.dtype]
         # rotary tables reach past M: a padding row of a drafter forward may sit up to k positions beyond
@@ -160,16 +161,15 @@ class Engine:
         draft = load_model(spec.model, dtype, device, positions) if meth.separate_lm else None
         head = (load_head(spec.method, cfg.model if meth.in_target else spec.model, target, dtype, device, positions,
                           ep) if meth.after_verify else None)
-        models = [m for m in (target, draft, head) if m is not None]
         c = self.counters
         c.weight_bytes = torch.cuda.memory_allocated(device) - allocated_before if allocated_before is not None else None
-        c.expert_weight_bytes = sum(routed_expert_bytes(m) for m in models)
-        return models
+        c.expert_weight_bytes = sum(routed_expert_bytes(m) for m in (target, draft, head) if m is not None)
+        return target, draft, head
 
-    def _build_runners(self, models: list, meth) -> None:
+    def _build_runners(self, target, draft, head, meth) -> None:
         """The step's buffers, the target's runner, the drafter (with its runner) and the step k's schedule."""
         cfg, device, spec = self.cfg, self.device, self.cfg.speculative
-        target, draft, head = models[0], models[1] if meth.separate_lm else None, models[1] if meth.after_verify else None
+        models = [m for m in (target, draft, head) if m is not None]
         bs, n_seqs = cfg.cache.block_size, cfg.scheduler.max_num_seqs
         self.T_chunk = max(CHUNK_ROW_TOKENS, self.k + 1)       # row width of a step with prompt chunks
         self.decode_sizes = capture_sizes(n_seqs)               # rows of a decode step
