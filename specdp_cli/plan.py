@@ -81,10 +81,10 @@ def open_models(cfg: Config) -> tuple[ModelDir | None, ModelDir | None]:
     return opened(cfg.model, "target model"), (opened(cfg.speculative.model, "drafter") if meth.loads else None)
 
 
-def resolve(cfg: Config, target: ModelDir | None = None, drafter: ModelDir | None = None) -> Plan:
-    """The Plan of `cfg` (target / drafter: their directories when the caller has opened them already)."""
-    if target is None and drafter is None:
-        target, drafter = open_models(cfg)
+def resolve(cfg: Config, dirs: tuple[ModelDir | None, ModelDir | None] | None = None) -> Plan:
+    """The Plan of `cfg`. dirs: the (target, drafter) directories when the caller has opened them already
+    (preflight, which reports why one cannot be read), else they are opened here."""
+    target, drafter = dirs if dirs is not None else open_models(cfg)
     par, spec = cfg.parallel, cfg.speculative
     meth = METHODS[spec.method]
     gpus = cuda_device_count() if cfg.device in ("auto", "cuda") else 0
@@ -101,7 +101,7 @@ def resolve(cfg: Config, target: ModelDir | None = None, drafter: ModelDir | Non
         dp_sync = par.dp_sync
     else:
         dp_sync = "always" if moe or expert_parallel else "never"
-    D = window = None
+    D = window = policy = None
     k = spec.num_speculative_tokens
     if meth.drafts:
         limits = [cfg.max_model_len] + [v for v in (spec.max_model_len,
@@ -109,8 +109,6 @@ def resolve(cfg: Config, target: ModelDir | None = None, drafter: ModelDir | Non
         D = min(limits)
         if D - k + 1 <= cfg.max_model_len - 1:
             window = [D - k + 1, cfg.max_model_len - 1]
-    policy = None
-    if meth.drafts:
         need_dummy = par.data_parallel_size > 1 and dp_sync == "always" and meth.forward
         policy = spec.policy if spec.policy != "auto" else ("dummy" if need_dummy else "skip")
     memory = _memory(cfg, device, dtype, expert_parallel, target, drafter)

@@ -120,7 +120,7 @@ def run_preflight(cfg: Config) -> Report:
     if cfg.chat_template and "{" not in cfg.chat_template and not os.path.isfile(cfg.chat_template):
         findings.append(("error", f"chat_template file not found: {cfg.chat_template}."))
     report.add("files", findings)
-    plan = report.plan = resolve(cfg, target, drafter)
+    plan = report.plan = resolve(cfg, (target, drafter))
 
     # 2. lengths -------------------------------------------------------------------------------
     if target is not None:
