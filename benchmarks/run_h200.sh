@@ -333,6 +333,52 @@ for (name, m, b), d in sorted(rows.items()):
     print(f"{name:10s} {m:12s} bs {b:3d}  old {o}  new {n}  new/old {ratio:.3f}")
 PY
   ;;
+moe)
+  # session 13 (issue 29: only the routed experts run; expert parallelism inside CUDA graphs).
+  # PART=1: one MoE layer's routed experts, the Triton kernels against PyTorch's grouped GEMM (and a tile sweep);
+  #   the Qwen3-30B-A3B shape (8 layers) at batch 1, 16, 64 against the weight-read limit and Hugging Face;
+  #   then the MoE GPU tests (kernels = reference, graphs = eager per MoE family).
+  # PART=2: the MoE demo (benchmarks/train_moe_pair.py, trained here; needs .bench/train_pair.py, a copy of
+  #   ../shared/bench/train_pair.py) none / draft_model / mtp at batch 1 and 32 (k 4), and at k 1, 2, 3 at batch 1.
+  # PART=3: every GPU test. PART=4 (2 GPUs): expert parallelism, experts split vs replicated, in CUDA graphs.
+  # PART=5: the end-to-end shapes alone (Qwen3-30B-A3B with a host / device split of its batch-1 step, then
+  #   DeepSeek-V3).
+  case "${PART:-1}" in
+  1) timeout 150 python3 benchmarks/moe_kernel.py --sweep --json "$out/moe_kernel.json" > /tmp/moe_kernel.log 2>&1 \
+       || tail -20 /tmp/moe_kernel.log
+     sed -n '/^shape /,$p' /tmp/moe_kernel.log
+     timeout 240 python3 benchmarks/moe_shapes.py --pair $P --work /tmp/moe_shapes --shapes qwen3_30b_a3b \
+       --batches 1,16,64 --profile "${PROFILE:-}" --json "$out/moe_shapes_qwen3.json" > /tmp/moe_shapes.log 2>&1 \
+       || tail -20 /tmp/moe_shapes.log
+     [ -n "${PROFILE:-}" ] && grep -B2 -A24 "Self CUDA %" /tmp/moe_shapes.log | head -60
+     sed -n '/^shape /,$p' /tmp/moe_shapes.log
+     timeout 180 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "routed or routing or moe_graphs" \
+       > "$out/gpu_tests_moe.log" 2>&1; tail -15 "$out/gpu_tests_moe.log" ;;
+  5) timeout 240 python3 benchmarks/moe_shapes.py --pair $P --work /tmp/moe_shapes --shapes qwen3_30b_a3b \
+       --batches 1,16,64 --json "$out/moe_shapes_qwen3.json" > /tmp/moe_shapes.log 2>&1 || tail -20 /tmp/moe_shapes.log
+     sed -n '/^shape /,$p' /tmp/moe_shapes.log
+     timeout 120 python3 benchmarks/step_probe.py --pair /tmp/moe_shapes/qwen3_30b_a3b --methods none --new 64 \
+       --max-model-len 1024 --no-eager-profile --json "$out/step_probe_qwen3.json" > /tmp/step_probe.log 2>&1 || tail -20 /tmp/step_probe.log
+     grep -v "^{" /tmp/step_probe.log | tail -30
+     timeout 300 python3 benchmarks/moe_shapes.py --pair $P --work /tmp/moe_shapes --shapes deepseek_v3 \
+       --batches 1,16,64 --json "$out/moe_shapes_deepseek.json" > /tmp/moe_shapes_ds.log 2>&1 || tail -20 /tmp/moe_shapes_ds.log
+     sed -n '/^shape /,$p' /tmp/moe_shapes_ds.log ;;
+  2) # the corpus is encoded by the tokenizer's threads (single-threaded it takes minutes)
+     TOKENIZERS_PARALLELISM=true timeout 280 python3 benchmarks/train_moe_pair.py --pair $P --corpus .bench/train_pair.py --out /tmp/moepair \
+       --minutes ${MOE_MINUTES:-2.5} > "$out/train_moe_pair.log" 2>&1 || tail -20 "$out/train_moe_pair.log"
+     tail -4 "$out/train_moe_pair.log"
+     offline moe_demo --pair /tmp/moepair --batches 1,32 --methods none,draft_model,mtp --k 4 --label moe-demo
+     sed -n '/^method/,$p' /tmp/moe_demo.log
+     for k in 1 2 3; do
+       offline moe_demo_k$k --pair /tmp/moepair --batches 1 --methods mtp,draft_model --k $k --label moe-demo
+       sed -n '/^method/,$p' /tmp/moe_demo_k$k.log | tail -2
+     done ;;
+  3) timeout 540 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
+     tail -15 "$out/gpu_tests.log" ;;
+  4) python3 benchmarks/dp_scaling.py --pair /tmp/moepair --method none --runs "1:always,2:always,2:ep,2:always,2:ep" \
+       --work /tmp/dpwork-moe --json "$out/dp_scaling_moe.json" 2>&1 | tail -12 ;;
+  esac
+  ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
     --json "$out/dp_scaling.json" 2>&1 | tail -8

@@ -103,6 +103,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--max-batched-tokens", type=int, default=16384)
+    ap.add_argument("--no-eager-profile", action="store_true", help="skip the eager profile (a second engine)")
     ap.add_argument("--json")
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -133,7 +134,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         del engine, whole
         release_memory()
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and not a.no_eager_profile:
             row.update(eager_kernels(a, method, prompts[: a.batch]))
             release_memory()
             print(json.dumps({k: row[k] for k in ("method", "kernels_per_step", "device_us_per_step", "top")}), flush=True)

@@ -289,7 +289,7 @@ class Ranks:
                                  f"(killed by a signal, e.g. out of memory?)")
             elif rec["kind"] == "fault":
                 lines.append(f"rank {s.rank} exited with status {rec['code']} during {s.where} ({rec['message']})")
-            elif rec["kind"] == "error":
+            elif rec["kind"] in ("error", "graph-capture"):
                 lines.append(f"rank {s.rank} failed during {s.where}: {rec['message']}")
         culprits = bool(lines)
         for s in states:

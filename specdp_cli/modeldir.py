@@ -156,6 +156,34 @@ class ModelDir:
             return experts_held if ".experts." in name else 1.0
         return sum(v * held(n) for n, v in sizes.items()) / total if total else 1.0
 
+    def weights_per_token(self, dtype: str) -> dict | None:
+        """What decoding one token reads of the decoder's weights in `dtype` (safetensors headers; None if
+        unknown): `total_bytes` every decoder tensor (the MTP layers past it left out), `active_bytes` the
+        same with each MoE layer's routed experts counted top_k of E and the input embedding one row (the
+        whole table where the LM head is tied to it). At batch 1 a step reads `active_bytes`: the bound of
+        decode speed is the device's bandwidth over it."""
+        headers = self.tensor_headers
+        if not headers:
+            return None
+        E, k = self.num_experts, int(self.get("num_experts_per_tok") or 0)
+        tied = not any(n.endswith("lm_head.weight") for n in headers)
+        total = active = 0.0
+        for name, (_, shape) in headers.items():
+            layer = layer_index(name)
+            if layer is not None and layer >= self.num_layers:
+                continue
+            n = _numel(shape)
+            total += n
+            if E and ".experts." in name:
+                active += n * k / E
+            elif name.endswith("embed_tokens.weight") and not tied and shape:
+                active += n / shape[0]
+            else:
+                active += n
+        size = DTYPE_BYTES.get(dtype, 4)
+        return {"active_bytes": int(active * size), "total_bytes": int(total * size),
+                "routed": f"top {k} of {E} experts" if E else None}
+
     def weight_bytes(self, dtype: str) -> int:
         """Bytes of the weights once loaded in `dtype` (files on disk, rescaled from their stored dtype)."""
         on_disk = sum(os.path.getsize(f) for f in self.weight_files)

@@ -161,4 +161,5 @@ def _memory(cfg: Config, device: str, dtype: str, expert_parallel: bool, target:
         budget = c.gpu_memory_utilization * total - (total - free) - weights - ACTIVATION_RESERVE
         blocks, source = max(0, int(budget // max(per_token * c.block_size, 1))), "gpu"
     return {"weight_bytes": weights, "kv_bytes_per_token": per_token, "block_size": c.block_size,
-            "num_blocks": blocks, "source": source, "device_total": total, "sequence_blocks": per_seq}
+            "num_blocks": blocks, "source": source, "device_total": total, "sequence_blocks": per_seq,
+            "weights_per_token": target.weights_per_token(dtype)}

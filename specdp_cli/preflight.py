@@ -59,6 +59,7 @@ class Report:
             "no_draft_window": p.no_draft_window,
             "speculation": p.speculation,
             "kv_cache": self.kv_cache,
+            "weights_per_token": (p.memory or {}).get("weights_per_token"),
             "checks": [asdict(c) for c in self.checks],
             "errors": list(self.errors),
             "warnings": list(self.warnings),
@@ -442,6 +443,12 @@ def _memory(cfg: Config, plan: Plan, report: Report) -> list[tuple[str, str]]:
     where = ("estimate only: no GPU to compare with" if m["source"] == "cpu" or m["device_total"] is None
              else "an estimate; the engine measures it at start")
     out = [("ok", f"{numbers} ({where}).")]
+    read = m.get("weights_per_token")
+    if read:
+        how = f" (routed experts: {read['routed']})" if read["routed"] else ""
+        out.append(("ok", f"A decoded token reads {_fmt_bytes(read['active_bytes'])} of the target's "
+                          f"{_fmt_bytes(read['total_bytes'])} of weights{how}: at batch 1 decode speed is bounded by "
+                          f"the device's memory bandwidth over the first."))
     if seqs < n:
         out.append(("ok", f"Fewer than max_num_seqs ({n}) sequences fit at full length: sequences take blocks "
                           f"as they grow, and when none is free the newest is preempted and recomputed later."))

@@ -244,10 +244,12 @@ def make_moe_dir(path: Path, tokenizer_dir: Path, family: str = "mixtral", hidde
 
 def make_deepseek_dir(path: Path, tokenizer_dir: Path, q_lora_rank: int | None = 32, rope_interleave: bool = True,
                       seed: int = 0, peaked: float = 3.0, mtp_layer: bool = True, bigram: bool = False,
+                      experts: int = 4, top_k: int = 2, n_group: int = 2, topk_group: int = 1,
                       **config_extra) -> Path:
     """A random DeepSeek-V3 saved as a Hugging Face directory, with the tokenizer copied in: 3 layers (the
     first dense), latent attention (4 heads, key [16 nope | 8 rope], value 16, kv_lora 32, q_lora
-    `q_lora_rank`), 4 routed experts in 2 groups (top 2 from the best group) and one shared expert. The
+    `q_lora_rank`), `experts` routed experts in `n_group` groups (the top `top_k` from the best `topk_group`
+    groups; by default 4 in 2, top 2 from the best one) and one shared expert. The
     router (std 1) and a non-zero e_score_correction_bias make routing vary by token; weights of std 0.1
     make attention position-dependent. With `mtp_layer` the checkpoint holds a multi-token-prediction layer
     as DeepSeek-V3's do: model.layers.3.* (a fourth decoder layer, sparse) with enorm, hnorm, eh_proj [64, 128]
@@ -262,10 +264,11 @@ def make_deepseek_dir(path: Path, tokenizer_dir: Path, q_lora_rank: int | None =
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    hidden, experts, N = 64, 4, 3
+    hidden, N = 64, 3
     cfg = DeepseekV3Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=32,
                            num_hidden_layers=N + int(mtp_layer), num_attention_heads=4, num_key_value_heads=4,
-                           n_shared_experts=1, n_routed_experts=experts, num_experts_per_tok=2, n_group=2, topk_group=1,
+                           n_shared_experts=1, n_routed_experts=experts, num_experts_per_tok=top_k, n_group=n_group,
+                           topk_group=topk_group,
                            first_k_dense_replace=1, q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16,
                            qk_rope_head_dim=8, v_head_dim=16, rope_interleave=rope_interleave,
                            max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False,

@@ -20,15 +20,17 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max
 @pytest.fixture(scope="module")
 def deepseek(tmp_path_factory, models):
     """lora: q_lora_rank 32, interleaved rotary pairs; plain: q_proj, rotate-half pairs; yarn: q_proj,
-    interleaved pairs, yarn rope whose mscale_all_dim changes the attention scale."""
+    interleaved pairs, yarn rope whose mscale_all_dim changes the attention scale; many: 32 routed experts in 4
+    groups, the top 4 from the best 2 groups (each forward runs only the chosen experts)."""
     root = tmp_path_factory.mktemp("deepseek")
     tok = models["tokenizer"]
     return {"lora": make_deepseek_dir(root / "lora", tok, seed=3),
             "plain": make_deepseek_dir(root / "plain", tok, q_lora_rank=None, rope_interleave=False, seed=4),
-            "yarn": make_deepseek_dir(root / "yarn", tok, q_lora_rank=None, seed=5, rope_parameters=YARN)}
+            "yarn": make_deepseek_dir(root / "yarn", tok, q_lora_rank=None, seed=5, rope_parameters=YARN),
+            "many": make_deepseek_dir(root / "many", tok, seed=6, experts=32, top_k=4, n_group=4, topk_group=2)}
 
 
-@pytest.mark.parametrize("variant", ["lora", "plain", "yarn"])
+@pytest.mark.parametrize("variant", ["lora", "plain", "yarn", "many"])
 def test_logits_equal_transformers(deepseek, variant):
     """One prefill of 40 tokens over three cache blocks: every position's logits."""
     torch.set_num_threads(1)
@@ -39,7 +41,7 @@ def test_logits_equal_transformers(deepseek, variant):
 
 
 @pytest.mark.parametrize("variant,method", [("lora", "none"), ("lora", "draft_model"), ("plain", "none"),
-                                            ("plain", "draft_model"), ("yarn", "none")])
+                                            ("plain", "draft_model"), ("yarn", "none"), ("many", "draft_model")])
 def test_greedy_equals_reference(models, deepseek, variant, method):
     M = 64
     cfg, plan = make_config(deepseek[variant], models["draft"], method=method, k=3, M=M, max_num_seqs=4,
@@ -128,6 +130,6 @@ def test_quantized_checkpoint_is_refused():
 @pytest.mark.timeout(HARD_TIMEOUT_S * 3)
 @pytest.mark.parametrize("dp,method", [(2, "draft_model"), (3, "ngram")])
 def test_expert_parallel_equals_dp1(tmp_path, models, deepseek, dp, method):
-    """The routed experts split over the ranks (3 ranks, 4 experts: 2 + 1 + 1), the shared expert on every
-    rank added once: the outputs of one rank holding every expert."""
-    assert len(expert_parallel_equals_dp1(tmp_path, models, deepseek["lora"], dp, method)) == dp
+    """The routed experts split over the ranks (32 experts, top 4 of the best 2 of 4 groups: 16 + 16, or 11 + 11
+    + 10), the shared expert on every rank added once: the outputs of one rank holding every expert."""
+    assert len(expert_parallel_equals_dp1(tmp_path, models, deepseek["many"], dp, method)) == dp

@@ -69,7 +69,7 @@ def test_triton_kernels_match_reference(dtype):
             assert rel(ops.paged_attention(q, kc, vc, m, 0.1, 20, sinks),
                        ops._attention_reference(q, kc, vc, m, 0.1, 20, sinks)) < tol, ("sinks", H, KV, D, DV, T)
 
-    # a partial rotary factor (Phi-4-mini: 0.75): the leading 3/4 of each head rotate, by torch on every device
+    # a partial rotary factor (Phi-4-mini: 0.75): the leading 3/4 of each head rotate (`rotate_` on CUDA), the rest not
     D, rot = 64, 48
     cos, sin = torch.randn(200, rot // 2, generator=g), torch.randn(200, rot // 2, generator=g)
     qkv = rnd(9, (H + 2 * KV) * D)
@@ -80,6 +80,19 @@ def test_triton_kernels_match_reference(dtype):
     ops.rope_and_store(q_gpu, cos.cuda(), sin.cuda(), ops.AttnMeta(pos.cuda(), slots.cuda(), None), kg, vg, H, KV, D)
     assert rel(q_gpu, q_ref) < tol and rel(kg, kc) < tol
     assert torch.equal(q_ref.view(9, -1, D)[:, :, rot:], qkv.view(9, -1, D)[:, :, rot:])       # the rest passes through
+
+    # rotation in place of a strided view (latent attention's rope part of each query head); per-head q/k norms
+    q = rnd(9, 6, 24)
+    cos, sin = torch.randn(200, 4, generator=g), torch.randn(200, 4, generator=g)
+    q_ref, q_gpu = q.clone(), q.cuda()
+    ops.rotate(q_ref[..., 16:], cos, sin, pos)
+    ops.rotate(q_gpu[..., 16:], cos.cuda(), sin.cuda(), pos.cuda())
+    assert rel(q_gpu, q_ref) < tol
+    qkv, qw, kw = rnd(9, (H + 2 * KV) * D), rnd(D), rnd(D)
+    q_ref, q_gpu = qkv.clone(), qkv.cuda()
+    ops.head_rms_norm_(q_ref, qw, kw, H, KV, D, 1e-6)
+    ops.head_rms_norm_(q_gpu, qw.cuda(), kw.cuda(), H, KV, D, 1e-6)
+    assert rel(q_gpu, q_ref) < tol
 
 
 def test_forward_layout_kernel_matches_reference():
@@ -180,22 +193,93 @@ def test_lockstep_dp2_nccl_with_checked_collectives(tmp_path, models):
     assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
 
 
-@pytest.mark.parametrize("family,method", [("mixtral", "draft_model"), ("deepseek_v3", "draft_model"),
-                                           ("deepseek_v3", "mtp")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,experts,top_k,held", [(1, 128, 8, None), (5, 32, 4, None), (64, 16, 2, None),
+                                                         (300, 64, 8, None), (37, 64, 4, (20, 41))])
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+def test_routed_expert_kernels_match_reference(dtype, tokens, experts, top_k, held, act):
+    """The grouped Triton kernels against the MoE's torch reference (each chosen expert once over its tokens):
+    small and large batches, many experts, a held subset (expert parallelism: the others contribute nothing),
+    SiLU-and-mul and GPT-OSS's clamped SwiGLU with biases."""
+    from specdp_cli.runtime.models.gpt_oss import GptOssMoE
+    from specdp_cli.runtime.models.moe import MoE
+    g = torch.Generator().manual_seed(tokens + experts)
+    H, I = 256, 96
+    lo, hi = held or (0, experts)
+    E = hi - lo
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).cuda()
+
+    gate_up, down = rnd(E, 2 * I, H, scale=H ** -0.5), rnd(E, H, I, scale=I ** -0.5)
+    kw = dict(gate_up_bias=rnd(E, 2 * I), down_bias=rnd(E, H)) if act == "swiglu_oai" else {}
+    moe = (GptOssMoE if act == "swiglu_oai" else MoE)(None, gate_up, down, True, range(lo, hi), **kw)
+    x = rnd(tokens, H)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).cuda() - lo
+    w = torch.softmax(torch.randn(tokens, top_k, generator=g), -1).cuda()
+    ref = moe.routed_reference(x, w, idx)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert rel(moe.routed_kernel(x, w, idx), ref) < tol                 # the tiles the size picks
+    from specdp_cli.runtime.moe_kernels import routed_experts
+    kw = dict(act=act, alpha=moe.alpha, limit=moe.limit, **kw) if act == "swiglu_oai" else {}
+    for tile in (dict(BLOCK_M=64, UP_N=64, DOWN_N=128, BLOCK_K=32, warps=8, stages=2),       # taller blocks
+                 dict(BLOCK_M=16, UP_N=16, DOWN_N=32, BLOCK_K=64, warps=4, stages=3)):
+        assert rel(routed_experts(x, w, idx, gate_up, down, tile=tile, **kw), ref) < tol, tile
+    graph = torch.cuda.CUDAGraph()            # fixed sizes, no host sync: a CUDA graph holds it
+    moe.routed_kernel(x, w, idx)
+    with torch.cuda.graph(graph):
+        out = moe.routed_kernel(x, w, idx)
+    idx.copy_(idx.flip(0))                    # new routing, same buffers
+    x.copy_(x.flip(0))
+    graph.replay()
+    assert rel(out, moe.routed_reference(x, w, idx)) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_routing_kernels_match_reference():
+    """Softmax top-k (Mixtral, Qwen3-MoE) and DeepSeek-V3's grouped sigmoid routing in one kernel each: the same
+    experts and weights as the torch reference."""
+    from specdp_cli.runtime.models.deepseek_v3 import SigmoidRouting
+    from specdp_cli.runtime.models.moe import SoftmaxTopK
+    g = torch.Generator().manual_seed(0)
+    for route in (SoftmaxTopK(torch.randn(128, 64, generator=g), 8, True),
+                  SoftmaxTopK(torch.randn(8, 64, generator=g), 2, False),
+                  SigmoidRouting(torch.randn(256, 64, generator=g), 0.3 * torch.randn(256, generator=g), 8, True, 8, 4,
+                                 2.5),
+                  SigmoidRouting(torch.randn(24, 64, generator=g), 0.3 * torch.randn(24, generator=g), 3, False, 3, 2,
+                                 1.0)):
+        x = torch.randn(33, 64, generator=g)
+        w0, i0 = route(x)
+        for f in ("router", "bias"):
+            if hasattr(route, f):
+                setattr(route, f, getattr(route, f).cuda())
+        w1, i1 = route(x.cuda())
+        a, b = i0.sort(-1), i1.cpu().sort(-1)
+        assert torch.equal(a.values, b.values)
+        assert torch.allclose(w0.gather(1, a.indices), w1.cpu().gather(1, b.indices), atol=1e-6)
+
+
+@pytest.mark.parametrize("family,method", [("mixtral", "draft_model"), ("qwen3_moe", "draft_model"),
+                                           ("deepseek_v3", "draft_model"), ("deepseek_v3", "mtp")])
 def test_moe_graphs_equal_eager_float32(models, tmp_path, family, method):
-    """A Mixtral target: its sparse MLP (every expert over every token, weighted) inside CUDA graphs; a
-    DeepSeek-V3 target: also its latent attention (rotation and KV store in plain torch), sigmoid routing
-    and shared expert, with a drafter model or its own MTP layer."""
+    """MoE targets with many more experts than top-k, their routed experts in the grouped kernels inside CUDA
+    graphs: Mixtral (32 experts, top 2), Qwen3-MoE (64, top 8), DeepSeek-V3 (32 routed experts in 4 groups, top 4
+    of the best 2 groups, its latent attention and shared expert), with a drafter model or its own MTP layer."""
     from helpers import make_deepseek_dir, make_moe_dir
 
-    target = (make_moe_dir(tmp_path / family, models["tokenizer"], "mixtral", seed=3) if family == "mixtral"
-              else make_deepseek_dir(tmp_path / family, models["tokenizer"], seed=3))
+    tok = models["tokenizer"]
+    target = {"mixtral": lambda: make_moe_dir(tmp_path / family, tok, "mixtral", seed=3, experts=32),
+              "qwen3_moe": lambda: make_moe_dir(tmp_path / family, tok, "qwen3_moe", seed=4, experts=64, top_k=8,
+                                                norm_topk_prob=True),
+              "deepseek_v3": lambda: make_deepseek_dir(tmp_path / family, tok, seed=3, experts=32, top_k=4, n_group=4,
+                                                       topk_group=2)}[family]()
     prompts = prompts_of_lengths([3, 9, 17, 26, 33])
     kw = dict(method=method, k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda", cache=ROOM)
     out = {}
     for eager in (True, False):
         cfg, plan = make_config(target, models["draft"] if method == "draft_model" else None, enforce_eager=eager, **kw)
-        out[eager] = run_engine(cuda_engine(cfg, plan), prompts, max_tokens=30)
+        engine = cuda_engine(cfg, plan)
+        out[eager] = run_engine(engine, prompts, max_tokens=30)
+        assert (engine.graphs == 0) == eager
     for i, p in enumerate(prompts):
         assert out[False][i].generated == out[True][i].generated == hf_reference(target, p, min(30, 64 - len(p))), i
 
@@ -230,3 +314,31 @@ def test_new_families_graphs_equal_eager_float32(models, tmp_path, family):
         assert (engine.graphs == 0) == eager
     for i, p in enumerate(prompts):
         assert out[False][i].generated == out[True][i].generated == hf_reference(target, p, min(30, 64 - len(p))), i
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("family,method", [("qwen3_moe", "draft_model"), ("deepseek_v3", "mtp")])
+def test_expert_parallel_in_cuda_graphs_nccl(tmp_path, models, family, method):
+    """Experts split over dp 2 on NCCL, the MoE layers' all-gather and reduce-scatter inside the CUDA graphs
+    (each rank reports its graphs: no eager fallback): float32 tokens equal one GPU holding every expert, eager."""
+    from helpers import make_deepseek_dir, make_moe_dir
+
+    tok = models["tokenizer"]
+    target = (make_moe_dir(tmp_path / family, tok, "qwen3_moe", seed=4, experts=32, top_k=4, norm_topk_prob=True)
+              if family == "qwen3_moe" else make_deepseek_dir(tmp_path / family, tok, seed=3, experts=16, top_k=4,
+                                                              n_group=4, topk_group=2))
+    rows = [{"id": f"r{i}", "prompt": f"def f{i}(x):\n    return x *", "max_tokens": 4 + 5 * i} for i in range(5)]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    draft = models["draft"] if method == "draft_model" else None
+    ref = dp_config(tmp_path, target, draft, dp=1, dp_sync="auto", method=method, device="cuda", cache=ROOM,
+                    enforce_eager=True, name="ref.yaml")
+    cfg = dp_config(tmp_path, target, draft, dp=2, dp_sync="auto", method=method, device="cuda", cache=ROOM,
+                    timeout_s=60, parallel={"enable_expert_parallel": True})
+    run_in_process(ref, inp, tmp_path / "ref.jsonl")
+    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
+                   tmp_path / "s.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+    ranks = json.load(open(tmp_path / "s.json"))["ranks"]
+    assert len(ranks) == 2 and all(r["graphs"] > 0 for r in ranks), ranks
+    assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []

@@ -16,8 +16,10 @@ LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory, models):
     root = tmp_path_factory.mktemp("moe")
-    return {"mixtral": make_moe_dir(root / "mixtral", models["tokenizer"], "mixtral", seed=3),
-            "qwen3_moe": make_moe_dir(root / "qwen3moe", models["tokenizer"], "qwen3_moe", seed=4,
+    """Many more experts than each token uses (only the chosen ones run): Mixtral 32, top 2; Qwen3-MoE 64, top 8,
+    with a dense layer among the sparse ones."""
+    return {"mixtral": make_moe_dir(root / "mixtral", models["tokenizer"], "mixtral", seed=9, experts=32),
+            "qwen3_moe": make_moe_dir(root / "qwen3moe", models["tokenizer"], "qwen3_moe", seed=5, experts=64, top_k=8,
                                       mlp_only_layers=[1], norm_topk_prob=True)}
 
 
@@ -47,12 +49,11 @@ def test_dp2_is_lockstep_and_equals_dp1(tmp_path, models, moe):
 @pytest.mark.timeout(HARD_TIMEOUT_S * 3)
 @pytest.mark.parametrize("dp,method", [(2, "draft_model"), (3, "ngram")])
 def test_expert_parallel_equals_dp1(tmp_path, models, moe, dp, method):
-    """The experts split over the ranks (3 ranks, 4 experts: 2 + 1 + 1), tokens gathered and results
-    reduce-scattered in every MoE forward: the outputs of one rank holding every expert."""
+    """The experts split over the ranks (64 experts, top 8: 32 + 32, or 22 + 21 + 21), tokens gathered and
+    results reduce-scattered in every MoE forward: the outputs of one rank holding every expert."""
     ranks = expert_parallel_equals_dp1(tmp_path, models, moe["qwen3_moe"], dp, method)
-    # each rank holds its experts only (4 experts: 2 + 2, or 2 + 1 + 1)
-    held = [rank["expert_weight_bytes"] for rank in ranks]
-    assert held == ([held[0]] * 2 if dp == 2 else [held[0], held[0] // 2, held[0] // 2]) and held[0] > 0
+    held = [rank["expert_weight_bytes"] for rank in ranks]          # each rank holds its experts only
+    assert held == ([held[0]] * 2 if dp == 2 else [held[0], held[0] * 21 // 22, held[0] * 21 // 22]) and held[0] > 0
 
 
 SHORT = [4, 7, 10, 13]        # prompts that never reach the no-draft window
@@ -103,11 +104,11 @@ def test_expert_parallel_preflight(tmp_path, models, moe):
     ok = report(moe["mixtral"])
     assert ok.ok and ok.plan.dp_sync == "always" and ok.plan.policy == "dummy" and ok.plan.expert_parallel
     rows = {c.name: c.detail for c in ok.checks}
-    assert "4 experts per layer over 2 ranks (rank 0: 2, rank 1: 2)" in rows["parallel"]
+    assert "32 experts per layer over 2 ranks (rank 0: 16, rank 1: 16)" in rows["parallel"]
     assert "per rank (experts split)" in rows["memory"]
     assert any("would hang" in e for e in report(moe["mixtral"], dp_sync="never").errors)
     assert any("needs a mixture-of-experts target" in e for e in report(models["target"]).errors)
-    assert any("at least as many experts" in e for e in report(moe["mixtral"], data_parallel_size=5).errors)
+    assert any("at least as many experts" in e for e in report(moe["mixtral"], data_parallel_size=33).errors)
     skip = run_preflight(validate({"model": str(moe["mixtral"]), "max_model_len": 64, "device": "cpu",
                                    "speculative": {"model": str(models["draft"]), "policy": "skip"},
                                    "parallel": {"data_parallel_size": 2, "enable_expert_parallel": True}}))
@@ -120,12 +121,12 @@ def test_each_rank_reads_only_its_experts(moe):
 
     from specdp_cli.runtime.models.loader import load_model
 
-    for rank, want in ((0, range(0, 2)), (1, range(2, 3)), (2, range(3, 4))):
+    for rank, want in ((0, range(0, 11)), (1, range(11, 22)), (2, range(22, 32))):
         m = load_model(str(moe["mixtral"]), torch.float32, torch.device("cpu"), 64,
                        ep=SimpleNamespace(world=3, rank=rank))
         for layer in m.layers:
             assert layer.moe.experts == want and layer.moe.gate_up.shape[0] == len(want)
-            assert layer.moe.route.router.shape[0] == 4          # the router stays whole: every rank routes every token
+            assert layer.moe.route.router.shape[0] == 32         # the router stays whole: every rank routes every token
 
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
@@ -148,9 +149,40 @@ def test_both_families_are_known_as_moe_before_loading(moe):
 
     from specdp_cli.modeldir import ModelDir
 
-    for path in moe.values():
-        assert ModelDir.open(str(path), "model").num_experts == 4
+    for path, n in zip(moe.values(), (32, 64)):
+        assert ModelDir.open(str(path), "model").num_experts == n
     config = json.loads((moe["qwen3_moe"] / "config.json").read_text())
     n = config.pop("num_local_experts", None) or config.pop("num_experts")
     for key in ("num_experts", "num_local_experts"):
-        assert ModelDir(str(moe["qwen3_moe"]), {**config, key: n}).num_experts == 4
+        assert ModelDir(str(moe["qwen3_moe"]), {**config, key: n}).num_experts == 64
+
+
+def test_bytes_per_token_are_reported(tmp_path, models, moe):
+    """Preflight (table and JSON) and the job summary say what a decoded token reads of the weights: every
+    tensor but the routed experts, of which top_k / E, and one embedding row; and what all weights are."""
+    from safetensors import safe_open
+
+    from dp_util import run_in_process
+    from specdp_cli.config import load_config
+    from specdp_cli.preflight import run_preflight
+
+    target = moe["qwen3_moe"]
+    total = routed = embed = embed_rows = 0
+    for f in target.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            for name in fh.keys():
+                t = fh.get_tensor(name)
+                total += t.numel()
+                routed += t.numel() if ".experts." in name else 0
+                if name.endswith("embed_tokens.weight"):
+                    embed, embed_rows = t.numel(), t.shape[0]
+    want = {"active_bytes": int((total - routed - embed + routed * 8 / 64 + embed / embed_rows) * 4),
+            "total_bytes": total * 4, "routed": "top 8 of 64 experts"}
+    cfg = dp_config(tmp_path, target, models["draft"], dp=1, dp_sync="auto", k=3, M=64)
+    report = run_preflight(load_config(cfg))
+    assert report.plan.memory["weights_per_token"] == want
+    assert report.to_json()["weights_per_token"] == want
+    assert "A decoded token reads" in {c.name: c.detail for c in report.checks}["memory"]
+    inp = write_jsonl(tmp_path / "in.jsonl", text_rows(models["tokenizer"], [9, 5], [4, 6], seed=3))
+    run_in_process(cfg, inp, tmp_path / "out.jsonl", "--summary-json", tmp_path / "s.json")
+    assert json.load(open(tmp_path / "s.json"))["weights_per_token"] == want

@@ -9,7 +9,8 @@ from specdp_cli import plan as plan_module
 from specdp_cli.cli import app
 
 runner = CliRunner()
-JSON_KEYS = {"ok", "policy", "dp_sync", "drafter_max_model_len", "no_draft_window", "kv_cache", "checks", "errors",
+JSON_KEYS = {"ok", "policy", "dp_sync", "drafter_max_model_len", "no_draft_window", "kv_cache", "weights_per_token",
+             "checks", "errors",
              "warnings", "speculation"}
 
 

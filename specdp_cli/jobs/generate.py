@@ -106,7 +106,8 @@ def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequ
         pool.close()
     if not dp.lockstep:
         dp.wait_for_all("waiting for the other ranks to finish")
-    report = {**engine.counters.report(dp.rank, pool.taken), "startup": engine.startup, "launch": engine.launch}
+    report = {**engine.counters.report(dp.rank, pool.taken), "startup": engine.startup, "launch": engine.launch,
+              "graphs": engine.graphs}
     gathered = dp.gather_objects((records, report), "gathering results")
 
     summary = None
@@ -115,7 +116,8 @@ def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequ
         merged = dict(done)
         merged.update({id_key(rec["id"]): rec for rec in new_records})
         write_output(output, requests, merged)
-        summary = summarize([rep for _, rep in gathered], new_records, None, resumed=len(done))
+        summary = summarize([rep for _, rep in gathered], new_records, None, resumed=len(done),
+                            weights_per_token=(engine.plan.memory or {}).get("weights_per_token"))
     dp.wait_for_all("output written")
     if local_leader:
         remove_parts(output)

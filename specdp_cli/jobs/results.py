@@ -112,7 +112,8 @@ def remove_parts(output: str) -> None:
             pass
 
 
-def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float | None, resumed: int = 0) -> dict[str, Any]:
+def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float | None, resumed: int = 0,
+              weights_per_token: dict | None = None) -> dict[str, Any]:
     """The summary of one run from every rank's report (see `rank_report`); `resumed`: inputs whose
     results came from earlier runs of the same job."""
     stats = SpecStats()
@@ -143,11 +144,12 @@ def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float |
         "mean_acceptance_length": 1 + stats.num_accepted_tokens / nd if nd else None,
         "accepted_per_position": [a / nd for a in stats.accepted_per_pos] if nd else [],
         "preemptions": sum(r["preemptions"] for r in rank_reports),
+        "weights_per_token": weights_per_token,
         "startup": startup,
         "launch_phases": launch,
         "ranks": [{**{k: r.get(k) for k in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps",
                                             "generated_tokens", "preemptions", "weight_bytes", "expert_weight_bytes",
-                                            "gc_collections", "gc_pause_s")},
+                                            "graphs", "gc_collections", "gc_pause_s")},
                    **rank_times(r, min(starts) if starts else None)} for r in rank_reports],
     }
 

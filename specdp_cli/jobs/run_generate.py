@@ -263,6 +263,11 @@ def print_summary(summary: dict, console: Console) -> None:
             ("accepted per position", ", ".join(f"{a:.2f}" for a in summary["accepted_per_position"]) or "-"),
             ("preemptions", summary["preemptions"]),
             ("start-up (s)", ", ".join(f"{k[:-2]} {v:.2f}" for k, v in summary["startup"].items()) or "-")]
+    read = summary.get("weights_per_token")
+    if read:
+        rows.insert(-1, ("weights read per token", f"{read['active_bytes'] / 2**30:.3f} GiB active of "
+                                                    f"{read['total_bytes'] / 2**30:.3f} GiB"
+                                                    + (f" ({read['routed']})" if read["routed"] else "")))
     spec = summary.get("speculation")
     if spec:
         rows.insert(-2, ("speculation length", f"{spec['mode']} (k in {', '.join(map(str, spec['k_values']))})"))

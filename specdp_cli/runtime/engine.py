@@ -58,6 +58,10 @@ CHUNK_ROW_TOKENS = 16    # tokens per row in a step with prompt chunks (a chunk 
 CHUNK_ROWS = 32          # rows a step has for prompt chunks beyond max_num_seqs decode rows
 
 
+class CaptureError(RuntimeError):
+    kind = "graph-capture"
+
+
 class RankCounters:
     def __init__(self):
         self.steps = 0
@@ -135,7 +139,6 @@ class Engine:
                               if self.launch else "")
                            + f"; KV cache {num_blocks} blocks x {cfg.cache.block_size} tokens; {self.graphs} CUDA graphs"
                            + (" (enforce_eager)" if cfg.enforce_eager and device.type == "cuda" else "")
-                           + (" (expert parallel: eager)" if plan.expert_parallel and device.type == "cuda" else "")
                            + (f"; step sync over {dp.sync_transport}" if dp.lockstep else ""))
         self.step_no = 0
         # set by an offline job once it has handed over every input: when nothing waits to be admitted the
@@ -205,17 +208,28 @@ class Engine:
 
     def _capture_graphs(self) -> None:
         """On a GPU: a CUDA graph per forward size of each runner, and of each step kind's whole device work.
-        Expert parallelism runs eagerly for now: capturing its NCCL collectives in CUDA graphs is not yet
-        verified on a GPU machine."""
+        Under expert parallelism the graphs hold the MoE layers' NCCL collectives: every rank captures (and
+        warms up) the same graphs in the same order, and a rank replays the graph of the forward sizes the
+        step sync agreed, padding or not, so the ranks' collectives match by construction. Their capture is
+        thread-local: the process group's watchdog thread queries CUDA events meanwhile."""
         self.graphs = 0
         self.step_graphs: dict[tuple, tuple] = {}
-        if self.device.type != "cuda" or self.cfg.enforce_eager or self.plan.expert_parallel:
+        if self.device.type != "cuda" or self.cfg.enforce_eager:
             return
         self.graph_pool = torch.cuda.graph_pool_handle()
-        with torch.no_grad():
-            self.graphs = sum(r.capture({T: self.row_sizes if T == self.T_chunk else self.decode_sizes
-                                         for T in r.t_values}, self.graph_pool) for r in self.runners)
-            self._capture_steps()
+        self.capture_mode = "thread_local" if self.plan.expert_parallel else "global"
+        try:
+            with torch.no_grad():
+                self.graphs = sum(r.capture({T: self.row_sizes if T == self.T_chunk else self.decode_sizes
+                                             for T in r.t_values}, self.graph_pool, self.capture_mode)
+                                  for r in self.runners)
+                self._capture_steps()
+        except RuntimeError as e:
+            if not self.plan.expert_parallel:
+                raise
+            raise CaptureError(f"capturing expert parallelism's collectives in CUDA graphs failed on rank "
+                               f"{self.dp.rank} ({str(e).splitlines()[0][:300]}); set enforce_eager: true to run "
+                               f"the experts' exchanges eagerly") from None
         self.graphs += len(self.step_graphs)
 
     @torch.no_grad()
@@ -578,7 +592,7 @@ class Engine:
                     self._device_step(ctx)         # once eagerly per kind: library workspaces, first-call set-up
                     torch.cuda.synchronize(self.device)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.graph_pool):
+                with torch.cuda.graph(g, pool=self.graph_pool, capture_error_mode=self.capture_mode):
                     outputs = self._device_step(ctx)
                 self.step_graphs[(R, sz.K, sz.T_dec, sz.T, sz.T1, runs)] = (g, outputs)
         # one replay of each over a padding batch (it writes only the trash block, as an idle rank's

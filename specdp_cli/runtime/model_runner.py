@@ -125,16 +125,16 @@ class ModelRunner:
         cols = (self.out_start[:R].view(R, 1) + self._t[:W].view(1, W)).clamp(max=T - 1)
         return pos.view(-1), slots.view(-1), (self._rows[:R].view(R, 1) * T + cols).view(-1)
 
-    def capture(self, sizes: dict[int, list[int]], pool) -> int:
+    def capture(self, sizes: dict[int, list[int]], pool, mode: str = "global") -> int:
         """Capture a CUDA graph per (padded rows, T) — sizes[T] lists the row counts — largest first,
         in the engine's memory pool. Each key is run once eagerly first (kernel compilation, library
-        workspaces). Returns the graph count."""
+        workspaces). `mode`: torch.cuda.graph's capture_error_mode. Returns the graph count."""
         for T in self.t_values:
             for R in sorted(sizes[T], reverse=True):
                 self._forward(R, T)
                 torch.cuda.synchronize(self.device)
                 g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=pool):
+                with torch.cuda.graph(g, pool=pool, capture_error_mode=mode):
                     self._forward(R, T)
                 self.graphs[(R, T)] = g
         torch.cuda.synchronize(self.device)

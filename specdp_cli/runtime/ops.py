@@ -44,6 +44,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return weight * h.to(x.dtype)
 
 
+def head_rms_norm_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, H: int, KV: int, D: int,
+                   eps: float) -> None:
+    """RMSNorm of each query head (q_weight [D]) and each key head (k_weight) of qkv [N, (H + 2 KV) * D], in
+    place (Qwen3's per-head q/k norms)."""
+    if qkv.is_cuda:
+        _triton().head_rms_norm_(qkv, q_weight, k_weight, H, KV, D, eps)
+        return
+    N = qkv.shape[0]
+    heads = qkv.view(N, H + 2 * KV, D)
+    heads[:, :H] = rms_norm(heads[:, :H].reshape(N * H, D), q_weight, eps).view(N, H, D)
+    heads[:, H:H + KV] = rms_norm(heads[:, H:H + KV].reshape(N * KV, D), k_weight, eps).view(N, KV, D)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
         return _triton().silu_and_mul(x)
@@ -78,7 +91,10 @@ def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> None:
     """Rotate x [N, heads, D] in place by each token's position (rotate-half convention: dims i and
-    i + D/2 form a pair). cos, sin: [max_pos, D // 2] float32. Plain torch on every device."""
+    i + D/2 form a pair). cos, sin: [max_pos, D // 2] float32. On CUDA one Triton kernel (x's last stride 1)."""
+    if x.is_cuda and x.stride(-1) == 1:
+        _triton().rotate_(x, cos, sin, positions)
+        return
     half = x.shape[-1] // 2
     c = cos[positions].to(x.dtype).unsqueeze(1)
     s = sin[positions].to(x.dtype).unsqueeze(1)

@@ -7,7 +7,9 @@ reference of each, which CPU runs and the GPU tests compare against).
   up to the row's last query position, with an online softmax (flash attention). Nothing but the
   tensors it reads decides its work, so a CUDA graph can hold it.
 - `rope_and_store`: rotary embedding of q and k (in place, HF's rotate-half convention) and the
-  store of k and v into their cache slots, one program per token.
+  store of k and v into their cache slots, one program per token; `rotate_`: the rotation alone, of any
+  strided [tokens, heads, rot] view (latent attention's rope parts, a partial rotary factor).
+- `head_rms_norm_`: Qwen3's per-head q and k RMSNorms, in place, one program per (token, head).
 - `add_rms_norm` / `rms_norm` and `silu_and_mul`: the fused elementwise steps of a decoder layer,
   rounding where Hugging Face's modules round so bf16 results stay close to theirs.
 - `forward_layout`: a forward's token positions, cache slots and logits rows from its per-row inputs,
@@ -202,6 +204,33 @@ def rope_and_store(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, H: 
                              BLOCK_D=_pow2(D), num_warps=4)
 
 
+@triton.jit
+def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h, stride_ct, HEADS, HALF,
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    t = tl.program_id(0)
+    pos = tl.load(pos_ptr + t)
+    i = tl.arange(0, BLOCK_HALF)
+    h = tl.arange(0, BLOCK_H)
+    ok = (h[:, None] < HEADS) & (i[None, :] < HALF)
+    dt = x_ptr.dtype.element_ty
+    c = tl.load(cos_ptr + pos * stride_ct + i, mask=i < HALF, other=0.0).to(dt).to(tl.float32)[None, :]
+    s = tl.load(sin_ptr + pos * stride_ct + i, mask=i < HALF, other=0.0).to(dt).to(tl.float32)[None, :]
+    p1 = x_ptr + t.to(tl.int64) * stride_t + h[:, None] * stride_h + i[None, :]
+    x1 = tl.load(p1, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=ok, other=0.0).to(tl.float32)
+    tl.store(p1, (x1 * c - x2 * s).to(dt), mask=ok)
+    tl.store(p1 + HALF, (x2 * c + x1 * s).to(dt), mask=ok)
+
+
+def rotate_(x, cos, sin, positions) -> None:
+    """x [N, heads, rot] (any token and head strides, unit last stride), rotated in place by each token's
+    position (rotate-half pairs); cos, sin [max_pos, rot // 2] float32, rounded to x's dtype as `ops.rotate`."""
+    N, heads, rot = x.shape
+    if N:
+        _rotate_kernel[(N,)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0), heads, rot // 2,
+                             BLOCK_H=_pow2(heads), BLOCK_HALF=_pow2(rot // 2), num_warps=4 if heads > 16 else 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # norms and the MLP activation
 
@@ -232,6 +261,30 @@ def rms_norm(x, weight, eps: float, residual=None):
         _rms_norm_kernel[(N,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
                                HAS_RES=residual is not None, BLOCK=_pow2(n), num_warps=4 if n <= 4096 else 8)
     return out
+
+
+@triton.jit
+def _head_rms_norm_kernel(x_ptr, qw_ptr, kw_ptr, stride_t, eps, H, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    ptr = x_ptr + t * stride_t + h * D + d
+    x = tl.load(ptr, mask=ok, other=0.0).to(tl.float32)
+    y = (x * tl.rsqrt(tl.sum(x * x, 0) / D + eps)).to(x_ptr.dtype.element_ty)
+    is_q = (d * 0 + h) < H                                                # a query head's weight or a key's
+    w = (tl.load(qw_ptr + d, mask=ok & is_q, other=0.0).to(tl.float32)
+         + tl.load(kw_ptr + d, mask=ok & ~is_q, other=0.0).to(tl.float32))
+    tl.store(ptr, (w * y.to(tl.float32)).to(x_ptr.dtype.element_ty), mask=ok)
+
+
+def head_rms_norm_(qkv, q_weight, k_weight, H: int, KV: int, D: int, eps: float) -> None:
+    """In place over qkv [N, (H + 2 KV) * D] (unit last stride): each of the H query heads' RMSNorm with q_weight
+    [D], each of the KV key heads' with k_weight (Qwen3's per-head q/k norms), rounded as `rms_norm` rounds."""
+    N = qkv.shape[0]
+    if N:
+        _head_rms_norm_kernel[(N, H + KV)](qkv, q_weight, k_weight, qkv.stride(0), eps, H, D=D, BLOCK_D=_pow2(D),
+                                           num_warps=1 if D <= 256 else 4)
 
 
 @triton.jit

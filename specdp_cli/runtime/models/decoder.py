@@ -142,10 +142,7 @@ class CausalLM:
                 q.copy_(ops.rms_norm(q.contiguous(), layer.q_norm, self.eps))
                 k.copy_(ops.rms_norm(k.contiguous(), layer.k_norm, self.eps))
             else:
-                heads = qkv.view(N, H + 2 * KV, D)
-                heads[:, :H] = ops.rms_norm(heads[:, :H].reshape(N * H, D), layer.q_norm, self.eps).view(N, H, D)
-                heads[:, H:H + KV] = ops.rms_norm(heads[:, H:H + KV].reshape(N * KV, D), layer.k_norm,
-                                                  self.eps).view(N, KV, D)
+                ops.head_rms_norm_(qkv, layer.q_norm, layer.k_norm, H, KV, D, self.eps)
         cos, sin = layer.rope or (self.cos, self.sin)
         ops.rope_and_store(qkv, cos, sin, meta, k_cache, v_cache, H, KV, D)
         q = qkv[:, :H * D].view(N, H, D)

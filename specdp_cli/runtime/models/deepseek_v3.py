@@ -42,7 +42,12 @@ class SigmoidRouting:
     scaling: float
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.sigmoid(F.linear(x.float(), self.router))
+        logits = F.linear(x.float(), self.router)
+        if x.is_cuda:
+            from ..moe_kernels import grouped_sigmoid_topk
+            return grouped_sigmoid_topk(logits, self.bias, self.top_k, self.groups, self.topk_group, self.renormalize,
+                                        self.scaling)
+        scores = torch.sigmoid(logits)
         choice = scores + self.bias
         N, E = choice.shape
         per_group = E // self.groups

@@ -23,7 +23,11 @@ class SoftmaxTopK:
     renormalize: bool
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        probs = torch.softmax(F.linear(x, self.router).float(), -1)
+        logits = F.linear(x, self.router)
+        if x.is_cuda:
+            from ..moe_kernels import softmax_topk
+            return softmax_topk(logits, self.top_k, self.renormalize)
+        probs = torch.softmax(logits.float(), -1)
         w, idx = torch.topk(probs, self.top_k, -1)
         if self.renormalize:
             w = w / w.sum(-1, keepdim=True)
@@ -35,7 +39,10 @@ class MoE:
     """`route(x)` gives each token's routing weights [N, top_k] (float32) and experts; each expert is a
     SiLU-gated MLP; the output is the weighted sum of the chosen experts', plus the shared experts' output
     where the model has them (DeepSeek). Mixtral and DeepSeek keep the routing weights in float32
-    (`float_weights`), Qwen3-MoE casts them to the activations' dtype — as transformers does for each."""
+    (`float_weights`), Qwen3-MoE casts them to the activations' dtype — as transformers does for each.
+
+    Only the chosen experts run, each once over the tokens that chose it: on CUDA the grouped kernels of
+    `moe_kernels.py` (fixed sizes: a CUDA graph holds them), elsewhere `routed_reference`."""
     route: object                        # x [N, hidden] -> (weights [N, top_k] float32, experts [N, top_k])
     gate_up: torch.Tensor                # [E, 2 * inter, hidden]
     down: torch.Tensor                   # [E, hidden, inter]
@@ -46,23 +53,45 @@ class MoE:
     shared_down: torch.Tensor | None = None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        # every expert over every token, weighted by its routing weight (0 where not chosen): fixed
-        # shapes, so a CUDA graph holds it; the experts are added in index order, as transformers does.
-        # Under expert parallelism the ranks' tokens are gathered, each rank adds its experts' share, and
-        # a reduce-scatter returns each rank the sum for its own tokens; the shared experts then run on
-        # the rank's own tokens only, so they are added once.
+        # Under expert parallelism the ranks' tokens are gathered, each rank adds its experts' share, and a
+        # reduce-scatter returns each rank the sum for its own tokens; the shared experts then run on the
+        # rank's own tokens only, so they are added once.
         x = h if self.ep is None else self.ep.ep_all_gather(h)
         w, idx = self.route(x)
-        if not self.float_weights:
-            w = w.to(x.dtype)
-        out = torch.zeros_like(x)
-        for j, e in enumerate(self.experts):
-            we = (w * (idx == e)).sum(-1, keepdim=True)
-            out += (self.expert(x, j) * we).to(x.dtype)
+        # index into the held experts; outside [0, E'): held elsewhere
+        held = idx - self.experts.start if self.experts.start else idx
+        if x.is_cuda:
+            out = self.routed_kernel(x, w, held)
+        else:
+            out = self.routed_reference(x, w if self.float_weights else w.to(x.dtype), held)
         if self.ep is not None:
             out = self.ep.ep_reduce_scatter(out)
         if self.shared_gate_up is not None:
             out = out + gated_mlp(h, self.shared_gate_up, self.shared_down)
+        return out
+
+    def routed_kernel(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """The grouped kernels (CUDA); w float32, rounded to x's dtype inside unless `float_weights`."""
+        from ..moe_kernels import routed_experts
+        return routed_experts(x, w, held, self.gate_up, self.down, round_weights=not self.float_weights)
+
+    def routed_reference(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """Each held expert that some token chose, once over those tokens, added in expert order as
+        transformers adds them (exact in float32; reads host-side counts, so not for CUDA graphs)."""
+        E, K = self.gate_up.shape[0], held.shape[1]
+        flat = held.reshape(-1)
+        mine = (flat >= 0) & (flat < E)
+        order = torch.argsort(torch.where(mine, flat, E), stable=True)      # pairs grouped by expert
+        counts = torch.bincount(flat[mine], minlength=E).tolist()
+        wflat = w.reshape(-1)
+        out = torch.zeros_like(x)
+        start = 0
+        for j, n in enumerate(counts):
+            if n:
+                pairs = order[start:start + n]
+                tok = pairs // K
+                out.index_add_(0, tok, (self.expert(x[tok], j) * wflat[pairs, None]).to(x.dtype))
+                start += n
         return out
 
     def expert(self, x: torch.Tensor, j: int) -> torch.Tensor:

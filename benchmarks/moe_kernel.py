@@ -1,0 +1,221 @@
+"""One MoE layer's routed experts on one GPU: specdp's Triton kernels (`runtime/moe_kernels.py`, default tiles
+and, with --sweep, other tiles and matrix-vector kernels) against PyTorch's grouped GEMM (`torch._grouped_mm`: pairs sorted by expert, a grouped
+GEMM for gate/up, SiLU-and-mul, a grouped GEMM for down, the weighted sum) and the previous engine's path
+(every expert over every token), at several token counts. Each variant is captured in a CUDA graph and
+replayed (what a decode step does), timed with CUDA events; "GB/s" is the bytes of the experts the tokens chose
+(each read once) over the time, and "% copy" that against the device's measured copy bandwidth.
+
+Usage: python benchmarks/moe_kernel.py [--shapes qwen3_30b_a3b,deepseek_v3] [--tokens 1,16,64,256] [--sweep]
+           [--dtype bfloat16] --json OUT.json
+(prompt chunks: --tokens 2048,8192)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from specdp_cli.runtime.moe_kernels import routed_experts, softmax_topk, tiles  # noqa: E402
+
+SHAPES = {   # experts, top_k, hidden, expert width
+    "qwen3_30b_a3b": (128, 8, 2048, 768),
+    "deepseek_v3": (256, 8, 7168, 2048),
+    "mixtral_8x7b": (8, 2, 4096, 14336),
+}
+SWEEP = [dict(BLOCK_M=bm, UP_N=un, DOWN_N=dn, BLOCK_K=bk, warps=w, stages=s)
+         for bm, un, dn, bk, w, s in [(16, 32, 32, 128, 4, 4), (16, 64, 64, 128, 4, 4), (16, 32, 64, 128, 4, 4),
+                                      (16, 32, 64, 256, 4, 3), (32, 64, 64, 64, 4, 4), (64, 64, 128, 64, 8, 3),
+                                      (128, 128, 128, 64, 8, 3)]]
+# matrix-vector kernels (one program per pair for gate/up, one per token summing its experts' down projections;
+# no grouping): the alternative for few pairs that the engine does not use (it lost to the grouped kernels)
+GEMV = [dict(UP_N=un, DOWN_N=dn, BLOCK_K=bk, warps=w)
+        for un, dn, bk, w in [(16, 16, 256, 4), (8, 8, 256, 4), (32, 32, 128, 4), (16, 16, 512, 8), (4, 8, 512, 4)]]
+
+
+@triton.jit
+def _gemv_up_kernel(x_ptr, w_ptr, idx_ptr, act_ptr, TOPK, I, H, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    p = tl.program_id(0)
+    e = tl.load(idx_ptr + p).to(tl.int64)
+    t = p // TOPK
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    wg = w_ptr + e * 2 * I * H + n[:, None] * H + k[None, :]
+    acc_g = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        a = tl.load(x_ptr + t * H + k0 + k).to(tl.float32)
+        acc_g += tl.sum(tl.load(wg).to(tl.float32) * a[None, :], 1)
+        acc_u += tl.sum(tl.load(wg + I * H).to(tl.float32) * a[None, :], 1)
+        wg += BLOCK_K
+    tl.store(act_ptr + p * I + n, (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(act_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _gemv_down_kernel(a_ptr, w_ptr, rw_ptr, idx_ptr, out_ptr, TOPK, H, I, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    y = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(0, TOPK):
+        p = t * TOPK + j
+        wp = w_ptr + tl.load(idx_ptr + p).to(tl.int64) * H * I + n[:, None] * I + k[None, :]
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            acc += tl.sum(tl.load(wp).to(tl.float32) * tl.load(a_ptr + p * I + k0 + k).to(tl.float32)[None, :], 1)
+            wp += BLOCK_K
+        y += acc * tl.load(rw_ptr + p)
+    tl.store(out_ptr + t * H + n, y.to(out_ptr.dtype.element_ty))
+
+
+def gemv_path(x, w, idx, gate_up, down, t):
+    """The matrix-vector alternative (sizes divisible by the blocks, as the shapes here are)."""
+    N, K = idx.shape
+    I, H = down.shape[2], x.shape[1]
+    act = torch.empty((N * K, I), dtype=x.dtype, device=x.device)
+    out = torch.empty_like(x)
+    _gemv_up_kernel[(N * K, I // t["UP_N"])](x, gate_up, idx, act, K, I, H, BLOCK_N=t["UP_N"], BLOCK_K=t["BLOCK_K"],
+                                             num_warps=t["warps"])
+    _gemv_down_kernel[(N, H // t["DOWN_N"])](act, down, w, idx, out, K, H, I, BLOCK_N=t["DOWN_N"],
+                                             BLOCK_K=min(t["BLOCK_K"], I), num_warps=t["warps"])
+    return out
+
+
+def grouped_mm_path(x, w, idx, gate_up, down):
+    """PyTorch's grouped GEMM over the pairs sorted by expert."""
+    N, K = idx.shape
+    E = gate_up.shape[0]
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(0, flat.int(), torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    tok = order // K
+    h = torch._grouped_mm(x[tok], gate_up.transpose(1, 2), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)
+    y = y * w.reshape(-1)[order, None].to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, tok, y)
+
+
+def all_experts_path(x, w, idx, gate_up, down):
+    """The previous engine's MoE: every expert over every token, weighted (0 where not chosen)."""
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        we = (w * (idx == e)).sum(-1, keepdim=True)
+        out += (F.linear(F.silu(F.linear(x, gate_up[e][: down.shape[2]])) * F.linear(x, gate_up[e][down.shape[2]:]),
+                         down[e]) * we).to(x.dtype)
+    return out
+
+
+def graph_time(fn, reps: int = 50) -> float:
+    """Median µs of one replay of fn captured in a CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return 2 * x.numel() * 10 / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="qwen3_30b_a3b,deepseek_v3")
+    ap.add_argument("--tokens", default="1,16,64,256")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--all-experts-max-e", type=int, default=128, help="time the old path up to this many experts")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    dtype = getattr(torch, a.dtype)
+    bw = copy_bandwidth()
+    rows = []
+    torch.manual_seed(0)
+    for shape in a.shapes.split(","):
+        E, K, H, I = SHAPES[shape]
+        gate_up = torch.randn(E, 2 * I, H, device="cuda", dtype=dtype) * H ** -0.5
+        down = torch.randn(E, H, I, device="cuda", dtype=dtype) * I ** -0.5
+        expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+        for N in [int(t) for t in a.tokens.split(",")]:
+            x = torch.randn(N, H, device="cuda", dtype=dtype)
+            idx = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(N)])
+            w = torch.softmax(torch.randn(N, K, device="cuda"), -1)
+            used = int(torch.unique(idx).numel())
+            read = used * expert_bytes
+            ref = grouped_mm_path(x, w, idx, gate_up, down).float()
+            variants = [("triton", None)] + ([(f"triton {t}", t) for t in SWEEP] if a.sweep else [])
+            variants += [(f"gemv {t}", ("gemv", t)) for t in GEMV] if a.sweep and N * K <= 128 else []
+            variants += [("grouped_mm", "gmm"), ("routing (softmax top-k)", "route")]
+            if E <= a.all_experts_max_e and N <= 64:
+                variants.append(("all experts (before)", "all"))
+            for name, t in variants:
+                if t == "gmm":
+                    fn = lambda: grouped_mm_path(x, w, idx, gate_up, down)      # noqa: E731
+                elif isinstance(t, tuple):
+                    fn = lambda t=t: gemv_path(x, w.contiguous(), idx.contiguous(), gate_up, down, t[1])  # noqa: E731
+                elif t == "route":     # the router's GEMV and the routing kernel, for scale
+                    router = torch.randn(E, H, device="cuda", dtype=dtype)
+                    fn = lambda: softmax_topk(F.linear(x, router), K, True)[0]   # noqa: E731
+                elif t == "all":
+                    fn = lambda: all_experts_path(x, w, idx, gate_up, down)     # noqa: E731
+                else:
+                    fn = lambda t=t: routed_experts(x, w, idx, gate_up, down, tile=t)  # noqa: E731
+                try:
+                    err = ((fn().float() - ref).abs().max() / ref.abs().max()).item() if t != "route" else 0.0
+                    us = graph_time(fn)
+                except Exception as e:  # noqa: BLE001 - a tile that does not fit shared memory
+                    print(f"{shape} N={N} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                row = {"shape": shape, "tokens": N, "variant": name, "tile": t if isinstance(t, (dict, tuple)) else
+                       (tiles(N * K, E, I, H, dtype) if t is None else None), "us": us, "experts_used": used,
+                       "bytes": read, "GBps": read / us / 1e3, "pct_copy": read / (us * 1e-6) / bw * 100,
+                       "rel_err_vs_grouped_mm": err}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "dtype": a.dtype, "copy_bandwidth_Bps": bw, "argv": sys.argv[1:]}
+    with open(a.json, "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    print(f"{'shape':<15}{'tokens':>7} {'variant':<60}{'µs':>9}{'GB/s':>8}{'% copy':>8}{'err':>9}")
+    for r in rows:
+        print(f"{r['shape']:<15}{r['tokens']:>7} {r['variant'][:60]:<60}{r['us']:>9.1f}{r['GBps']:>8.0f}"
+              f"{r['pct_copy']:>8.1f}{r['rel_err_vs_grouped_mm']:>9.1e}")
+    print(f"device copy bandwidth {bw / 1e12:.2f} TB/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""Triton kernels of the routed experts on CUDA: each expert runs once over the tokens that chose it, and only
+the chosen experts' weights are read (`models/moe.py` holds the torch reference, which CPU runs and the GPU
+tests compare against).
+
+A forward's N tokens choose top_k experts each: P = N * top_k token-expert pairs (pair p is token p // top_k).
+1. `_align_kernel` (one program) groups the pairs by expert into blocks of BLOCK_M: `pairs` lists, block by
+   block, the pair ids of one expert (padded with P), `block_expert` each block's expert (-1 for the blocks
+   past the last). Pairs whose expert this rank does not hold (expert parallelism) join no block.
+2. `_up_kernel`: per (block, column block) one grouped GEMM of the block's tokens with its expert's gate and
+   up rows, the activation fused (SiLU-and-mul, or GPT-OSS's clamped SwiGLU): act [P, I] by pair.
+3. `_down_kernel`: act @ down^T (+ bias) times the pair's routing weight: y [P, hidden] by pair.
+4. `_sum_kernel`: each token's sum over its top_k pairs (those held here), in pair order.
+Every size is a function of N, top_k and the experts held, and every count the data decides (how many blocks
+an expert fills) is read from device memory, so a CUDA graph holds all four.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(int(n), 1))
+
+
+@triton.jit
+def _align_kernel(idx_ptr, pairs_ptr, block_expert_ptr, count_ptr, rank_ptr, P, E, max_blocks,
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, B_CHUNK: tl.constexpr):
+    ebins = tl.arange(0, E_BLOCK)
+    tl.store(count_ptr + ebins, tl.zeros([E_BLOCK], dtype=tl.int32))
+    c = tl.arange(0, CHUNK)
+    for p0 in range(0, max_blocks * BLOCK_M, CHUNK):                  # padding slots hold the sentinel P
+        tl.store(pairs_ptr + p0 + c, tl.full([CHUNK], 0, tl.int32) + P, mask=p0 + c < max_blocks * BLOCK_M)
+    tl.debug_barrier()
+    # each pair's rank among its expert's pairs (the order inside an expert's blocks does not change a row's sum)
+    for p0 in range(0, P, CHUNK):
+        p = p0 + c
+        e = tl.load(idx_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        held = (p < P) & (e >= 0) & (e < E)
+        r = tl.atomic_add(count_ptr + tl.where(held, e, 0), 1, mask=held)
+        tl.store(rank_ptr + p, r, mask=held)
+    tl.debug_barrier()
+    counts = tl.load(count_ptr + ebins, mask=ebins < E, other=0)
+    nblocks = (counts + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(nblocks, 0)
+    total = tl.sum(nblocks, 0)
+    tl.debug_barrier()
+    tl.store(count_ptr + ebins, ends - nblocks)                       # now each expert's first block
+    tl.debug_barrier()
+    for p0 in range(0, P, CHUNK):
+        p = p0 + c
+        e = tl.load(idx_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        held = (p < P) & (e >= 0) & (e < E)
+        first = tl.load(count_ptr + tl.where(held, e, 0), mask=held, other=0)
+        r = tl.load(rank_ptr + p, mask=held, other=0)
+        tl.store(pairs_ptr + first * BLOCK_M + r, p, mask=held)
+    b = tl.arange(0, B_CHUNK)
+    for b0 in range(0, max_blocks, B_CHUNK):
+        bb = b0 + b
+        expert = tl.sum(((ends[None, :] <= bb[:, None]) & (ebins[None, :] < E)).to(tl.int32), 1)
+        tl.store(block_expert_ptr + bb, tl.where(bb < total, expert, -1), mask=bb < max_blocks)
+
+
+@triton.jit
+def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, P, TOPK, I, H,
+               stride_x, stride_we, stride_wn, stride_be, stride_a, alpha, limit,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
+               HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    m = tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + m)
+    ok = pair < P
+    tok = tl.where(ok, pair // TOPK, 0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    k = tl.arange(0, BLOCK_K)
+    xp = x_ptr + tok[:, None] * stride_x + k[None, :]
+    wg = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + k[:, None]    # [BLOCK_K, BLOCK_N] of gate
+    wu = wg + I * stride_wn                                                           # ... and of up
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_ok = k0 + k < H
+        a = tl.load(xp, mask=ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(wg, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        u = tl.load(wu, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PREC)
+        xp += BLOCK_K
+        wg += BLOCK_K
+        wu += BLOCK_K
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + e * stride_be + I + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    dt = act_ptr.dtype.element_ty
+    g = acc_g.to(dt).to(tl.float32)           # the projections round to the activations' dtype, as in torch
+    u = acc_u.to(dt).to(tl.float32)
+    if ACT == 0:    # SiLU(gate) * up
+        y = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u
+    else:           # GPT-OSS: (clamp(up) + 1) * gate * sigmoid(alpha * gate), gate clamped above
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        y = (u + 1.0) * (g / (1.0 + tl.exp(-alpha * g)))
+    tl.store(act_ptr + pair.to(tl.int64)[:, None] * stride_a + n[None, :], y.to(dt), mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, pairs_ptr, block_expert_ptr, y_ptr, P, H, I,
+                 stride_a, stride_we, stride_wn, stride_be, stride_y,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 PREC: tl.constexpr, ROUND_W: tl.constexpr):
+    pid_m = tl.program_id(0)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    m = tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + m)
+    ok = pair < P
+    row = tl.where(ok, pair, 0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    k = tl.arange(0, BLOCK_K)
+    ap = a_ptr + row[:, None] * stride_a + k[None, :]
+    wp = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = k0 + k < I
+        a = tl.load(ap, mask=ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(wp, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PREC)
+        ap += BLOCK_K
+        wp += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    dt = y_ptr.dtype.element_ty
+    rw = tl.load(rw_ptr + row, mask=ok, other=0.0).to(tl.float32)
+    if ROUND_W:                  # Qwen3-MoE rounds the routing weights to the activations' dtype
+        rw = rw.to(dt).to(tl.float32)
+    y = acc.to(dt).to(tl.float32) * rw[:, None]          # the expert's output (rounded) times its weight
+    tl.store(y_ptr + row[:, None] * stride_y + n[None, :], y.to(dt), mask=ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _sum_kernel(y_ptr, idx_ptr, out_ptr, TOPK, H, E, stride_y, stride_o, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < H
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(0, TOPK):
+        p = t * TOPK + j
+        e = tl.load(idx_ptr + p)
+        if (e >= 0) & (e < E):
+            acc += tl.load(y_ptr + p.to(tl.int64) * stride_y + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# Tiles by average pairs per expert. Decode sizes chosen by sweeping on an H200 (benchmarks/moe_kernel.py, the
+# Qwen3-30B-A3B and DeepSeek-V3 layers at 1-256 tokens): BLOCK_M 16 with thin column blocks keeps enough programs in
+# flight to stream the chosen experts' weights at 85-95 % of the copy bandwidth from 16 tokens on, and within 10 % of
+# the best tile at 1 token; matrix-vector kernels (one program per pair, no grouping) lost at 1 token. Prompt chunks
+# (hundreds of pairs per expert) are bound by compute: taller blocks.
+def tiles(P: int, E: int, I: int, H: int, dtype: torch.dtype) -> dict:
+    per_expert = P / max(E, 1)
+    if per_expert <= 32:
+        t = dict(BLOCK_M=16, UP_N=32 if per_expert <= 8 else 64, DOWN_N=64, BLOCK_K=128, warps=4, stages=4)
+    else:
+        t = dict(BLOCK_M=64, UP_N=64, DOWN_N=128, BLOCK_K=64, warps=8, stages=3)
+    if dtype == torch.float32:       # a float32 tile holds twice the bytes: halve K (shared memory)
+        t.update(BLOCK_K=32, stages=2)
+    return t
+
+
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                   down_bias: torch.Tensor | None = None, act: str = "silu", alpha: float = 1.702,
+                   limit: float = 7.0, round_weights: bool = False, tile: dict | None = None) -> torch.Tensor:
+    """sum over each token's chosen experts of weight * expert(x): x [N, hidden]; weights [N, top_k] float32
+    (`round_weights`: rounded to x's dtype first, as Qwen3-MoE does); experts [N, top_k] indices into the held
+    experts (outside [0, E'): held elsewhere, skipped); gate_up [E', 2I, hidden] (gate rows, then up rows), down
+    [E', hidden, I]; optional biases [E', 2I], [E', hidden]; act "silu" (SiLU-and-mul) or "swiglu_oai" (GPT-OSS's
+    clamped SwiGLU with alpha and limit)."""
+    N, H = x.shape
+    K = experts.shape[1]
+    E, I = gate_up.shape[0], gate_up.shape[1] // 2
+    P = N * K
+    out = torch.empty_like(x)
+    if N == 0:
+        return out
+    x = x.contiguous()
+    idx = experts.contiguous().view(-1)
+    rw = weights.contiguous().view(-1)
+    t = tile or tiles(P, E, I, H, x.dtype)
+    dev = x.device
+    act_out = torch.empty((P, I), dtype=x.dtype, device=dev)
+    gub = gate_up_bias if gate_up_bias is not None else gate_up
+    db = down_bias if down_bias is not None else down
+    gub_stride = gate_up_bias.stride(0) if gate_up_bias is not None else 0
+    db_stride = down_bias.stride(0) if down_bias is not None else 0
+    ACT = 0 if act == "silu" else 1
+    BM = t["BLOCK_M"]
+    max_blocks = triton.cdiv(P, BM) + min(E, P)
+    pairs = torch.empty(max_blocks * BM, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    counts = torch.empty(_pow2(E), dtype=torch.int32, device=dev)
+    ranks = torch.empty(P, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](idx, pairs, block_expert, counts, ranks, P, E, max_blocks, BLOCK_M=BM, CHUNK=1024,
+                        E_BLOCK=_pow2(E), B_CHUNK=max(16, min(64, 8192 // _pow2(E))), num_warps=4)
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    _up_kernel[(max_blocks, triton.cdiv(I, t["UP_N"]))](
+        x, gate_up, gub, pairs, block_expert, act_out, P, K, I, H,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gub_stride, act_out.stride(0), float(alpha), float(limit),
+        BLOCK_M=BM, BLOCK_N=t["UP_N"], BLOCK_K=t["BLOCK_K"], ACT=ACT, HAS_BIAS=gate_up_bias is not None, PREC=prec,
+        num_warps=t["warps"], num_stages=t["stages"])
+    y = torch.empty((P, H), dtype=x.dtype, device=dev)
+    _down_kernel[(max_blocks, triton.cdiv(H, t["DOWN_N"]))](
+        act_out, down, db, rw, pairs, block_expert, y, P, H, I,
+        act_out.stride(0), down.stride(0), down.stride(1), db_stride, y.stride(0),
+        BLOCK_M=BM, BLOCK_N=t["DOWN_N"], BLOCK_K=min(t["BLOCK_K"], _pow2(I)), HAS_BIAS=down_bias is not None,
+        PREC=prec, ROUND_W=round_weights, num_warps=t["warps"], num_stages=t["stages"])
+    BLOCK = min(_pow2(H), 1024)
+    _sum_kernel[(N, triton.cdiv(H, BLOCK))](y, idx, out, K, H, E, y.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# routing: one program per token picks its experts and weights (a decode step's dozen tiny torch ops in one)
+
+@triton.jit
+def _softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, E, stride_l, TOPK: tl.constexpr, K_BLOCK: tl.constexpr,
+                         E_BLOCK: tl.constexpr, RENORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, E_BLOCK)
+    ok = e < E
+    logit = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logit - tl.max(logit, 0))
+    prob = tl.where(ok, p / tl.sum(p, 0), -1.0)
+    kk = tl.arange(0, K_BLOCK)
+    wv = tl.zeros([K_BLOCK], dtype=tl.float32)
+    iv = tl.zeros([K_BLOCK], dtype=tl.int32)
+    for j in tl.static_range(TOPK):           # the k largest, largest first (the lowest index on a tie)
+        best = tl.max(prob, 0)
+        arg = tl.min(tl.where(prob == best, e, E_BLOCK), 0)
+        wv = tl.where(kk == j, best, wv)
+        iv = tl.where(kk == j, arg, iv)
+        prob = tl.where(e == arg, -2.0, prob)
+    if RENORM:
+        wv = wv / tl.sum(wv, 0)
+    tl.store(w_ptr + t * TOPK + kk, wv, mask=kk < TOPK)
+    tl.store(idx_ptr + t * TOPK + kk, iv.to(tl.int64), mask=kk < TOPK)
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(logits) in float32, its top k (renormalised): weights [N, k] float32, experts [N, k] int64."""
+    N, E = logits.shape
+    w = torch.empty((N, top_k), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((N, top_k), dtype=torch.int64, device=logits.device)
+    if N:
+        _softmax_topk_kernel[(N,)](logits, w, idx, E, logits.stride(0), TOPK=top_k, K_BLOCK=_pow2(top_k),
+                                   E_BLOCK=_pow2(E), RENORM=renormalize, num_warps=4 if E >= 256 else 1)
+    return w, idx
+
+
+@triton.jit
+def _grouped_sigmoid_topk_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, stride_l, scaling,
+                                 G: tl.constexpr, PG: tl.constexpr, G_BLOCK: tl.constexpr, PG_BLOCK: tl.constexpr,
+                                 TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, K_BLOCK: tl.constexpr,
+                                 RENORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, G_BLOCK)
+    j = tl.arange(0, PG_BLOCK)
+    e = g[:, None] * PG + j[None, :]                                  # [G_BLOCK, PG_BLOCK]: expert of each cell
+    ok = (g[:, None] < G) & (j[None, :] < PG)
+    score = tl.sigmoid(tl.load(logits_ptr + t * stride_l + e, mask=ok, other=0.0).to(tl.float32))
+    choice = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32), float("-inf"))
+    # a group's score: the sum of its two best choices
+    first = tl.max(choice, 1)
+    at = tl.min(tl.where(choice == first[:, None], j[None, :], PG_BLOCK), 1)
+    second = tl.max(tl.where(j[None, :] == at[:, None], float("-inf"), choice), 1)
+    gscore = tl.where(g < G, first + second, float("-inf"))
+    keep = g < 0
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.max(tl.where(keep, float("-inf"), gscore), 0)
+        arg = tl.min(tl.where((gscore == best) & ~keep, g, G_BLOCK), 0)
+        keep = keep | (g == arg)
+    choice = tl.where(keep[:, None], choice, float("-inf"))
+    kk = tl.arange(0, K_BLOCK)
+    wv = tl.zeros([K_BLOCK], dtype=tl.float32)
+    iv = tl.zeros([K_BLOCK], dtype=tl.int32)
+    for i in tl.static_range(TOPK):
+        best = tl.max(tl.max(choice, 1), 0)
+        arg = tl.min(tl.min(tl.where(choice == best, e, G_BLOCK * PG_BLOCK), 1), 0)
+        wv = tl.where(kk == i, tl.sum(tl.sum(tl.where((e == arg) & ok, score, 0.0), 1), 0), wv)
+        iv = tl.where(kk == i, arg, iv)
+        choice = tl.where(e == arg, float("-inf"), choice)
+    if RENORM:
+        wv = wv / (tl.sum(wv, 0) + 1e-20)
+    tl.store(w_ptr + t * TOPK + kk, wv * scaling, mask=kk < TOPK)
+    tl.store(idx_ptr + t * TOPK + kk, iv.to(tl.int64), mask=kk < TOPK)
+
+
+def grouped_sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, topk_group: int,
+                         renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing from float32 logits [N, E] (models/deepseek_v3.SigmoidRouting, op for op): weights
+    [N, k] float32, experts [N, k] int64."""
+    N, E = logits.shape
+    w = torch.empty((N, top_k), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((N, top_k), dtype=torch.int64, device=logits.device)
+    if N:
+        PG = E // groups
+        _grouped_sigmoid_topk_kernel[(N,)](logits, bias, w, idx, logits.stride(0), float(scaling), G=groups, PG=PG,
+                                           G_BLOCK=_pow2(groups), PG_BLOCK=_pow2(PG), TOPK_GROUP=topk_group,
+                                           TOPK=top_k, K_BLOCK=_pow2(top_k), RENORM=renormalize,
+                                           num_warps=4 if E >= 256 else 1)
+    return w, idx
