@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from .runtime.models.naming import expert_split, layer_index  # noqa: F401 - preflight's too
+from .runtime.models.quant import BlockFP8, QuantizationError, quantization_of
 from .runtime.models.registry import (UnsupportedModel, architecture_of, attention_kv_shapes,  # noqa: F401
                                       family_of)
 
@@ -78,6 +79,14 @@ class ModelDir:
             return 0
 
     @property
+    def quantization(self) -> BlockFP8 | None:
+        """The checkpoint's block-FP8 quantization (None: unquantized, or one specdp refuses: family_of says why)."""
+        try:
+            return quantization_of(self.config)
+        except QuantizationError:
+            return None
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
@@ -146,7 +155,7 @@ class ModelDir:
         """The share of the weights' bytes a rank loads (safetensors headers; 1.0 if unknown): the layers past
         the decoder's only the first, and only with `mtp` (method mtp's drafter); of each routed expert's
         tensors `experts_held` (expert parallelism). DeepSeek's `shared_experts` are not routed."""
-        sizes = {n: _numel(shape) for n, (_, shape) in self.tensor_headers.items()}
+        sizes = {n: _numel(shape) for n, (_, shape) in self.tensor_headers.items() if not n.endswith("_scale_inv")}
         total = sum(sizes.values())
 
         def held(name: str) -> float:
@@ -170,7 +179,7 @@ class ModelDir:
         total = active = 0.0
         for name, (_, shape) in headers.items():
             layer = layer_index(name)
-            if layer is not None and layer >= self.num_layers:
+            if (layer is not None and layer >= self.num_layers) or name.endswith("_scale_inv"):
                 continue
             n = _numel(shape)
             total += n
@@ -185,7 +194,11 @@ class ModelDir:
                 "routed": f"top {k} of {E} experts" if E else None}
 
     def weight_bytes(self, dtype: str) -> int:
-        """Bytes of the weights once loaded in `dtype` (files on disk, rescaled from their stored dtype)."""
+        """Bytes of the weights once loaded in `dtype` (files on disk, rescaled from their stored dtype; a block-FP8
+        checkpoint's weights are dequantized at load: its tensors' elements, scales left out, in `dtype`)."""
+        if self.quantization is not None and self.tensor_headers:
+            return sum(_numel(shape) for n, (_, shape) in self.tensor_headers.items()
+                       if not n.endswith("_scale_inv")) * DTYPE_BYTES.get(dtype, 4)
         on_disk = sum(os.path.getsize(f) for f in self.weight_files)
         stored = DTYPE_BYTES.get(self.stored_dtype, 4)
         return on_disk * DTYPE_BYTES.get(dtype, 4) // stored

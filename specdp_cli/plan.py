@@ -162,4 +162,15 @@ def _memory(cfg: Config, device: str, dtype: str, expert_parallel: bool, target:
         blocks, source = max(0, int(budget // max(per_token * c.block_size, 1))), "gpu"
     return {"weight_bytes": weights, "kv_bytes_per_token": per_token, "block_size": c.block_size,
             "num_blocks": blocks, "source": source, "device_total": total, "sequence_blocks": per_seq,
-            "weights_per_token": target.weights_per_token(dtype)}
+            "weights_per_token": target.weights_per_token(dtype), "quantization": _quantization(target, dtype)}
+
+
+def _quantization(target: ModelDir, dtype: str) -> dict | None:
+    """A block-FP8 target as preflight reports it: its block, the dtype its weights are loaded in (dequantized:
+    specdp has no FP8 compute yet) and the matrices the checkpoint keeps in high precision."""
+    q = target.quantization
+    if q is None:
+        return None
+    from .runtime.models.quant import unquantized_weights
+    return {"method": "fp8", "weight_block_size": list(q.block), "loaded_as": dtype,
+            "high_precision": unquantized_weights(target.tensor_headers)}

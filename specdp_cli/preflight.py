@@ -60,6 +60,7 @@ class Report:
             "speculation": p.speculation,
             "kv_cache": self.kv_cache,
             "weights_per_token": (p.memory or {}).get("weights_per_token"),
+            "quantization": (p.memory or {}).get("quantization"),
             "checks": [asdict(c) for c in self.checks],
             "errors": list(self.errors),
             "warnings": list(self.warnings),
@@ -231,7 +232,9 @@ def _mtp_layer(target: ModelDir) -> list[tuple[str, str]]:
 
 def _supported(role: str, md: ModelDir) -> tuple[str, str]:
     try:
-        return "ok", f"{role} {md.path} ({architecture_of(md.config)})."
+        arch = architecture_of(md.config)
+        q = md.quantization
+        return "ok", f"{role} {md.path} ({arch}{'; ' + q.describe() if q else ''})."
     except UnsupportedModel as e:
         return "error", f"{role} {md.path}: {e}."
 
@@ -443,6 +446,11 @@ def _memory(cfg: Config, plan: Plan, report: Report) -> list[tuple[str, str]]:
     where = ("estimate only: no GPU to compare with" if m["source"] == "cpu" or m["device_total"] is None
              else "an estimate; the engine measures it at start")
     out = [("ok", f"{numbers} ({where}).")]
+    q = m.get("quantization")
+    if q:
+        out.append(("ok", f"The target's FP8 weights are dequantized to {q['loaded_as']} at load (specdp has no FP8 "
+                          f"compute yet: they take {q['loaded_as']}'s memory, counted above); the checkpoint keeps "
+                          f"{', '.join(q['high_precision']) or 'nothing'} in high precision."))
     read = m.get("weights_per_token")
     if read:
         how = f" (routed experts: {read['routed']})" if read["routed"] else ""

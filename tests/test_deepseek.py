@@ -119,12 +119,16 @@ def test_expert_parallel_preflight(models, deepseek):
     assert "per rank (experts split)" in rows["memory"]
 
 
-def test_quantized_checkpoint_is_refused():
-    """DeepSeek-V3's published weights are fp8 with block scales: refused by name, not loaded as garbage."""
+def test_fp8_without_block_scales_is_refused():
+    """DeepSeek-V3's published weights are block-scaled FP8 (read: tests/test_fp8.py); FP8 without a
+    weight_block_size (per-tensor scales) is refused by name, not loaded as garbage."""
     from specdp_cli.modeldir import UnsupportedModel, architecture_of
 
-    with pytest.raises(UnsupportedModel, match="quantized checkpoints \\(fp8\\)"):
+    with pytest.raises(UnsupportedModel, match="FP8 checkpoints without weight_block_size"):
         architecture_of({"architectures": ["DeepseekV3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}})
+    assert architecture_of({"architectures": ["DeepseekV3ForCausalLM"],
+                            "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128],
+                                                    "activation_scheme": "dynamic"}}) == "DeepseekV3ForCausalLM"
 
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 3)

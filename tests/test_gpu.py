@@ -342,3 +342,21 @@ def test_expert_parallel_in_cuda_graphs_nccl(tmp_path, models, family, method):
     ranks = json.load(open(tmp_path / "s.json"))["ranks"]
     assert len(ranks) == 2 and all(r["graphs"] > 0 for r in ranks), ranks
     assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(tmp_path / "out.jsonl")) == []
+
+
+def test_fp8_checkpoint_graphs_equal_eager_float32(models, tmp_path):
+    """A block-FP8 DeepSeek-V3 checkpoint (with its MTP layer) dequantized on the GPU as it loads: greedy float32
+    tokens with graphs equal eager ones and transformers' on the dequantized weights."""
+    from helpers import make_deepseek_dir
+    from test_fp8 import fp8_pair
+
+    src = make_deepseek_dir(tmp_path / "ds", models["tokenizer"], seed=3, experts=8, top_k=2, n_group=2, topk_group=1)
+    target, ref = fp8_pair(src, (32, 16))
+    prompts = prompts_of_lengths([3, 9, 17, 26, 33])
+    out = {}
+    for eager in (True, False):
+        cfg, plan = make_config(target, None, method="mtp", k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda",
+                                cache=ROOM, enforce_eager=eager)
+        out[eager] = run_engine(cuda_engine(cfg, plan), prompts, max_tokens=30)
+    for i, p in enumerate(prompts):
+        assert out[False][i].generated == out[True][i].generated == hf_reference(ref, p, min(30, 64 - len(p))), i

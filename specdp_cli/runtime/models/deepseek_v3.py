@@ -20,6 +20,7 @@ from .decoder import CausalLM, Layer, mlp_weights
 from .heads import TargetFeatureHead
 from .llama import refuse_activation
 from .moe import MoE, load_experts
+from .quant import quantization_of
 from .registry import Family, UnsupportedModel
 from .weights import expert_split, rank_experts, read_weights, weight_getter, weights_of
 
@@ -236,7 +237,7 @@ def load_mtp_head(md, target: CausalLM, dtype: torch.dtype, device: torch.device
     prefix = "model." if f"model.{p}eh_proj.weight" in w else ""
     if prefix + p + "eh_proj.weight" not in w:
         raise UnsupportedModel(f"{md.path}: no multi-token-prediction layer (weight model.{p}eh_proj.weight)")
-    get = weight_getter(w, prefix, md.path, dtype)
+    get = weight_getter(w, prefix, md.path, dtype, quantization_of(md.config))
     layer = build_layer(c, i, get, md.path, ep)
     h = target.embed.shape[1]
     eh_proj = get(p + "eh_proj.weight")

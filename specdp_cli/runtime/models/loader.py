@@ -6,6 +6,7 @@ import torch
 from ...modeldir import ModelDir
 from .config import load_config
 from .decoder import CausalLM
+from .quant import quantization_of
 from .registry import UnsupportedModel, family_of
 from .rotary import rotary_tables, sliding_layer_tables
 from .weights import rank_experts, read_weights, weight_getter, weights_of
@@ -19,7 +20,7 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     c = load_config(path, md.config, fam)
     experts = rank_experts(fam.num_experts(md.config), ep)
     w = read_weights(md.weight_files, device, weights_of(range(c.num_hidden_layers), experts))
-    get = weight_getter(w, "model." if "model.embed_tokens.weight" in w else "", path, dtype)
+    get = weight_getter(w, "model." if "model.embed_tokens.weight" in w else "", path, dtype, quantization_of(md.config))
     layers = [fam.build_layer(c, i, get, path, ep) for i in range(c.num_hidden_layers)]
     embed = get("embed_tokens.weight")
     norm = get("norm.weight")

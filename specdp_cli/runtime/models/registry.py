@@ -72,7 +72,6 @@ def family_of(config: dict) -> Family:
     """The family a config.json names (by `architectures`, else `model_type`), or UnsupportedModel saying
     what is supported or why this checkpoint is refused."""
     known = families()
-    quantized = config.get("quantization_config")
     archs = config.get("architectures") or []
     fam = next((known[a] for a in archs if a in known), None)
     if fam is None and not archs:
@@ -81,10 +80,12 @@ def family_of(config: dict) -> Family:
         named = ", ".join(archs) or f"model_type {config.get('model_type')!r}"
         raise UnsupportedModel(f"{named} is not supported; specdp runs {', '.join(sorted(known))}")
     why = fam.refuse(config) if fam.refuse else None
-    if why is None and isinstance(quantized, dict):
-        # e.g. DeepSeek-V3's fp8 release: its weights need their scales, which specdp does not read
-        why = (f"quantized checkpoints ({quantized.get('quant_method', 'unknown method')}) are not supported; give "
-               f"bfloat16, float16 or float32 weights")
+    if why is None:
+        from .quant import QuantizationError, quantization_of
+        try:
+            quantization_of(config)          # block-scaled FP8 is read; any other quantization is refused
+        except QuantizationError as e:
+            why = str(e)
     if why:
         raise UnsupportedModel(why)
     return fam

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from .naming import expert_split, layer_index
+from .quant import BlockFP8, dequantize
 from .registry import UnsupportedModel
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")      # routed experts only: ".shared_experts." does not match
@@ -50,14 +51,26 @@ def rank_experts(num_experts: int, ep) -> set[int] | None:
     return None if ep is None else set(expert_split(num_experts, ep.world, ep.rank))
 
 
-def weight_getter(w: dict[str, torch.Tensor], prefix: str, path: str, dtype: torch.dtype):
-    """`get(name, required=True, as_dtype=None)`: takes weight `prefix + name` out of `w`, in `dtype`."""
+def weight_getter(w: dict[str, torch.Tensor], prefix: str, path: str, dtype: torch.dtype,
+                  quant: BlockFP8 | None = None):
+    """`get(name, required=True, as_dtype=None)`: takes weight `prefix + name` out of `w`, in `dtype`; a float8
+    weight of a block-FP8 checkpoint (`quant`) is dequantized with its `weight_scale_inv`."""
     def get(name: str, required: bool = True, as_dtype: torch.dtype | None = None) -> torch.Tensor | None:
         t = w.pop(prefix + name, None)
         if t is None:
             if required:
                 raise UnsupportedModel(f"{path}: weight {prefix + name} is missing")
             return None
+        if t.dtype == torch.float8_e4m3fn:
+            scale = w.pop(prefix + name + "_scale_inv", None)
+            if quant is None or scale is None:
+                raise UnsupportedModel(f"{path}: weight {prefix + name} is float8 but "
+                                       + ("config.json has no quantization_config" if quant is None
+                                          else f"{prefix + name}_scale_inv is missing"))
+            try:
+                return dequantize(t, scale, quant.block, as_dtype or dtype)
+            except ValueError as e:
+                raise UnsupportedModel(f"{path}: {prefix + name}: {e}") from None
         return t.to(as_dtype or dtype)
     return get
 
