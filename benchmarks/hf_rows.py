@@ -1,4 +1,4 @@
-"""Chosen Hugging Face baseline rows, measured with the functions of ../shared/bench/hf_baselines.py
+"""Chosen Hugging Face baseline rows, measured with the functions of benchmarks/hf_baselines.py
 (loaded from the path given, not copied), one JSON line per case — for runs that need only a few of
 the rows that hf_baselines.py measures (it also runs every case; use it for the full set).
 

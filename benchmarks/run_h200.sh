@@ -2,8 +2,8 @@
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
 #   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor OUT_DIR
-# Needs .bench/codepair (a copy of ../shared/models/codepair) and .bench/{hf_baselines,widen,graph_floor}.py
-# (copies of ../shared/bench/); with no package index there, pydantic etc. come as wheels in .whl/.
+# Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
+# here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
 stage=$1; out=$2
 mkdir -p "$out"
@@ -18,9 +18,9 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 P=.bench/codepair
 W=/tmp/wide
-widen() {   # the 8B-shaped target that computes the codepair target's function (../shared/bench/widen.py)
+widen() {   # the 8B-shaped target that computes the codepair target's function (benchmarks/widen.py)
   [ -f $W/target/config.json ] && return 0
-  python3 .bench/widen.py $P/target $W/target > /tmp/widen.log 2>&1 || { cat /tmp/widen.log; return 1; }
+  python3 benchmarks/widen.py $P/target $W/target > /tmp/widen.log 2>&1 || { cat /tmp/widen.log; return 1; }
   ln -sfn "$PWD/$P/draft" $W/draft && ln -sfn "$PWD/$P/tokenizer" $W/tokenizer && cp $P/heldout_prompts.jsonl $W/
 }
 # a stage's time box: it sets end=$((SECONDS + LIMIT)); each step gets what is left (at least 5 s)
@@ -40,11 +40,11 @@ all)
   # everything in one lease: GPU 1 runs the Hugging Face rows (and builds the 8B-shaped target)
   # while GPU 0 runs the GPU tests and specdp's benchmarks; DP scaling (both GPUs) comes last
   ( export CUDA_VISIBLE_DEVICES=1
-    python3 benchmarks/hf_rows.py .bench/hf_baselines.py $P --cases generate_bs1,static:32
-    python3 .bench/graph_floor.py $P/target --bs 1,32 --label _codepair
+    python3 benchmarks/hf_rows.py benchmarks/hf_baselines.py $P --cases generate_bs1,static:32
+    python3 benchmarks/graph_floor.py $P/target --bs 1,32 --label _codepair
     widen && touch /tmp/widened
-    python3 benchmarks/hf_rows.py .bench/hf_baselines.py $W --prompts 16 --cases generate_bs1,static:16
-    python3 .bench/graph_floor.py $W/target --bs 1,16 --label _8b ) > "$out/hf.jsonl" 2> /tmp/hf.err &
+    python3 benchmarks/hf_rows.py benchmarks/hf_baselines.py $W --prompts 16 --cases generate_bs1,static:16
+    python3 benchmarks/graph_floor.py $W/target --bs 1,16 --label _8b ) > "$out/hf.jsonl" 2> /tmp/hf.err &
   hf=$!
   if [ "${GPU_TESTS:-1}" = 1 ]; then      # GPU_TESTS=0: the adaptive stage runs them instead
     timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
@@ -136,8 +136,8 @@ gpu-tests)
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
   ;;
 codepair)
-  CUDA_VISIBLE_DEVICES=1 sh -c "python3 benchmarks/hf_rows.py .bench/hf_baselines.py $P --cases ${HF_CASES:-generate_bs1,static:32}; \
-    python3 .bench/graph_floor.py $P/target --bs 1,32 --label _codepair" > "$out/hf_codepair.jsonl" 2> "$out/hf_codepair.err" &
+  CUDA_VISIBLE_DEVICES=1 sh -c "python3 benchmarks/hf_rows.py benchmarks/hf_baselines.py $P --cases ${HF_CASES:-generate_bs1,static:32}; \
+    python3 benchmarks/graph_floor.py $P/target --bs 1,32 --label _codepair" > "$out/hf_codepair.jsonl" 2> "$out/hf_codepair.err" &
   CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --batches 1 --profile "${PROFILE:-draft_model:1}" \
     --json "$out/offline_codepair_bs1.json" > "$out/offline_codepair_bs1.log" 2>&1
   CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --requests 256 --batches 32 \
@@ -151,8 +151,8 @@ codepair)
   ;;
 widened)
   widen || exit 1
-  CUDA_VISIBLE_DEVICES=1 sh -c "python3 benchmarks/hf_rows.py .bench/hf_baselines.py $W --prompts 16 --cases generate_bs1,static:16; \
-    python3 .bench/graph_floor.py $W/target --bs 1,16 --label _8b" > "$out/hf_widened.jsonl" 2> "$out/hf_widened.err" &
+  CUDA_VISIBLE_DEVICES=1 sh -c "python3 benchmarks/hf_rows.py benchmarks/hf_baselines.py $W --prompts 16 --cases generate_bs1,static:16; \
+    python3 benchmarks/graph_floor.py $W/target --bs 1,16 --label _8b" > "$out/hf_widened.jsonl" 2> "$out/hf_widened.err" &
   CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --target $W/target --prompts 16 --batches 1,16 \
     --methods none,draft_model --label widened --json "$out/offline_widened.json" > "$out/offline_widened.log" 2>&1
   wait
@@ -338,8 +338,8 @@ moe)
   # PART=1: one MoE layer's routed experts, the Triton kernels against PyTorch's grouped GEMM (and a tile sweep);
   #   the Qwen3-30B-A3B shape (8 layers) at batch 1, 16, 64 against the weight-read limit and Hugging Face;
   #   then the MoE GPU tests (kernels = reference, graphs = eager per MoE family).
-  # PART=2: the MoE demo (benchmarks/train_moe_pair.py, trained here; needs .bench/train_pair.py, a copy of
-  #   ../shared/bench/train_pair.py) none / draft_model / mtp at batch 1 and 32 (k 4), and at k 1, 2, 3 at batch 1.
+  # PART=2: the MoE demo (benchmarks/train_moe_pair.py, trained here on benchmarks/train_pair.py's corpus)
+  #   none / draft_model / mtp at batch 1 and 32 (k 4), and at k 1, 2, 3 at batch 1.
   # PART=3: every GPU test. PART=4 (2 GPUs): expert parallelism, experts split vs replicated, in CUDA graphs.
   # PART=5: the end-to-end shapes alone (Qwen3-30B-A3B with a host / device split of its batch-1 step, then
   #   DeepSeek-V3).
@@ -364,7 +364,7 @@ moe)
        --batches 1,16,64 --json "$out/moe_shapes_deepseek.json" > /tmp/moe_shapes_ds.log 2>&1 || tail -20 /tmp/moe_shapes_ds.log
      sed -n '/^shape /,$p' /tmp/moe_shapes_ds.log ;;
   2) # the corpus is encoded by the tokenizer's threads (single-threaded it takes minutes)
-     TOKENIZERS_PARALLELISM=true timeout 280 python3 benchmarks/train_moe_pair.py --pair $P --corpus .bench/train_pair.py --out /tmp/moepair \
+     TOKENIZERS_PARALLELISM=true timeout 280 python3 benchmarks/train_moe_pair.py --pair $P --corpus benchmarks/train_pair.py --out /tmp/moepair \
        --minutes ${MOE_MINUTES:-2.5} > "$out/train_moe_pair.log" 2>&1 || tail -20 "$out/train_moe_pair.log"
      tail -4 "$out/train_moe_pair.log"
      offline moe_demo --pair /tmp/moepair --batches 1,32 --methods none,draft_model,mtp --k 4 --label moe-demo

@@ -11,7 +11,7 @@ step 2 does at inference. The draft vocabulary is the target's (codepair's 8,192
 
 Usage (the corpus split of the codepair pair: `corpus_files` / `encode_corpus` from its train_pair.py,
 which also made the held-out prompts):
-  python benchmarks/train_eagle3.py --pair .bench/codepair --corpus .bench/train_pair.py --out .bench/codepair/eagle3
+  python benchmarks/train_eagle3.py --pair .bench/codepair --corpus benchmarks/train_pair.py --out .bench/codepair/eagle3
       [--minutes 4] [--aux 2,4,5] [--tiny]
 Prints held-out top-1 agreement with the target at drafting steps 1 and 2; writes train_report.json.
 """

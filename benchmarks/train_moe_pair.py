@@ -8,7 +8,7 @@ final norm — through a full decoder layer (MoE) and predicts token t+2 through
 loss = LM loss + 0.3 x MTP loss. Saved in DeepSeek-V3's checkpoint layout: the MTP layer is
 model.layers.{N}.* with N = num_hidden_layers, and config.json says num_nextn_predict_layers 1.
 
-Usage: python benchmarks/train_moe_pair.py --pair .bench/codepair --corpus .bench/train_pair.py --out DIR
+Usage: python benchmarks/train_moe_pair.py --pair .bench/codepair --corpus benchmarks/train_pair.py --out DIR
            [--minutes 3] [--tiny]
 Writes DIR/target (config, weights, tokenizer), links DIR/tokenizer and DIR/draft to the pair's (so
 benchmarks/offline.py --pair DIR runs draft_model too) and copies the held-out prompts; prints held-out loss

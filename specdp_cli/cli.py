@@ -27,6 +27,27 @@ app.add_typer(validate_app, name="validate")
 stdout = Console(soft_wrap=True)
 stderr = Console(stderr=True, soft_wrap=True)
 
+
+def _hide_flag_types() -> None:
+    """typer prints each option's type in --help, `<bool>` after value-less flags too (--json <bool>), which
+    reads as if they took a value: flags show none. Guarded: an older or newer typer without this hook is
+    left as it is."""
+    try:
+        from typer.core import TyperOption
+    except ImportError:
+        return
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_specdp", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) and not getattr(self, "count", False) else shown(self, ctx)
+    display_type_rich._specdp = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_hide_flag_types()
+
 SetOpt = typer.Option(None, "--set", metavar="KEY=VALUE",
                       help="Override a config value, e.g. --set speculative.num_speculative_tokens=3 (repeatable).")
 DpOpt = typer.Option(None, "--dp", min=1, help="Shortcut for --set parallel.data_parallel_size=N.")
@@ -59,6 +80,9 @@ def load_or_exit(config_path: Path, items: list[str], as_json: bool = False) -> 
     try:
         return load_config(config_path, items)
     except UsageError as e:
+        if as_json:              # --json promises one object on stdout, also for a file it cannot read
+            print(report_json(schema_failure([str(e)], "config")))
+            raise typer.Exit(2) from None
         fail_usage(str(e))
     except ConfigError as e:
         report = schema_failure(e.problems)
@@ -216,7 +240,8 @@ def serve(
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        fail_usage("specdp serve needs fastapi and uvicorn: pip install 'specdp-cli[serve]'")
+        fail_usage("specdp serve needs fastapi and uvicorn: pip install -e '.[serve]' in the specdp checkout "
+                   "(or pip install fastapi uvicorn)")
     from .server.run import port_problem, run_server
 
     if cfg.parallel.machine_rank == 0:            # the server cannot run: say so before any work
@@ -283,6 +308,9 @@ def bench_serve(
         with open(path, "w") as fh:
             json.dump(res, fh, indent=1)
         stdout.print(f"results: {path}")
+    if res["completed"] == 0:
+        stderr.print("[bold red]bench failed[/]: every request failed (see the errors above)")
+        raise typer.Exit(1)
 
 
 def main() -> None:

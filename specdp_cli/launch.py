@@ -166,6 +166,7 @@ class Ranks:
         self.port = par.main_process_port or 0
         self.interrupted: int | None = None
         self.states_when_ended: dict[int, str | None] = {}   # process states of silent ranks before we ended them
+        self._ready_seen: set[int] = set()
 
     def start(self) -> None:
         """Start the ranks; they import, then wait for `run_dir/job.json` (see `write_job`). Before
@@ -187,6 +188,22 @@ class Ranks:
 
     def poll(self) -> int | None:
         return self.proc.poll() if self.proc else None
+
+    def ready_lines(self) -> list[str]:
+        """The start-up lines ("rank 1 ready in 4.2 s: …") of ranks that became ready since the last call: each
+        rank writes its own to rank{r}.ready (its stderr goes to the log file)."""
+        out = []
+        for r in self.local_ranks:
+            if r in self._ready_seen:
+                continue
+            try:
+                with open(self.run_dir.file(f"rank{r}.ready")) as fh:
+                    text = fh.read().strip()
+            except OSError:
+                continue
+            self._ready_seen.add(r)
+            out.append(text)
+        return out
 
     def states(self):
         return read_states(self.run_dir.path, self.local_ranks)

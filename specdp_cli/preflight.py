@@ -67,9 +67,11 @@ class Report:
         }
 
 
-def schema_failure(problems: list[str]) -> Report:
+def schema_failure(problems: list[str], check: str = "schema") -> Report:
+    """A report of a configuration that never reached the checks: its problems under `check` ("schema": the file's
+    values; "config": the file itself — missing, unreadable)."""
     r = Report(plan=Plan(dtype="", backend="", device=""))
-    r.add("schema", [("error", p) for p in problems])
+    r.add(check, [("error", p) for p in problems])
     return r
 
 

@@ -104,6 +104,10 @@ def main(argv: list[str] | None = None) -> None:
         engine = build_engine(cfg, plan, dp, device, Faults.from_env(world), on_fault_exit=fault_exit,
                               started_at=job["started_at"], launch=launch)
         print(engine.ready_line, file=sys.stderr, flush=True)
+        ready = os.path.join(run_dir, f"rank{rank}.ready")        # for the command's own output (ranks.ready_lines)
+        with open(ready + ".tmp", "w") as fh:
+            fh.write(engine.ready_line)
+        os.replace(ready + ".tmp", ready)
         if job["mode"] == "generate":
             from .jobs.generate import run_rank
 

@@ -265,7 +265,10 @@ def test_usage_errors_come_before_any_work(cfg, tmp_path):
     assert not list(tmp_path.glob("o.jsonl*")) and not list(tmp_path.glob("*.part"))
 
 
-def test_sigterm_stops_with_a_sentence_and_143(cfg, tmp_path):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_sigterm_stops_with_a_sentence_and_143(cfg, tmp_path, dp):
+    """SIGTERM mid-job: exit 143 with a sentence, finished results kept, no run directory left in the temp
+    folder; on the way each rank's start-up line was shown, and no progress bar (stderr is no terminal)."""
     import os
     import signal
     import subprocess
@@ -274,19 +277,24 @@ def test_sigterm_stops_with_a_sentence_and_143(cfg, tmp_path):
 
     inp = write_jsonl(tmp_path / "many.jsonl", [{"prompt": f"def f{i}(x):", "max_tokens": 12} for i in range(400)])
     out = tmp_path / "o.jsonl"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     proc = subprocess.Popen([sys.executable, "-m", "specdp_cli", "generate", str(cfg), "--input", str(inp),
-                             "--output", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    part = tmp_path / "o.jsonl.rank0.part"
+                             "--output", str(out), "--dp", str(dp)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp),
+                                                GLOO_SOCKET_IFNAME="lo"))
     deadline = time.monotonic() + 120
-    while not (part.exists() and part.stat().st_size > 0):             # the job is running
+    while not any(p.stat().st_size > 0 for p in tmp_path.glob("o.jsonl.rank*.part")):     # the job is running
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 143, err
     assert "stopped by SIGTERM; finished results are kept" in err and "rerun the same command to resume" in err
-    assert part.exists()
+    assert list(tmp_path.glob("o.jsonl.rank*.part"))
+    assert not list(tmp.glob("specdp-run-*")), list(tmp.iterdir())
+    assert all(f"rank {r} ready in" in err for r in range(dp)), err
+    assert "━" not in err
 
 
 def test_resume_reuses_only_what_the_same_job_made(cfg, tmp_path):
@@ -303,9 +311,9 @@ def test_resume_reuses_only_what_the_same_job_made(cfg, tmp_path):
     s = json.load(open(tmp_path / "s.json"))
     assert s["resumed"] == 2 and s["requests"] == 0 and out.read_bytes() == first
 
-    for extra, what in ((["--set", "speculative.method=none"], "decoding settings"),
+    for extra, what in ((["--set", "speculative.method=none"], "the decoding settings (method draft_model -> none"),
                         (["--set", "sampling.temperature=1.0"], "line 1 (id 1) changed"),
-                        (["--set", "seed=7"], "decoding settings")):
+                        (["--set", "seed=7"], "the decoding settings (seed 0 -> 7)")):
         res = generate(cfg, inp, out, *extra)
         assert res.exit_code == 1 and what in res.output and "--overwrite" in res.output, res.output
         assert out.read_bytes() == first and not list(tmp_path.glob("out.jsonl.rank*.part"))   # no work done

@@ -81,7 +81,7 @@ class Server:
     def stop(self):
         if self.proc.poll() is None:
             self.proc.kill()
-        self.proc.communicate()
+        self.out, self.err = self.proc.communicate()
 
 
 @contextlib.contextmanager
@@ -124,6 +124,14 @@ def client(server):
 
 
 PROMPTS = ["def add(a, b):", "class Point:\n    def __init__(self", "for i in range(10):", "import os\nimport sys\n"]
+
+
+def test_each_rank_says_it_is_ready(tmp_path, models):
+    """The ranks log to a file; the command itself shows each rank's start-up line (where the time went)."""
+    with serving(tmp_path, models) as (_, _, server):
+        assert server.health() == 200
+    shown = server.out + server.err
+    assert "rank 0 ready in" in shown and "rank 1 ready in" in shown, shown[-2000:]
 
 
 def test_models_and_completions(client):

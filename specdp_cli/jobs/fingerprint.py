@@ -56,25 +56,51 @@ def job_parts(cfg: Config, plan: Plan) -> dict[str, str]:
         decoding["drafter_max_model_len"] = plan.drafter_max_model_len
     if meth.prompt_lookup:
         decoding["ngram"] = [spec.prompt_lookup_min, spec.prompt_lookup_max]
-    return {"target model": _dir_id(cfg.model),
-            "drafter": _dir_id(spec.model) if meth.loads else "none",
-            "tokenizer": _dir_id(cfg.tokenizer_path),
-            "decoding settings": _hash(decoding)}
+    dirs = {"target model": cfg.model, "drafter": spec.model if meth.loads else None, "tokenizer": cfg.tokenizer_path}
+    parts = {name: _dir_id(path) for name, path in dirs.items()}
+    parts["decoding settings"] = _hash(decoding)
+    # readable beside the hashes (not hashed): what a refusal names when a part changed
+    parts[DETAILS] = {"decoding settings": decoding,
+                      **{name: os.path.realpath(path) if path else None for name, path in dirs.items()}}
+    return parts
 
 
-def job_hash(parts: dict[str, str]) -> str:
-    return _hash(parts)
+DETAILS = "details"
+
+
+def job_hash(parts: dict) -> str:
+    return _hash({k: v for k, v in parts.items() if k != DETAILS})
 
 
 def input_hash(prompt_ids: list[int], params: dict, raw: str | None = None) -> str:
     return _hash({"prompt_ids": prompt_ids, "params": params} if raw is None else {"raw": raw})
 
 
-def changed_parts(old: dict[str, str] | None, new: dict[str, str]) -> str:
-    """'the drafter and the decoding settings', or a general phrase when the old parts are unknown."""
+def changed_parts(old: dict | None, new: dict) -> str:
+    """What changed between two jobs' parts, as precisely as the old job file allows: 'the decoding settings
+    (num_speculative_tokens 4 -> 3)', 'the target model (/a -> /b)', 'the target model (its config.json or
+    files)'; a general phrase when the old parts are unknown."""
     if not old:
         return "its configuration"
-    names = [k for k in new if old.get(k) != new[k]]
+    names = [k for k in new if k != DETAILS and old.get(k) != new[k]]
     if not names:
         return "its configuration"
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+    was, now = old.get(DETAILS) or {}, new.get(DETAILS) or {}
+    said = [f"the {name} ({_what_changed(name, was.get(name), now.get(name))})" if name in was else f"the {name}"
+            for name in names]
+    return said[0] if len(said) == 1 else ", ".join(said[:-1]) + " and " + said[-1]
+
+
+_SETTING_NAMES = {"k": "num_speculative_tokens", "k_per_batch_size": "num_speculative_tokens_per_batch_size",
+                  "drafter_max_model_len": "the drafter's max_model_len",
+                  "ngram": "prompt_lookup_min / prompt_lookup_max"}
+
+
+def _what_changed(name: str, was, now) -> str:
+    if name == "decoding settings" and isinstance(was, dict) and isinstance(now, dict):
+        keys = [k for k in {**was, **now} if was.get(k) != now.get(k)]
+        return "; ".join(f"{_SETTING_NAMES.get(k, k)} {was.get(k, 'unset')} -> {now.get(k, 'unset')}"
+                         for k in keys) or "their values"
+    if was != now:
+        return f"{was} -> {now}"
+    return "its config.json or files"

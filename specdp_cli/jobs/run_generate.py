@@ -25,7 +25,8 @@ from .results import job_file, load_prior, part_files
 
 
 class PartFollower:
-    """Counts finished results by reading the part files' new whole lines as they grow."""
+    """Counts finished results by reading the part files' new whole lines as they grow (results done before this
+    run — `known`, resumed from earlier part files — count as done but add no tokens: the rate is this run's)."""
 
     def __init__(self, output: str, known: set[str]):
         self.output = output
@@ -46,8 +47,10 @@ class PartFollower:
             for line in data[:end].splitlines():
                 try:
                     rec = json.loads(line)
-                    self.done.add(id_key(rec["id"]))
-                    self.tokens += int(rec.get("completion_tokens") or 0)
+                    key = id_key(rec["id"])
+                    if key not in self.done:
+                        self.done.add(key)
+                        self.tokens += int(rec.get("completion_tokens") or 0)
                 except (ValueError, KeyError, TypeError):
                     pass
         return len(self.done)
@@ -92,8 +95,10 @@ def _clock(secs: float) -> str:
 
 
 def make_progress(console: Console) -> Progress:
+    """The bar on a terminal; elsewhere (a log file, CI) none at all — `ProgressLines` reports there instead."""
     return Progress(TextColumn("[bold]generate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False)
+                    TextColumn("eta"), TimeRemainingColumn(), console=console, transient=False,
+                    disable=not console.is_terminal)
 
 
 def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, retry_errors: bool,
@@ -147,6 +152,8 @@ def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, r
         follower = PartFollower(output, already)
 
         def tick() -> None:
+            for line in ranks.ready_lines():          # each rank's start-up line, once (they log to a file)
+                progress.console.print(line, markup=False, highlight=False)
             follower.poll()
             done = len(follower.done & keys) if leader else len(follower.done)
             progress.update(task, completed=done)
@@ -225,10 +232,9 @@ def _launched(cfg, plan, output, retry_errors, requests, on_tick, ranks: Ranks) 
     run_dir.write_job(cfg, plan, "generate", ranks.started_at, output=output, retry_errors=retry_errors)
     rc = ranks.wait(on_tick)
     on_tick()
-    if rc == 143:
-        raise Terminated()
-    if rc == 130:
-        raise KeyboardInterrupt
+    if rc in (130, 143):         # the ranks were ended: their run directory (logs of a run stopped on purpose) goes
+        run_dir.cleanup()
+        raise Terminated() if rc == 143 else KeyboardInterrupt()
     if rc != 0:
         msg = ranks.failure_message()
         tail = ranks.log_tail() if "did not start" in msg or "launcher failed" in msg else ""

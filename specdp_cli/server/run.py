@@ -80,6 +80,8 @@ def run_server(cfg: Config, plan: Plan, console: Console, ranks: Ranks) -> int:
                 console.print("[bold red]the ranks failed to start[/]:")
                 console.print(ranks.failure_message() + "\n" + ranks.log_tail(), markup=False)
                 return 1
+        for line in ranks.ready_lines():          # each rank's start-up line (the ranks log to a file)
+            console.print(line, markup=False, highlight=False)
         tokenizer = load_tokenizer(cfg.tokenizer_path)
         app = build_app(frontend, PromptEncoder(tokenizer, cfg.chat_template), tokenizer, plan.model_name,
                         cfg.max_model_len, cfg.sampling, cfg.server.api_key)
