@@ -7,6 +7,7 @@ or config error naming the field, never a failed job or a dead rank.
 """
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
 
@@ -22,6 +23,8 @@ class SamplingParams:
     top_k: int = 0                    # 0: off (a request's -1 means off too)
     seed: int = 0                     # a request without one gets one derived from the job's seed and its id
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)   # tokens that end the sequence (kept in it, as vLLM)
+    ignore_eos: bool = False          # True: eos does not end the sequence
     speculative: bool = True          # False: the request's rows verify no drafts (an extension field)
 
     @property
@@ -43,6 +46,9 @@ BOUNDS: dict[str, dict] = {
     "top_k": {"type": "integer", "minimum": -1, "description": "-1 or 0: off"},
     "seed": {"type": "integer", "minimum": INT64_MIN, "maximum": INT64_MAX},
     "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "stop_token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0},
+                       "description": "token ids that end the sequence (kept in its token ids, as vLLM keeps them)"},
+    "ignore_eos": {"type": "boolean", "description": "true: eos does not end the sequence"},
     "speculative": {"type": "boolean",
                     "description": "specdp extension: false = this request verifies no drafts (others still speculate)"},
 }
@@ -93,6 +99,10 @@ def _value(key: str, v, name: str):
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
             raise ParamError(name, "stop must be a string or a list of strings")
         return [s for s in stop if s]
+    if key == "stop_token_ids":
+        if not isinstance(v, list):
+            raise ParamError(name, f"stop_token_ids must be a list of token ids (got {v!r})")
+        return sorted({_int(name, t, lo=0) for t in v})
     if b["type"] == "boolean":
         if not isinstance(v, bool):
             raise ParamError(name, f"{name} must be true or false (got {v!r})")
@@ -115,9 +125,10 @@ def sampling_defaults(sampling, max_tokens: bool = True) -> dict:
 def check_sampling(raw: dict, defaults: dict, max_tokens_key: str = "max_tokens") -> dict:
     """raw: the request's fields (absent or null: the default). defaults: the configurable fields'
     (max_tokens may be None). Returns max_tokens, temperature, top_p, top_k (0 when off), seed (None or an
-    int64), stop (a list of non-empty strings), and speculative: False when the request opts out (only then,
-    so the fields — and the input hashes — of other requests stay as they were). Raises ParamError naming
-    the field (`max_tokens_key` for max_tokens: chat's max_completion_tokens)."""
+    int64), stop (a list of non-empty strings); speculative (False), stop_token_ids (sorted, unique) and ignore_eos
+    (True) only when the request asks for them (so the fields — and the input hashes — of other requests stay as
+    they were). Raises ParamError naming the field (`max_tokens_key` for max_tokens: max_completion_tokens).
+    Which other fields a request may hold: `check_fields`."""
     base = SamplingParams()
     out = {**{k: getattr(base, k) for k in CONFIGURABLE}, **defaults, "seed": None, "stop": []}
     out["top_k"] = max(int(out["top_k"] or 0), 0)
@@ -125,8 +136,11 @@ def check_sampling(raw: dict, defaults: dict, max_tokens_key: str = "max_tokens"
         name = max_tokens_key if key == "max_tokens" else key
         if raw.get(name) is not None:
             out[key] = _value(key, raw[name], name)
-    if out.pop("speculative", True) is False:
-        out["speculative"] = False
+    # fields a request sets only to ask for something are kept only then, so other requests' fields (and their
+    # input hashes) stay as they were
+    for key, asks_nothing in (("speculative", True), ("stop_token_ids", []), ("ignore_eos", False)):
+        if out.get(key, asks_nothing) == asks_nothing:
+            out.pop(key, None)
     return out
 
 
@@ -143,3 +157,59 @@ def fit_max_tokens(params: dict, prompt_tokens: int, default_max_tokens: int, ma
                                      f"shorten the prompt or raise max_model_len")
     if params.get("max_tokens") is None:
         params["max_tokens"] = min(default_max_tokens, M - P)
+
+
+# --- the request's fields: honoured, accepted only where they ask nothing, or refused ---------------------------
+
+# besides the sampling fields (BOUNDS): where the prompt is, and what else each kind of request may say
+REQUEST_FIELDS = {
+    "completion": ("prompt", "model", "stream", "stream_options", "user"),
+    "chat": ("messages", "model", "stream", "stream_options", "user", "max_completion_tokens"),
+    "line": ("id", "prompt", "messages", "max_completion_tokens"),          # a `generate` input line
+}
+# fields of OpenAI's and vLLM's request bodies that specdp does not act on (yet): accepted at the value that asks
+# nothing of the output (or null), so a client that sends defaults still works; any other value is refused
+NEUTRAL: dict[str, tuple] = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
+    "prompt_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "length_penalty": (1,), "logit_bias": ({},), "min_p": (0,), "min_tokens": (0,), "suffix": ("",),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "structured_outputs": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "priority": (0,), "use_beam_search": (False,), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "allowed_token_ids": (),
+    "bad_words": ([],), "truncate_prompt_tokens": (), "logits_processors": (), "return_tokens_as_token_ids": (False,),
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "chat_template": (),
+    "chat_template_kwargs": ({},), "documents": (), "prediction": (), "audio": (), "modalities": (["text"],),
+    "reasoning_effort": (), "web_search_options": (), "service_tier": ("auto", "default"), "store": (False,),
+    "metadata": (), "verbosity": (), "cache_salt": (), "request_id": (), "min_completion_tokens": (),
+}
+
+
+def _same(v, neutral) -> bool:
+    if isinstance(neutral, bool) or isinstance(v, bool):
+        return v is neutral
+    if isinstance(neutral, (int, float)):
+        return isinstance(v, (int, float)) and v == neutral
+    return v == neutral
+
+
+def check_fields(body: dict, kind: str) -> None:
+    """Every field of a request is honoured, or refused naming it (ParamError): the sampling fields, the
+    fields of `kind` ("completion", "chat" or "line"), a field specdp does not act on only at its neutral value
+    (or null), anything else not at all."""
+    allowed = REQUEST_FIELDS[kind]
+    for name, v in body.items():
+        if name in BOUNDS or name in allowed or v is None:
+            continue
+        if name in NEUTRAL:
+            if any(_same(v, n) for n in NEUTRAL[name]):
+                continue
+            raise ParamError(name, f"{name} is not supported by specdp yet (only {_neutral(name)}); leave it out")
+        what = "request" if kind != "line" else "input line"
+        raise ParamError(name, f"unknown field '{name}' in the {what}; specdp reads "
+                               f"{', '.join(sorted(set(allowed) | set(BOUNDS)))}")
+
+
+def _neutral(name: str) -> str:
+    return " or ".join(["null", *(json.dumps(v) for v in NEUTRAL[name])])

@@ -68,19 +68,20 @@ def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
         {"prompt": "import os", "top_p": 2},                               # id 7: out of range
         {"prompt": "for i in range(10):\n    print(i", "max_tokens": 100},  # id 8: stops at M
         {"nothing": "here"},                                               # id 9
-        {"prompt": "while True:", "stop": ["\n"], "extra_key": 1, "id": 10},
+        {"prompt": "while True:", "stop": ["\n"], "id": 10},
         {"prompt": list(range(2, 43)), "id": 11},                          # 41 tokens, no max_tokens: M - 41 = 7 < 12
+        {"prompt": "x = 1", "extra_key": 1, "id": 12},                     # a key no request has: refused by name
     ])
     out, summary = tmp_path / "out.jsonl", tmp_path / "summary.json"
     res = generate(cfg, inp, out, "--summary-json", str(summary))
     assert res.exit_code == 0, res.output
     rows = lines(out)
-    assert [r["id"] for r in rows] == [1, "point", 3, 5, 6, 7, 8, 9, 10, 11]
+    assert [r["id"] for r in rows] == [1, "point", 3, 5, 6, 7, 8, 9, 10, 11, 12]
     by = {r["id"]: r for r in rows}
-    for bad in (3, 5, 6, 7, 9):
+    for bad in (3, 5, 6, 7, 9, 12):
         assert set(by[bad]) == {"id", "error", "fingerprint"}, by[bad]
     assert "JSON" in by[3]["error"] and "max_model_len" in by[5]["error"] and "chat template" in by[6]["error"]
-    assert "top_p" in by[7]["error"] and "prompt" in by[9]["error"]
+    assert "top_p" in by[7]["error"] and "prompt" in by[9]["error"] and "unknown field 'extra_key'" in by[12]["error"]
     for good in (1, "point", 8, 10, 11):
         assert set(by[good]) == RESULT_KEYS
         assert set(by[good]["spec"]) == {"num_drafts", "num_draft_tokens", "num_accepted_tokens"}
@@ -97,7 +98,7 @@ def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
     assert by[1]["token_ids"] == hf_reference(models["target"], ids, 12)
     s = json.load(open(summary))
     assert set(s) == SUMMARY_KEYS
-    assert s["requests"] == 10 and s["errors"] == 5
+    assert s["requests"] == 11 and s["errors"] == 6
     assert s["generated_tokens"] == sum(by[g]["completion_tokens"] for g in (1, "point", 8, 10, 11))
     assert s["acceptance_rate"] is None or 0 <= s["acceptance_rate"] <= 1
     assert len(s["ranks"]) == 1 and set(s["ranks"][0]) == {"rank", "requests", "steps", "padding_steps",

@@ -132,7 +132,8 @@ def test_each_rank_reads_only_its_experts(moe):
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
 def test_expert_parallel_server_equals_generate(tmp_path, models, moe):
     """Serving with the experts split over 2 ranks: a rank that holds no request still takes part in every
-    MoE forward with its padding batch, and completions equal `generate` on one rank with every expert."""
+    MoE forward with its padding batch, and completions equal `generate` on one rank with every expert; the
+    command shows each rank's "ready in" line."""
     from test_serve import PROMPTS, serving
 
     with serving(tmp_path, {**models, "target": moe["mixtral"]},
@@ -140,6 +141,8 @@ def test_expert_parallel_server_equals_generate(tmp_path, models, moe):
         assert complete(PROMPTS[:1]) == expected[:1]        # one request: the other rank serves padding only
         assert complete() == expected
         assert server.health() == 200
+    shown = server.out + server.err          # the ranks log to a file; the command shows each rank's start-up line
+    assert "rank 0 ready in" in shown and "rank 1 ready in" in shown, shown[-2000:]
 
 
 def test_both_families_are_known_as_moe_before_loading(moe):

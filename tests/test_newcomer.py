@@ -1,7 +1,7 @@
 """What a newcomer found, replayed (issue 31): the distribution's name, --help, `validate config --json` on a
 missing file, `bench serve` when every request fails, the progress rate on resume, the quick start's files,
 docs that point outside the repository, imports the package does not declare. (The run directory after SIGTERM,
-the ready lines and the progress bar off a terminal: test_generate's and test_serve's SIGTERM and ready tests; what
+the ready lines and the progress bar off a terminal: test_generate's SIGTERM test and test_moe's server test; what
 a changed configuration names: test_generate's resume test.)"""
 import ast
 import fnmatch

@@ -126,14 +126,6 @@ def client(server):
 PROMPTS = ["def add(a, b):", "class Point:\n    def __init__(self", "for i in range(10):", "import os\nimport sys\n"]
 
 
-def test_each_rank_says_it_is_ready(tmp_path, models):
-    """The ranks log to a file; the command itself shows each rank's start-up line (where the time went)."""
-    with serving(tmp_path, models) as (_, _, server):
-        assert server.health() == 200
-    shown = server.out + server.err
-    assert "rank 0 ready in" in shown and "rank 1 ready in" in shown, shown[-2000:]
-
-
 def test_models_and_completions(client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0)
@@ -205,6 +197,19 @@ def test_sixteen_concurrent_streams(client):
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": -100}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "min_p": 0.1}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "x", "priority": 3}, 400, "priority"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
+     "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": "3"}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
     ("/v1/completions", {"prompt": "def f(x): return x\n" * 40}, 400, "prompt"),        # prompt >= M
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
@@ -236,8 +241,11 @@ def test_auth_and_unknown_fields(server, client):
     bad = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    code, _, _ = server.http("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "frobnicate": True})
-    assert code == 200
+    code, text, _ = server.http("POST", "/v1/completions", {"prompt": "x", "max_tokens": 2, "frobnicate": True})
+    assert code == 400 and json.loads(text)["error"]["param"] == "frobnicate"            # never accepted and ignored
+    neutral = {"prompt": "x", "max_tokens": 2, "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "echo": False,
+               "logprobs": None, "logit_bias": {}, "user": "someone", "best_of": 1, "suffix": None}
+    assert server.http("POST", "/v1/completions", neutral)[0] == 200       # what asks nothing is accepted
     # health and metrics need no key
     assert server.http("GET", "/health", headers={"Authorization": ""})[0] == 200
     assert server.http("GET", "/metrics", headers={"Authorization": ""})[0] == 200

@@ -165,6 +165,10 @@ def test_openapi_lists_the_endpoints(server):
     for p, field in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
         schema = paths[p]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert field in schema["required"] and "seed" in schema["properties"]
+        # exactly what is honoured, and the fields accepted only at one value: nothing else
+        assert schema["additionalProperties"] is False
+        assert {"stop_token_ids", "ignore_eos"} <= set(schema["properties"])
+        assert schema["properties"]["presence_penalty"]["enum"] == [0]
 
 
 def _value(schema: dict):

@@ -1,8 +1,8 @@
 """Reading a job's input file into requests (in the CLI process, before anything is launched).
 
 `.jsonl` / `.json`: one JSON object a line, `{"prompt": ...}` or `{"messages": [...]}`, with optional
-`id`, `max_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop`, `speculative` (false: no drafts for
-this request); other keys are ignored. Anything
+`id`, `max_tokens` (or `max_completion_tokens`) and the other sampling fields of `request_params.py`; any other
+key is refused naming it, as the server refuses it (`check_fields`), making the line an error. Anything
 else: plain text, one prompt a line. Blank lines are skipped. A line without `id` gets its 1-based
 line number. A line that cannot be served becomes an error record (lengths: the server's rule,
 `request_params.fit_max_tokens`); duplicate ids refuse the job.
@@ -15,7 +15,7 @@ from typing import Any
 
 from ..config import Config
 from ..prompts import PromptEncoder, PromptError
-from ..request_params import ParamError, check_sampling, fit_max_tokens, sampling_defaults
+from ..request_params import ParamError, check_fields, check_sampling, fit_max_tokens, sampling_defaults
 from .fingerprint import input_hash
 
 
@@ -97,7 +97,9 @@ def _parse_line(text: str, n: int, jsonl: bool, defaults: dict, encoder: PromptE
         return JobRequest(id=n, line=n, error=f"line {n}: id must be a string or an integer (got {rid!r})")
     req = JobRequest(id=rid, line=n)
     try:
-        req.params = check_sampling(obj, defaults)         # the server's checks too
+        check_fields(obj, "line")                           # the server's rules too
+        key = "max_completion_tokens" if obj.get("max_completion_tokens") is not None else "max_tokens"
+        req.params = check_sampling(obj, defaults, max_tokens_key=key)
         if "prompt" in obj:
             req.prompt_ids = encoder.encode_text(obj["prompt"])
         elif "messages" in obj:

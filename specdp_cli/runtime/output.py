@@ -36,13 +36,17 @@ class OutputProcessor:
     def append(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Append accepted tokens until a stop; sets seq.finish_reason. Returns the tokens kept."""
         kept = []
-        stops = seq.req.params.stop
+        p = seq.req.params
+        stops, stop_ids = p.stop, p.stop_token_ids
         for t in tokens:
-            if t in self.eos:
+            if t in self.eos and not p.ignore_eos:
                 seq.finish_reason = "stop"
                 break
             seq.tokens.append(t)
             kept.append(t)
+            if t in stop_ids:                # kept in the sequence, as vLLM keeps a stop token id
+                seq.finish_reason = "stop"
+                break
             if stops and self._stop_hit(seq, stops):
                 seq.finish_reason = "stop"
                 break

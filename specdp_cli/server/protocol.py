@@ -2,7 +2,7 @@
 
 Bodies are parsed by hand (not by a pydantic model) so every mistake becomes a 4xx with an
 OpenAI-style body `{"error": {"message", "type", "param", "code"}}` and never a 422 or a 500.
-Unknown fields are ignored.
+Every field is honoured or refused naming it (`request_params.check_fields`): nothing is ignored.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass, field
 
 from ..prompts import PromptEncoder, PromptError
-from ..request_params import ParamError, check_sampling, fit_max_tokens, sampling_defaults
+from ..request_params import ParamError, check_fields, check_sampling, fit_max_tokens, sampling_defaults
 
 
 class APIError(Exception):
@@ -68,13 +68,10 @@ def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: st
     if model is not None and model != model_name:
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{model_name}'",
                        param="model", code="model_not_found")
-    n = body.get("n")
-    if n is not None and n != 1:
-        raise bad("only n = 1 is supported", "n")
-    if body.get("logprobs") or body.get("top_logprobs") is not None:
-        raise bad("logprobs are not supported yet", "logprobs")
-    if body.get("best_of") not in (None, 1):
-        raise bad("best_of is not supported", "best_of")
+    try:
+        check_fields(body, "chat" if chat else "completion")
+    except ParamError as e:
+        raise bad(str(e), e.param) from None
     try:
         if chat:
             if "messages" not in body:

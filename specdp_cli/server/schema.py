@@ -1,21 +1,27 @@
 """The request bodies of the OpenAI endpoints as JSON schemas, for /openapi.json (so clients and
 schema-driven fuzzers know what to send). Bodies are still parsed by `protocol.py`, which is what
-decides: the schema describes the fields it reads, with the bounds of `request_params.py`."""
+decides: the schema lists exactly the fields it reads, with the bounds of `request_params.py`, and the fields it
+accepts only at one value; any other field is refused."""
 from __future__ import annotations
 
-from ..request_params import BOUNDS
+from ..request_params import BOUNDS, NEUTRAL
 
-# the sampling fields with their bounds as request_params.py defines them (each may be null: the default)
+# the sampling fields with their bounds as request_params.py defines them (each may be null: the default); then
+# the fields of OpenAI's and vLLM's bodies specdp does not act on yet, with the one value each accepts (or null)
 SAMPLING = {
     "model": {"type": "string", "description": "the served model's name (optional)"},
     **{name: {**bounds, "nullable": True} for name, bounds in BOUNDS.items()},
     "stream": {"type": "boolean", "default": False},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}, "nullable": True},
-    "n": {"type": "integer", "enum": [1], "nullable": True},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}},
+                       "additionalProperties": False, "nullable": True},
+    "user": {"type": "string", "nullable": True, "description": "an identifier of the end user; it changes nothing"},
+    **{name: {"enum": list(vals), "nullable": True, "description": "not supported yet: only this value (or null)"}
+       for name, vals in NEUTRAL.items()},
 }
 
 COMPLETION = {
     "type": "object",
+    "additionalProperties": False,
     "required": ["prompt"],
     "properties": {
         "prompt": {"anyOf": [{"type": "string"},
@@ -39,6 +45,7 @@ MESSAGE = {
 
 CHAT = {
     "type": "object",
+    "additionalProperties": False,
     "required": ["messages"],
     "properties": {
         "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
