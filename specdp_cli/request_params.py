@@ -163,10 +163,11 @@ def fit_max_tokens(params: dict, prompt_tokens: int, default_max_tokens: int, ma
 
 # besides the sampling fields (BOUNDS): where the prompt is, and what else each kind of request may say
 REQUEST_FIELDS = {
-    "completion": ("prompt", "model", "stream", "stream_options", "user"),
-    "chat": ("messages", "model", "stream", "stream_options", "user", "max_completion_tokens"),
+    "completion": ("prompt", "model", "stream", "stream_options", "user", "n"),
+    "chat": ("messages", "model", "stream", "stream_options", "user", "max_completion_tokens", "n"),
     "line": ("id", "prompt", "messages", "max_completion_tokens"),          # a `generate` input line
 }
+MAX_N = 16                  # choices one API request may ask for (`n`): each is a request of its own on the ranks
 # fields of OpenAI's and vLLM's request bodies that specdp does not act on (yet): accepted at the value that asks
 # nothing of the output (or null), so a client that sends defaults still works; any other value is refused
 NEUTRAL: dict[str, tuple] = {

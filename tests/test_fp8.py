@@ -165,13 +165,15 @@ def test_validate_config_reports_fp8(tmp_path, models, fp8):
 def test_other_quantizations_are_refused(tmp_path, models, fp8, quant, why):
     import shutil
 
-    from dp_util import run_cli
+    from typer.testing import CliRunner
+
+    from specdp_cli.cli import app
 
     path = Path(shutil.copytree(fp8["llama"][0], tmp_path / "q"))
     cfg_json = json.loads((path / "config.json").read_text())
     cfg_json["quantization_config"] = quant
     (path / "config.json").write_text(json.dumps(cfg_json))
     cfg = dp_config(tmp_path, path, models["draft"], dp=1, dp_sync="auto", M=64)
-    r, _ = run_cli("validate", "config", cfg, "--json")
-    assert r.returncode == 1
-    assert any(why in e for e in json.loads(r.stdout)["errors"]), r.stdout
+    res = CliRunner().invoke(app, ["validate", "config", str(cfg), "--json"])
+    assert res.exit_code == 1
+    assert any(why in e for e in json.loads(res.stdout)["errors"]), res.stdout

@@ -195,7 +195,9 @@ def test_sixteen_concurrent_streams(client):
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 99}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "stream": True}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": -100}}, 400, "logit_bias"),
@@ -222,6 +224,25 @@ def test_bad_inputs(server, path, body, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
     assert server.health() == 200
+
+
+def test_n_choices(client):
+    """n choices are n requests: greedy ones all equal the single greedy answer; seeded sampled ones are the same
+    on a rerun (choice i samples with seed + i), and usage counts every choice's tokens."""
+    single = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    one = single.choices[0].text
+    greedy = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2] and all(c.text == one for c in greedy.choices)
+    assert greedy.usage.completion_tokens == 3 * single.usage.completion_tokens
+    assert greedy.usage.prompt_tokens == single.usage.prompt_tokens
+    kw = dict(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=1.0, seed=11, n=3)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    seeded = client.completions.create(**{**kw, "n": 1, "seed": 12}).choices[0].text
+    assert a.choices[1].text == seeded                                     # choice 1: seed + 1
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          n=2, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content
 
 
 def test_max_tokens_past_max_model_len_stops_there(server):

@@ -71,11 +71,19 @@ def build_app(frontend: Frontend, encoder, tokenizer, model_name: str, max_model
         check_auth(request)
         body = parse_json(await request.body())
         req = parse_request(body, chat, encoder, model_name, max_model_len, defaults)
-        inf = frontend.submit(req)
         if req.stream:
+            inf = frontend.submit(req)
             return StreamingResponse(_stream(frontend, tokenizer, inf, req), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await _collect(frontend, request, inf, req)
+        infs: list[Inflight] = []
+        try:
+            for i in range(req.n):                  # n choices: n requests, spread over the ranks as any are
+                infs.append(frontend.submit(req.choice(i)))
+        except APIError:
+            for inf in infs:
+                frontend.abort(inf)
+            raise
+        return await _collect(frontend, request, infs, req)
 
     @app.post("/v1/completions", openapi_extra=request_body("completion"))
     async def completions(request: Request):
@@ -94,38 +102,51 @@ def _usage(stats: dict | None, inf: Inflight) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-async def _collect(frontend: Frontend, request: Request, inf: Inflight, req: GenRequest):
-    """A non-streamed answer; a client that goes away meanwhile aborts the request."""
-    try:
+async def _collect(frontend: Frontend, request: Request, infs: list[Inflight], req: GenRequest):
+    """A non-streamed answer with one choice per request in `infs`; a client that goes away meanwhile aborts
+    them all."""
+    async def finished(inf: Inflight) -> Event | None:
         while True:
             try:
                 ev: Event = await asyncio.wait_for(inf.queue.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    frontend.abort(inf)
-                    return Response(status_code=499)
+                    return None
                 continue
             frontend.note_tokens(inf, len(ev.new_tokens))
             if ev.finish_reason is not None:
-                break
+                return ev
+
+    try:
+        events = await asyncio.gather(*(finished(inf) for inf in infs))
     except asyncio.CancelledError:
-        frontend.abort(inf)
+        for inf in infs:
+            frontend.abort(inf)
         raise
-    if ev.finish_reason in ("error", "abort"):
-        frontend.release(inf, "error")
-        raise APIError(ev.status, ev.error or "the request was aborted")
-    frontend.release(inf, ev.finish_reason, ev.stats)
-    created = int(time.time())
-    text = ev.final_text or ""
-    if req.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": ev.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": ev.finish_reason}
-        obj = "text_completion"
-    return {"id": inf.id, "object": obj, "created": created, "model": req.echo_model, "choices": [choice],
-            "usage": _usage(ev.stats, inf)}
+    if any(ev is None for ev in events):
+        for inf in infs:
+            frontend.abort(inf)
+        return Response(status_code=499)
+    failed = next((ev for ev in events if ev.finish_reason in ("error", "abort")), None)
+    for inf, ev in zip(infs, events):
+        bad = ev.finish_reason in ("error", "abort")
+        frontend.release(inf, "error" if bad else ev.finish_reason, None if bad else ev.stats)
+    if failed is not None:
+        raise APIError(failed.status, failed.error or "the request was aborted")
+    choices = []
+    for i, ev in enumerate(events):
+        text = ev.final_text or ""
+        if req.chat:
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                            "finish_reason": ev.finish_reason})
+        else:
+            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": ev.finish_reason})
+    usages = [_usage(ev.stats, inf) for inf, ev in zip(infs, events)]
+    completion = sum(u["completion_tokens"] for u in usages)
+    usage = {"prompt_tokens": usages[0]["prompt_tokens"], "completion_tokens": completion,
+             "total_tokens": usages[0]["prompt_tokens"] + completion}
+    return {"id": infs[0].id, "object": "chat.completion" if req.chat else "text_completion",
+            "created": int(time.time()), "model": req.echo_model, "choices": choices, "usage": usage}
 
 
 def _sse(obj) -> str:

@@ -7,10 +7,11 @@ Every field is honoured or refused naming it (`request_params.check_fields`): no
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..prompts import PromptEncoder, PromptError
-from ..request_params import ParamError, check_fields, check_sampling, fit_max_tokens, sampling_defaults
+from ..request_params import (INT64_MAX, MAX_N, ParamError, check_fields, check_sampling, fit_max_tokens,
+                              sampling_defaults)
 
 
 class APIError(Exception):
@@ -39,7 +40,18 @@ class GenRequest:
     include_usage: bool
     chat: bool
     echo_model: str
+    n: int = 1                     # choices: each one a request of its own (choice i: seed + i when seeded)
     extra: dict = field(default_factory=dict)
+
+    def choice(self, i: int) -> "GenRequest":
+        """The request of choice i: its own seed (seed + i, wrapping within 64 bits) when the request gives one."""
+        seed = self.params["seed"]
+        if i == 0 or seed is None:
+            return self
+        s = seed + i
+        if s > INT64_MAX:
+            s -= 2 ** 64
+        return replace(self, params={**self.params, "seed": s})
 
     @property
     def max_tokens(self) -> int:
@@ -105,8 +117,14 @@ def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: st
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("'stream' must be a boolean", "stream")
+    n = body.get("n")
+    n = 1 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_N:
+        raise bad(f"n must be an integer in [1, {MAX_N}] (got {n!r})", "n")
+    if n > 1 and stream:
+        raise bad("n > 1 is not supported with stream yet; ask without stream (or send n requests)", "n")
     return GenRequest(prompt_ids=prompt_ids, params=p, stream=stream,
-                      include_usage=bool((opts or {}).get("include_usage")), chat=chat, echo_model=model_name)
+                      include_usage=bool((opts or {}).get("include_usage")), chat=chat, echo_model=model_name, n=n)
 
 
 def _flatten_content(m):

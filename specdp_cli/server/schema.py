@@ -4,7 +4,7 @@ decides: the schema lists exactly the fields it reads, with the bounds of `reque
 accepts only at one value; any other field is refused."""
 from __future__ import annotations
 
-from ..request_params import BOUNDS, NEUTRAL
+from ..request_params import BOUNDS, MAX_N, NEUTRAL
 
 # the sampling fields with their bounds as request_params.py defines them (each may be null: the default); then
 # the fields of OpenAI's and vLLM's bodies specdp does not act on yet, with the one value each accepts (or null)
@@ -17,6 +17,8 @@ SAMPLING = {
     "user": {"type": "string", "nullable": True, "description": "an identifier of the end user; it changes nothing"},
     **{name: {"enum": list(vals), "nullable": True, "description": "not supported yet: only this value (or null)"}
        for name, vals in NEUTRAL.items()},
+    "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "nullable": True,
+          "description": "choices (each a request of its own; choice i samples with seed + i); not with stream"},
 }
 
 COMPLETION = {

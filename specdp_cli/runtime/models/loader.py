@@ -20,7 +20,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     c = load_config(path, md.config, fam)
     experts = rank_experts(fam.num_experts(md.config), ep)
     w = read_weights(md.weight_files, device, weights_of(range(c.num_hidden_layers), experts))
-    get = weight_getter(w, "model." if "model.embed_tokens.weight" in w else "", path, dtype, quantization_of(md.config))
+    get = weight_getter(w, "model." if "model.embed_tokens.weight" in w else "", path, dtype,
+                        quantization_of(md.config))
     layers = [fam.build_layer(c, i, get, path, ep) for i in range(c.num_hidden_layers)]
     embed = get("embed_tokens.weight")
     norm = get("norm.weight")
