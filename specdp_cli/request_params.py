@@ -163,7 +163,7 @@ def fit_max_tokens(params: dict, prompt_tokens: int, default_max_tokens: int, ma
 
 # besides the sampling fields (BOUNDS): where the prompt is, and what else each kind of request may say
 REQUEST_FIELDS = {
-    "completion": ("prompt", "model", "stream", "stream_options", "user", "n"),
+    "completion": ("prompt", "model", "stream", "stream_options", "user", "n", "echo"),
     "chat": ("messages", "model", "stream", "stream_options", "user", "max_completion_tokens", "n"),
     "line": ("id", "prompt", "messages", "max_completion_tokens"),          # a `generate` input line
 }

@@ -79,7 +79,7 @@ def test_check_fields_by_kind():
     check_fields({"prompt": "x", "user": "u", "stream": True, "stop_token_ids": [3]}, "completion")
     check_fields({"messages": [], "max_completion_tokens": 3, "tool_choice": "none", "tools": []}, "chat")
     for body, kind, param in (({"prompt": "x", "suffix": "y"}, "completion", "suffix"),
-                              ({"prompt": "x", "echo": True}, "completion", "echo"),
+                              ({"messages": [], "echo": True}, "chat", "echo"),
                               ({"messages": [], "tools": [{"type": "function"}]}, "chat", "tools"),
                               ({"prompt": "x", "max_completion_tokens": 3}, "completion", "max_completion_tokens"),
                               ({"prompt": "x", "stream": True}, "line", "stream"),

@@ -201,7 +201,8 @@ def test_sixteen_concurrent_streams(client):
     ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": -100}}, 400, "logit_bias"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "min_p": 0.1}, 400, "min_p"),
@@ -243,6 +244,16 @@ def test_n_choices(client):
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           n=2, temperature=0)
     assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content
+
+
+def test_echo_puts_the_prompt_first(server, client):
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    echoed = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPTS[0] + plain.choices[0].text
+    assert echoed.usage == plain.usage
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == echoed.choices[0].text
 
 
 def test_max_tokens_past_max_model_len_stops_there(server):

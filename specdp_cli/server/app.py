@@ -140,7 +140,7 @@ async def _collect(frontend: Frontend, request: Request, infs: list[Inflight], r
             choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
                             "finish_reason": ev.finish_reason})
         else:
-            choices.append({"index": i, "text": text, "logprobs": None, "finish_reason": ev.finish_reason})
+            choices.append({"index": i, "text": req.echo + text, "logprobs": None, "finish_reason": ev.finish_reason})
     usages = [_usage(ev.stats, inf) for inf, ev in zip(infs, events)]
     completion = sum(u["completion_tokens"] for u in usages)
     usage = {"prompt_tokens": usages[0]["prompt_tokens"], "completion_tokens": completion,
@@ -171,6 +171,8 @@ async def _stream(frontend: Frontend, tokenizer, inf: Inflight, req: GenRequest)
     try:
         if req.chat:
             yield _sse(chunk(None, None, role=True))
+        elif req.echo:                   # completions' echo: the prompt's text first
+            yield _sse(chunk(req.echo, None))
         while True:
             ev: Event = await inf.queue.get()
             frontend.note_tokens(inf, len(ev.new_tokens))

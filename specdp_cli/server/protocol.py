@@ -41,6 +41,7 @@ class GenRequest:
     chat: bool
     echo_model: str
     n: int = 1                     # choices: each one a request of its own (choice i: seed + i when seeded)
+    echo: str = ""                 # completions' echo: the prompt's text, put before each choice's text
     extra: dict = field(default_factory=dict)
 
     def choice(self, i: int) -> "GenRequest":
@@ -123,8 +124,16 @@ def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: st
         raise bad(f"n must be an integer in [1, {MAX_N}] (got {n!r})", "n")
     if n > 1 and stream:
         raise bad("n > 1 is not supported with stream yet; ask without stream (or send n requests)", "n")
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise bad("'echo' must be a boolean", "echo")
+    echo_text = ""
+    if echo and not chat:          # the prompt as sent (a prompt of token ids: their text)
+        echo_text = prompt if isinstance(prompt, str) else encoder.tokenizer.decode(
+            prompt_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     return GenRequest(prompt_ids=prompt_ids, params=p, stream=stream,
-                      include_usage=bool((opts or {}).get("include_usage")), chat=chat, echo_model=model_name, n=n)
+                      include_usage=bool((opts or {}).get("include_usage")), chat=chat, echo_model=model_name, n=n,
+                      echo=echo_text)
 
 
 def _flatten_content(m):

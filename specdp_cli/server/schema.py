@@ -17,6 +17,7 @@ SAMPLING = {
     "user": {"type": "string", "nullable": True, "description": "an identifier of the end user; it changes nothing"},
     **{name: {"enum": list(vals), "nullable": True, "description": "not supported yet: only this value (or null)"}
        for name, vals in NEUTRAL.items()},
+    "echo": {"type": "boolean", "nullable": True, "description": "completions: the prompt's text before each choice's"},
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "nullable": True,
           "description": "choices (each a request of its own; choice i samples with seed + i); not with stream"},
 }
@@ -53,6 +54,7 @@ CHAT = {
         "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
         "max_completion_tokens": {**BOUNDS["max_tokens"], "nullable": True},
         **SAMPLING,
+        "echo": {"enum": [False], "nullable": True, "description": "not supported yet: only this value (or null)"},
     },
 }
 
