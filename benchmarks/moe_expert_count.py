@@ -20,13 +20,15 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import offline  # noqa: E402
 
 from specdp_cli.config import validate  # noqa: E402
 from specdp_cli.preflight import run_preflight  # noqa: E402
 from specdp_cli.runtime.dist import DPGroup  # noqa: E402
 from specdp_cli.runtime.engine import Engine  # noqa: E402
 from specdp_cli.runtime.models.moe import MoE  # noqa: E402
-from specdp_cli.runtime.sampling import SamplingParams  # noqa: E402
 
 TOKENIZER = os.path.join(ROOT, "demo", "pair", "target")
 
@@ -67,17 +69,9 @@ def timed_run(path: str, prompts, a) -> tuple[float, list]:
     engine = Engine(cfg, report.plan, DPGroup.solo(), torch.device("cpu"))
     times, outs = [], None
     for _ in range(a.repeats):
-        for i, p in enumerate(prompts):
-            engine.add_request(engine.make_request(i, p, SamplingParams(max_tokens=a.new), None))
-        engine.drain_to_finish = True
-        done = {}
-        t = time.perf_counter()
-        while engine.has_work:
-            for out in engine.step():
-                if out.finished:
-                    done[out.seq.req.id] = out.seq.generated
-        times.append(time.perf_counter() - t)
-        outs = [done[i] for i in range(len(prompts))]
+        done, secs = offline.run(engine, prompts, a.new)
+        times.append(secs)
+        outs = [done[i].generated for i in range(len(prompts))]
     return statistics.median(times), outs
 
 

@@ -23,7 +23,11 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import offline  # noqa: E402
+from moe_expert_count import all_experts  # noqa: E402
+from specdp_cli.runtime.models.moe import MoE  # noqa: E402
 from specdp_cli.runtime.moe_kernels import routed_experts, softmax_topk, tiles  # noqa: E402
 
 SHAPES = {   # experts, top_k, hidden, expert width
@@ -106,16 +110,6 @@ def grouped_mm_path(x, w, idx, gate_up, down):
     return torch.zeros_like(x).index_add_(0, tok, y)
 
 
-def all_experts_path(x, w, idx, gate_up, down):
-    """The previous engine's MoE: every expert over every token, weighted (0 where not chosen)."""
-    out = torch.zeros_like(x)
-    for e in range(gate_up.shape[0]):
-        we = (w * (idx == e)).sum(-1, keepdim=True)
-        out += (F.linear(F.silu(F.linear(x, gate_up[e][: down.shape[2]])) * F.linear(x, gate_up[e][down.shape[2]:]),
-                         down[e]) * we).to(x.dtype)
-    return out
-
-
 def graph_time(fn, reps: int = 50) -> float:
     """Median µs of one replay of fn captured in a CUDA graph."""
     s = torch.cuda.Stream()
@@ -138,19 +132,6 @@ def graph_time(fn, reps: int = 50) -> float:
     return times[len(times) // 2]
 
 
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return 2 * x.numel() * 10 / (time.perf_counter() - t)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3_30b_a3b,deepseek_v3")
@@ -161,7 +142,7 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
-    bw = copy_bandwidth()
+    bw = offline.copy_bandwidth()
     rows = []
     torch.manual_seed(0)
     for shape in a.shapes.split(","):
@@ -190,7 +171,8 @@ def main() -> None:
                     router = torch.randn(E, H, device="cuda", dtype=dtype)
                     fn = lambda: softmax_topk(F.linear(x, router), K, True)[0]   # noqa: E731
                 elif t == "all":
-                    fn = lambda: all_experts_path(x, w, idx, gate_up, down)     # noqa: E731
+                    old = MoE(None, gate_up, down, True, range(E))
+                    fn = lambda: all_experts(old, x, w, idx)     # noqa: E731
                 else:
                     fn = lambda t=t: routed_experts(x, w, idx, gate_up, down, tile=t)  # noqa: E731
                 try:

@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import hf_baselines as hb  # noqa: E402
 import offline  # noqa: E402
 from workloads import heldout  # noqa: E402
 
@@ -105,19 +106,11 @@ def step_bytes(model, shape: str, B: int) -> tuple[int, int, int]:
     return int(rest + routed * used / E), total, int(routed * k / E)
 
 
-def hf_rows(model, tok, prompts, B: int, new: int) -> dict:
-    """Hugging Face's generate, greedy, a static batch of B prompts (left-padded), tok/s of new tokens."""
-    tok.padding_side = "left"
-    batch = tok(prompts[:B], return_tensors="pt", padding=True).to(DEVICE)
-    kw = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=tok.pad_token_id or 0)
-    model.generate(**{k: v[:, :8] for k, v in batch.items()}, max_new_tokens=4, do_sample=False,
-                   pad_token_id=kw["pad_token_id"])
-    offline.sync()
-    t = time.perf_counter()
-    out = model.generate(**batch, **kw)
-    offline.sync()
-    secs = time.perf_counter() - t
-    return {"tok_s": (out.shape[1] - batch["input_ids"].shape[1]) * B / secs, "s": secs}
+def hf_row(model, tok, prompts, B: int, new: int) -> dict:
+    """Hugging Face's generate, greedy, static batches of B prompts (hf_baselines.run_batched), tok/s."""
+    hb.run_batched(model, tok, prompts[:B], 4, B)                          # warm-up
+    _, n, secs = hb.run_batched(model, tok, prompts[:B], new, B)
+    return {"tok_s": n / secs, "s": secs}
 
 
 def main() -> None:
@@ -149,7 +142,7 @@ def main() -> None:
         prompts = [tok(t)["input_ids"][:a.prompt_len] for t in texts]
         limits = {B: step_bytes(model, shape, B) for B in batches}
         for B in [int(b) for b in a.hf_batches.split(",") if b]:
-            r = hf_rows(model, tok, [tok.decode(p) for p in prompts], B, min(a.new, 32))
+            r = hf_row(model, tok, [tok.decode(p) for p in prompts], B, min(a.new, 32))
             rows.append({"shape": shape, "engine": "hf generate", "batch": B, **r})
             print(json.dumps(rows[-1]), flush=True)
         del model

@@ -40,10 +40,10 @@ all)
   # everything in one lease: GPU 1 runs the Hugging Face rows (and builds the 8B-shaped target)
   # while GPU 0 runs the GPU tests and specdp's benchmarks; DP scaling (both GPUs) comes last
   ( export CUDA_VISIBLE_DEVICES=1
-    python3 benchmarks/hf_rows.py benchmarks/hf_baselines.py $P --cases generate_bs1,static:32
+    python3 benchmarks/hf_rows.py $P --cases generate_bs1,static:32
     python3 benchmarks/graph_floor.py $P/target --bs 1,32 --label _codepair
     widen && touch /tmp/widened
-    python3 benchmarks/hf_rows.py benchmarks/hf_baselines.py $W --prompts 16 --cases generate_bs1,static:16
+    python3 benchmarks/hf_rows.py $W --prompts 16 --cases generate_bs1,static:16
     python3 benchmarks/graph_floor.py $W/target --bs 1,16 --label _8b ) > "$out/hf.jsonl" 2> /tmp/hf.err &
   hf=$!
   if [ "${GPU_TESTS:-1}" = 1 ]; then      # GPU_TESTS=0: the adaptive stage runs them instead
@@ -136,7 +136,7 @@ gpu-tests)
   python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
   ;;
 codepair)
-  CUDA_VISIBLE_DEVICES=1 sh -c "python3 benchmarks/hf_rows.py benchmarks/hf_baselines.py $P --cases ${HF_CASES:-generate_bs1,static:32}; \
+  CUDA_VISIBLE_DEVICES=1 sh -c "python3 benchmarks/hf_rows.py $P --cases ${HF_CASES:-generate_bs1,static:32}; \
     python3 benchmarks/graph_floor.py $P/target --bs 1,32 --label _codepair" > "$out/hf_codepair.jsonl" 2> "$out/hf_codepair.err" &
   CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --batches 1 --profile "${PROFILE:-draft_model:1}" \
     --json "$out/offline_codepair_bs1.json" > "$out/offline_codepair_bs1.log" 2>&1
@@ -151,7 +151,7 @@ codepair)
   ;;
 widened)
   widen || exit 1
-  CUDA_VISIBLE_DEVICES=1 sh -c "python3 benchmarks/hf_rows.py benchmarks/hf_baselines.py $W --prompts 16 --cases generate_bs1,static:16; \
+  CUDA_VISIBLE_DEVICES=1 sh -c "python3 benchmarks/hf_rows.py $W --prompts 16 --cases generate_bs1,static:16; \
     python3 benchmarks/graph_floor.py $W/target --bs 1,16 --label _8b" > "$out/hf_widened.jsonl" 2> "$out/hf_widened.err" &
   CUDA_VISIBLE_DEVICES=0 python3 benchmarks/offline.py --pair $P --target $W/target --prompts 16 --batches 1,16 \
     --methods none,draft_model --label widened --json "$out/offline_widened.json" > "$out/offline_widened.log" 2>&1

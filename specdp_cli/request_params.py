@@ -122,18 +122,20 @@ def sampling_defaults(sampling, max_tokens: bool = True) -> dict:
     return out
 
 
-def check_sampling(raw: dict, defaults: dict, max_tokens_key: str = "max_tokens") -> dict:
+def check_sampling(raw: dict, defaults: dict) -> dict:
     """raw: the request's fields (absent or null: the default). defaults: the configurable fields'
     (max_tokens may be None). Returns max_tokens, temperature, top_p, top_k (0 when off), seed (None or an
     int64), stop (a list of non-empty strings); speculative (False), stop_token_ids (sorted, unique) and ignore_eos
     (True) only when the request asks for them (so the fields — and the input hashes — of other requests stay as
-    they were). Raises ParamError naming the field (`max_tokens_key` for max_tokens: max_completion_tokens).
+    they were). max_completion_tokens, where `check_fields` lets a request give it, stands for max_tokens. Raises
+    ParamError naming the field.
     Which other fields a request may hold: `check_fields`."""
     base = SamplingParams()
     out = {**{k: getattr(base, k) for k in CONFIGURABLE}, **defaults, "seed": None, "stop": []}
     out["top_k"] = max(int(out["top_k"] or 0), 0)
     for key in BOUNDS:
-        name = max_tokens_key if key == "max_tokens" else key
+        name = ("max_completion_tokens" if key == "max_tokens" and raw.get("max_completion_tokens") is not None
+                else key)
         if raw.get(name) is not None:
             out[key] = _value(key, raw[name], name)
     # fields a request sets only to ask for something are kept only then, so other requests' fields (and their

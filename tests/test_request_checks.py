@@ -43,7 +43,7 @@ def test_good_values_and_defaults():
     p = check_sampling({"seed": 2 ** 63 - 1, "top_k": -1, "stop": ["", "\n"], "temperature": 2.5, "max_tokens": None},
                        DEFAULTS)
     assert p == {"max_tokens": 16, "temperature": 2.5, "top_p": 1.0, "top_k": 0, "seed": 2 ** 63 - 1, "stop": ["\n"]}
-    assert check_sampling({"max_completion_tokens": 3}, DEFAULTS, "max_completion_tokens")["max_tokens"] == 3
+    assert check_sampling({"max_completion_tokens": 3}, DEFAULTS)["max_tokens"] == 3
 
 
 def test_extreme_seeds_sample_exactly():

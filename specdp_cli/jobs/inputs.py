@@ -98,8 +98,7 @@ def _parse_line(text: str, n: int, jsonl: bool, defaults: dict, encoder: PromptE
     req = JobRequest(id=rid, line=n)
     try:
         check_fields(obj, "line")                           # the server's rules too
-        key = "max_completion_tokens" if obj.get("max_completion_tokens") is not None else "max_tokens"
-        req.params = check_sampling(obj, defaults, max_tokens_key=key)
+        req.params = check_sampling(obj, defaults)
         if "prompt" in obj:
             req.prompt_ids = encoder.encode_text(obj["prompt"])
         elif "messages" in obj:

@@ -106,9 +106,8 @@ def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: st
                 raise bad("the prompt is empty", "prompt")
     except PromptError as e:
         raise bad(str(e), "messages" if chat else "prompt") from None
-    key = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     try:
-        p = check_sampling(body, sampling_defaults(defaults, max_tokens=False), max_tokens_key=key)
+        p = check_sampling(body, sampling_defaults(defaults, max_tokens=False))
         fit_max_tokens(p, len(prompt_ids), defaults.max_tokens, max_model_len, "messages" if chat else "prompt")
     except ParamError as e:
         raise bad(str(e), e.param) from None
