@@ -238,10 +238,11 @@ def serve(
     cfg = load_or_exit(config, items)
     try:
         import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError:
-        fail_usage("specdp serve needs fastapi and uvicorn: pip install -e '.[serve]' in the specdp checkout "
-                   "(or pip install fastapi uvicorn)")
+        fail_usage("specdp serve needs fastapi, uvicorn and prometheus_client: pip install -e '.[serve]' in the "
+                   "specdp checkout (or pip install fastapi uvicorn prometheus_client)")
     from .server.run import port_problem, run_server
 
     if cfg.parallel.machine_rank == 0:            # the server cannot run: say so before any work

@@ -26,6 +26,15 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)   # tokens that end the sequence (kept in it, as vLLM)
     ignore_eos: bool = False          # True: eos does not end the sequence
     speculative: bool = True          # False: the request's rows verify no drafts (an extension field)
+    # what changes the target's distribution at every verified position (runtime/logits_process.py)
+    min_tokens: int = 0               # eos and stop_token_ids are masked until this many tokens are generated
+    min_p: float = 0.0                # tokens below min_p x the most likely one's probability are dropped
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)   # token id -> added to its logit
+    logprobs: int | None = None       # report each emitted token's log-probability and this many alternatives
+    structured_outputs: dict | None = None   # {"grammar": llguidance grammar, "kind": ...} (`check_structured`)
 
     @property
     def greedy(self) -> bool:
@@ -51,7 +60,22 @@ BOUNDS: dict[str, dict] = {
     "ignore_eos": {"type": "boolean", "description": "true: eos does not end the sequence"},
     "speculative": {"type": "boolean",
                     "description": "specdp extension: false = this request verifies no drafts (others still speculate)"},
+    "min_tokens": {"type": "integer", "minimum": 0, "description": "eos and stop_token_ids cannot end the sequence "
+                                                                   "before this many tokens"},
+    "min_p": {"type": "number", "minimum": 0, "maximum": 1},
+    "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "description": "1: off"},
+    "logit_bias": {"type": "object", "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                   "description": "token id (as a string) -> bias added to its logit"},
+    "logprobs": {"anyOf": [{"type": "boolean"}, {"type": "integer", "minimum": 0, "maximum": 20}],
+                 "description": "completions: how many alternatives to report per token (0..20); chat: true, with "
+                                "top_logprobs"},
+    "structured_outputs": {"type": "object", "description": "vLLM's structured outputs: exactly one of json (a JSON "
+                                                            "schema), regex, choice (a list of strings), grammar "
+                                                            "(Lark), json_object (true)"},
 }
+MAX_LOGPROBS = 20
 CONFIGURABLE = ("max_tokens", "temperature", "top_p", "top_k")      # what a config's `sampling` section may default
 assert set(BOUNDS) == {f.name for f in fields(SamplingParams)}
 
@@ -82,11 +106,13 @@ def _float(key: str, v, bounds: dict) -> float:
     if not math.isfinite(f):
         raise ParamError(key, f"{key} must be a finite number (got {v!r})")
     if "exclusiveMinimum" in bounds:                     # (lo, hi]
-        lo, hi = bounds["exclusiveMinimum"], bounds["maximum"]
+        lo, hi = bounds["exclusiveMinimum"], bounds.get("maximum", math.inf)
         if not lo < f <= hi:
-            raise ParamError(key, f"{key} must be in ({lo}, {hi}] (got {f})")
-    elif f < bounds["minimum"]:
-        raise ParamError(key, f"{key} must be >= {bounds['minimum']} (got {f})")
+            raise ParamError(key, f"{key} must be in ({lo}, {hi}] (got {f})" if hi < math.inf
+                             else f"{key} must be > {lo} (got {f})")
+    elif f < bounds["minimum"] or f > bounds.get("maximum", math.inf):
+        raise ParamError(key, f"{key} must be in [{bounds['minimum']}, {bounds['maximum']}] (got {f})"
+                         if "maximum" in bounds else f"{key} must be >= {bounds['minimum']} (got {f})")
     return f
 
 
@@ -103,6 +129,23 @@ def _value(key: str, v, name: str):
         if not isinstance(v, list):
             raise ParamError(name, f"stop_token_ids must be a list of token ids (got {v!r})")
         return sorted({_int(name, t, lo=0) for t in v})
+    if key == "logit_bias":
+        if not isinstance(v, dict):
+            raise ParamError(name, f"logit_bias must be an object of token id -> bias (got {v!r})")
+        out = {}
+        for t, b in v.items():
+            try:
+                tid = int(t)
+            except ValueError:
+                raise ParamError(name, f"logit_bias keys must be token ids (got {t!r})") from None
+            out[_int(name, tid, lo=0)] = _float(name, b, {"minimum": -100, "maximum": 100})
+        return dict(sorted(out.items()))
+    if key == "logprobs":             # completions: an integer; chat: a boolean (its count is top_logprobs)
+        if isinstance(v, bool):
+            return v
+        return min(_int(name, v, lo=0), 10 ** 6)
+    if key == "structured_outputs":
+        return check_structured(v, name)
     if b["type"] == "boolean":
         if not isinstance(v, bool):
             raise ParamError(name, f"{name} must be true or false (got {v!r})")
@@ -125,10 +168,12 @@ def sampling_defaults(sampling, max_tokens: bool = True) -> dict:
 def check_sampling(raw: dict, defaults: dict) -> dict:
     """raw: the request's fields (absent or null: the default). defaults: the configurable fields'
     (max_tokens may be None). Returns max_tokens, temperature, top_p, top_k (0 when off), seed (None or an
-    int64), stop (a list of non-empty strings); speculative (False), stop_token_ids (sorted, unique) and ignore_eos
-    (True) only when the request asks for them (so the fields — and the input hashes — of other requests stay as
-    they were). max_completion_tokens, where `check_fields` lets a request give it, stands for max_tokens. Raises
-    ParamError naming the field.
+    int64), stop (a list of non-empty strings); the fields that ask for something more (`ASKS`: speculative
+    false, stop_token_ids, ignore_eos, min_tokens, min_p, the penalties, logit_bias, logprobs, structured output)
+    only when the request asks it (so the fields — and the input hashes — of other requests stay as they were).
+    max_completion_tokens, where `check_fields` lets a request give it, stands for max_tokens; chat's
+    `logprobs: true` with `top_logprobs` becomes logprobs = top_logprobs; `response_format` and vLLM's
+    `guided_*` fields become structured_outputs. Raises ParamError naming the field.
     Which other fields a request may hold: `check_fields`."""
     base = SamplingParams()
     out = {**{k: getattr(base, k) for k in CONFIGURABLE}, **defaults, "seed": None, "stop": []}
@@ -138,12 +183,121 @@ def check_sampling(raw: dict, defaults: dict) -> dict:
                 else key)
         if raw.get(name) is not None:
             out[key] = _value(key, raw[name], name)
-    # fields a request sets only to ask for something are kept only then, so other requests' fields (and their
-    # input hashes) stay as they were
-    for key, asks_nothing in (("speculative", True), ("stop_token_ids", []), ("ignore_eos", False)):
+    out["logprobs"] = _logprobs(out.get("logprobs"), raw.get("top_logprobs"))
+    structured = [(name, raw[name]) for name in ("structured_outputs", "response_format", *GUIDED)
+                  if raw.get(name) is not None and not (name == "response_format" and raw[name] == {"type": "text"})]
+    if len(structured) > 1:
+        raise ParamError(structured[1][0], f"give one of {structured[0][0]} and {structured[1][0]}, not both")
+    if structured and structured[0][0] != "structured_outputs":
+        out["structured_outputs"] = check_structured(_as_structured(*structured[0]), structured[0][0])
+    for key, asks_nothing in ASKS.items():
         if out.get(key, asks_nothing) == asks_nothing:
             out.pop(key, None)
     return out
+
+
+# fields a request sets only to ask for something, at the value that asks nothing: kept only when asked
+ASKS = {"speculative": True, "stop_token_ids": [], "ignore_eos": False, "min_tokens": 0, "min_p": 0.0,
+        "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "logit_bias": {},
+        "logprobs": None, "structured_outputs": None}
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")     # vLLM's older names
+
+
+def _logprobs(v, top) -> int | None:
+    """Completions' `logprobs: n` or chat's `logprobs: true` + `top_logprobs: n` -> n alternatives a token (None:
+    no log-probabilities)."""
+    if top is not None:
+        if v is not True:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs: true")
+        v = _int("top_logprobs", top, lo=0)
+    elif isinstance(v, bool):
+        v = 0 if v else None
+    if v is not None and v > MAX_LOGPROBS:
+        raise ParamError("top_logprobs" if top is not None else "logprobs",
+                         f"at most {MAX_LOGPROBS} log-probabilities a token can be reported (got {v})")
+    return v
+
+
+def _as_structured(name: str, v) -> dict:
+    """response_format / guided_* -> vLLM's structured_outputs form."""
+    if name != "response_format":
+        return {name[len("guided_"):]: v}
+    if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+        raise ParamError(name, 'response_format must be {"type": "text"}, {"type": "json_object"} or '
+                               '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+    if v["type"] == "json_object":
+        return {"json_object": True}
+    js = v.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("schema", {}), dict):
+        raise ParamError(name, 'response_format of type json_schema needs "json_schema": {"name": ..., '
+                               '"schema": {...}}')
+    return {"json": js.get("schema", {})}
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def check_structured(v, name: str = "structured_outputs") -> dict:
+    """vLLM's structured_outputs ({"json": schema} | {"regex": r} | {"choice": [..]} | {"grammar": lark or GBNF}
+    | {"json_object": true}) -> {"kind", "grammar"}: the grammar as llguidance's JSON, checked here, so a bad
+    schema or regex is the request's 400 and never a rank's failure."""
+    from llguidance import LLMatcher, gbnf_to_lark
+
+    if not isinstance(v, dict):
+        raise ParamError(name, f"{name} must be an object with one of {', '.join(STRUCTURED_KINDS)}")
+    given = [k for k in STRUCTURED_KINDS if v.get(k) not in (None, False)]
+    other = sorted(set(v) - set(STRUCTURED_KINDS) - {"backend", "disable_any_whitespace"})
+    if other:
+        raise ParamError(name, f"{name} has fields specdp does not read: {', '.join(other)}")
+    if v.get("backend") not in (None, "auto", "guidance", "llguidance"):
+        raise ParamError(name, f"{name}.backend: specdp follows grammars with llguidance (got {v['backend']!r})")
+    if len(given) != 1:
+        raise ParamError(name, f"{name} needs exactly one of {', '.join(STRUCTURED_KINDS)} (got "
+                               f"{', '.join(given) or 'none'})")
+    kind, spec = given[0], v[given[0]]
+    try:
+        if kind == "json":
+            if isinstance(spec, str):
+                spec = json.loads(spec)
+            if not isinstance(spec, dict):
+                raise ValueError("a JSON schema is an object")
+            grammar = LLMatcher.grammar_from_json_schema(spec, overrides=_json_options(v))
+        elif kind == "json_object":
+            grammar = LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_json_options(v))
+        elif kind == "regex":
+            if not isinstance(spec, str):
+                raise ValueError("regex must be a string")
+            grammar = LLMatcher.grammar_from_regex(spec)
+        elif kind == "choice":
+            if not isinstance(spec, list) or not spec or not all(isinstance(c, str) and c for c in spec):
+                raise ValueError("choice must be a non-empty list of non-empty strings")
+            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+        else:
+            if not isinstance(spec, str):
+                raise ValueError("grammar must be a string (Lark, or GBNF)")
+            grammar = LLMatcher.grammar_from_lark(gbnf_to_lark(spec) if "::=" in spec else spec)
+    except Exception as e:  # noqa: BLE001 - whatever llguidance makes of a request's schema is that request's 400
+        raise ParamError(name, f"{name}.{kind}: {e}") from None
+    error = LLMatcher.validate_grammar(grammar)
+    if error and not error.startswith("WARNING"):
+        raise ParamError(name, f"{name}.{kind} is not a grammar specdp can follow: {error.splitlines()[0][:300]}")
+    return {"kind": kind, "grammar": grammar}
+
+
+def _json_options(v: dict) -> dict:
+    """JSON without whitespace between its tokens (", " and ": " separators) unless the request sets
+    disable_any_whitespace: false: free whitespace lets a model loop on newlines until max_tokens."""
+    if v.get("disable_any_whitespace") is False:
+        return {"whitespace_flexible": True}
+    return {"whitespace_flexible": False}
+
+
+def check_token_ids(params: dict, n_vocab: int) -> None:
+    """Token ids a request names (logit_bias, stop_token_ids) are in the tokenizer's vocabulary."""
+    for key in ("logit_bias", "stop_token_ids"):
+        bad = [t for t in params.get(key, ()) if t >= n_vocab]
+        if bad:
+            raise ParamError(key, f"{key} names token id {bad[0]}, outside the vocabulary [0, {n_vocab})")
 
 
 def fit_max_tokens(params: dict, prompt_tokens: int, default_max_tokens: int, max_model_len: int,
@@ -165,20 +319,18 @@ def fit_max_tokens(params: dict, prompt_tokens: int, default_max_tokens: int, ma
 
 # besides the sampling fields (BOUNDS): where the prompt is, and what else each kind of request may say
 REQUEST_FIELDS = {
-    "completion": ("prompt", "model", "stream", "stream_options", "user", "n", "echo"),
-    "chat": ("messages", "model", "stream", "stream_options", "user", "max_completion_tokens", "n"),
-    "line": ("id", "prompt", "messages", "max_completion_tokens"),          # a `generate` input line
+    "completion": ("prompt", "model", "stream", "stream_options", "user", "n", "echo", "response_format", *GUIDED),
+    "chat": ("messages", "model", "stream", "stream_options", "user", "max_completion_tokens", "n", "top_logprobs",
+             "response_format", *GUIDED),
+    "line": ("id", "prompt", "messages", "max_completion_tokens", "top_logprobs", "response_format", *GUIDED),
 }
 MAX_N = 16                  # choices one API request may ask for (`n`): each is a request of its own on the ranks
 # fields of OpenAI's and vLLM's request bodies that specdp does not act on (yet): accepted at the value that asks
 # nothing of the output (or null), so a client that sends defaults still works; any other value is refused
 NEUTRAL: dict[str, tuple] = {
-    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,), "top_logprobs": (0,),
-    "prompt_logprobs": (0,), "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
-    "length_penalty": (1,), "logit_bias": ({},), "min_p": (0,), "min_tokens": (0,), "suffix": ("",),
-    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
-    "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},), "structured_outputs": (),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "n": (1,), "best_of": (1,), "echo": (False,), "prompt_logprobs": (0,), "length_penalty": (1,),
+    "suffix": ("",), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True, False), "guided_decoding_backend": (), "guided_whitespace_pattern": (),
     "priority": (0,), "use_beam_search": (False,), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "allowed_token_ids": (),
     "bad_words": ([],), "truncate_prompt_tokens": (), "logits_processors": (), "return_tokens_as_token_ids": (False,),

@@ -1,7 +1,9 @@
 """Every field of a request is honoured or refused, never accepted and ignored (issue 31): the same rules for a
 `generate` input line and an API body (`request_params.check_fields`). Honoured here: `stop_token_ids` (the
 sequence ends at such a token, kept in its token ids, as vLLM keeps it), `ignore_eos`, `max_completion_tokens`;
-the fields specdp does not act on yet only at their neutral value; unknown fields refused by name."""
+the fields specdp does not act on yet only at their neutral value; unknown fields refused by name. The fields that
+change the distribution (penalties, logit_bias, min_tokens, min_p, structured output) and logprobs:
+test_sampling_fields.py."""
 import json
 
 import pytest
@@ -60,15 +62,21 @@ def test_stop_token_ids_ignore_eos_and_max_completion_tokens(tmp_path, models, e
 def test_unhonoured_fields_are_refused_by_name_and_neutral_ones_accepted(tmp_path, models):
     rows = [{"id": "neutral", "prompt": "def f(x):", "max_tokens": 4, "n": 1, "presence_penalty": 0, "logprobs": None,
              "echo": False, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1},
-            {"id": "penalty", "prompt": "def f(x):", "presence_penalty": 0.5},
-            {"id": "bias", "prompt": "def f(x):", "logit_bias": {"5": -100}},
+            {"id": "suffix", "prompt": "def f(x):", "suffix": "y"},
+            {"id": "bias", "prompt": "def f(x):", "logit_bias": {"5000": -100}},         # past the vocabulary
             {"id": "n", "prompt": "def f(x):", "n": 3},
             {"id": "typo", "prompt": "def f(x):", "temprature": 0.5},
-            {"id": "format", "prompt": "def f(x):", "response_format": {"type": "json_object"}}]
+            {"id": "tools", "prompt": "def f(x):", "tools": [{"type": "function"}]},
+            {"id": "format", "prompt": "def f(x):", "response_format": {"type": "xml"}},
+            {"id": "logprobs", "prompt": "def f(x):", "max_tokens": 5, "logprobs": 2},
+            {"id": "choice", "prompt": "def f(x):", "structured_outputs": {"choice": ["yes", "no"]}}]
     by = _run(tmp_path, models, models["target"], rows, method="none")
     assert "error" not in by["neutral"] and by["neutral"]["completion_tokens"] > 0
-    for rid, name in (("penalty", "presence_penalty"), ("bias", "logit_bias"), ("n", "n"), ("typo", "temprature"),
-                      ("format", "response_format")):
+    lp = by["logprobs"]["logprobs"]             # honoured in input lines as in the API
+    assert len(lp) == by["logprobs"]["completion_tokens"] and all(len(e["top_logprobs"]) == 2 for e in lp)
+    assert by["choice"]["text"] in ("yes", "no") and "logprobs" not in by["choice"]
+    for rid, name in (("suffix", "suffix"), ("bias", "logit_bias"), ("n", "n"), ("typo", "temprature"),
+                      ("tools", "tools"), ("format", "response_format")):
         assert name in by[rid]["error"], by[rid]
     assert "unknown field 'temprature'" in by["typo"]["error"]
 
@@ -83,8 +91,8 @@ def test_check_fields_by_kind():
                               ({"messages": [], "tools": [{"type": "function"}]}, "chat", "tools"),
                               ({"prompt": "x", "max_completion_tokens": 3}, "completion", "max_completion_tokens"),
                               ({"prompt": "x", "stream": True}, "line", "stream"),
-                              ({"prompt": "x", "logprobs": 0}, "completion", "logprobs"),
-                              ({"messages": [], "logprobs": True}, "chat", "logprobs")):
+                              ({"prompt": "x", "top_logprobs": 2}, "completion", "top_logprobs"),
+                              ({"prompt": "x", "best_of": 2}, "line", "best_of")):
         with pytest.raises(ParamError) as e:
             check_fields(body, kind)
         assert e.value.param == param

@@ -3,6 +3,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,11 +14,13 @@ import time
 import openai
 import psutil
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from dp_util import write_jsonl
 from helpers import write_config
 from specdp_cli.cli import app
+from specdp_cli.server.metrics import parse_prometheus
 
 pytestmark = pytest.mark.timeout(300)
 KEY = "sk-test-key"
@@ -70,9 +73,15 @@ class Server:
         except OSError:
             return None
 
-    def metric(self, name):
+    def metrics(self):
         _, text, _ = self.http("GET", "/metrics", headers={"Authorization": ""})
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+        return parse_prometheus(text)
+
+    def metric(self, name, **labels):
+        """The sum of the series whose name starts with `name` and whose labels include `labels` (e.g. over
+        the ranks)."""
+        return sum(v for key, v in self.metrics().items()
+                   if key.startswith(name) and labels.items() <= labels_of(key).items())
 
     def ranks(self):
         return [p for p in psutil.Process(self.proc.pid).children(recursive=True)
@@ -82,6 +91,10 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
         self.out, self.err = self.proc.communicate()
+
+
+def labels_of(series: str) -> dict:
+    return dict(re.findall(r'(\w+)="([^"]*)"', series))
 
 
 @contextlib.contextmanager
@@ -198,19 +211,24 @@ def test_sixteen_concurrent_streams(client):
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "n": 99}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "n": 2, "stream": True}, 400, "n"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": -100}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": -101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "(("}}, 400, "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"json": {}, "regex": "a"}}, 400, "structured_outputs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "echo": "yes"}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
-    ("/v1/completions", {"prompt": "x", "min_p": 0.1}, 400, "min_p"),
+    ("/v1/completions", {"prompt": "x", "min_p": 1.5}, 400, "min_p"),
     ("/v1/completions", {"prompt": "x", "priority": 3}, 400, "priority"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400,
      "tools"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+                              "response_format": {"type": "json_schema"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": "3"}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model"),
@@ -225,6 +243,61 @@ def test_bad_inputs(server, path, body, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert err["param"] == param
     assert server.health() == 200
+
+
+def test_what_a_request_asks_with_speculation_on(server, client):
+    """Issue 31's client checks, draft model on: greedy logprobs equal transformers' log-softmax at the emitted
+    tokens (completions and chat, with top_logprobs), logit_bias -100 on the greedy first token changes it,
+    stop_token_ids stops there, a JSON-schema response_format returns JSON that validates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(server.models["target"]))
+    model = AutoModelForCausalLM.from_pretrained(str(server.models["target"]), dtype=torch.float32).eval()
+    prompt = tok(PROMPTS[0])["input_ids"]
+    past_eos = {"ignore_eos": True}                     # ten tokens whatever the tiny model's eos
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=2,
+                                  extra_body=past_eos)
+    lp = r.choices[0].logprobs
+    ids = list(prompt)
+    with torch.no_grad():                       # transformers' greedy tokens
+        for _ in range(r.usage.completion_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        ref = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    ids = ids[len(prompt):]
+    assert lp.tokens == [tok.decode([t]) for t in ids] and len(ids) == 10
+    for j, (t, v) in enumerate(zip(ids, lp.token_logprobs)):
+        assert abs(v - ref[len(prompt) - 1 + j, t].item()) < 1e-3
+        assert max(lp.top_logprobs[j].values()) == v        # greedy: the top (pieces that decode alike share a key)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+    streamed = [c for c in client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                                                     logprobs=2, stream=True, extra_body=past_eos)
+                if c.choices and c.choices[0].logprobs]
+    assert sum((c.choices[0].logprobs.token_logprobs for c in streamed), []) == lp.token_logprobs
+
+    biased = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                       logit_bias={str(ids[0]): -100}, logprobs=0, extra_body=past_eos)
+    assert biased.choices[0].logprobs.tokens[0] != lp.tokens[0]
+    code, text, _ = server.http("POST", "/v1/completions", {"prompt": prompt, "max_tokens": 10, "temperature": 0,
+                                                            "stop_token_ids": [ids[4]], **past_eos})
+    body = json.loads(text)
+    assert code == 200 and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"]["completion_tokens"] == ids.index(ids[4]) + 1
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "color": {"enum": ["red", "green"]}},
+              "required": ["ok", "color"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    for i in range(3):
+        out = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": PROMPTS[i]}],
+                                             max_tokens=40, temperature=0.8, seed=i, response_format=fmt)
+        obj = json.loads(out.choices[0].message.content)
+        assert set(obj) == {"ok", "color"} and isinstance(obj["ok"], bool) and obj["color"] in ("red", "green")
+    choice = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=10, temperature=0,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no")
 
 
 def test_n_choices(client):
@@ -289,11 +362,67 @@ def test_metrics_counters(server, client):
     assert server.metric("specdp:spec_decode_num_draft_tokens_total") > before
     _, text, _ = server.http("GET", "/metrics")
     for name in ("specdp:spec_decode_num_drafts_total", "specdp:spec_decode_num_accepted_tokens_total",
-                 'specdp:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}',
-                 "specdp:time_to_first_token_seconds_bucket", "specdp:time_per_output_token_seconds_count",
+                 "specdp:time_to_first_token_seconds_bucket", "specdp:request_time_per_output_token_seconds_count",
                  "specdp:prompt_tokens_total", "specdp:generation_tokens_total", "specdp:num_requests_waiting",
-                 'finished_reason="length"', 'specdp:spec_decode_steps_by_k_total{model_name="tiny",k="3"}'):
+                 'finished_reason="length"'):
         assert name in text
+    assert any(k.startswith("specdp:spec_decode_num_accepted_tokens_per_pos_total") and labels_of(k)["position"] == "0"
+               for k in parse_prometheus(text))
+    assert server.metric("specdp:spec_decode_steps_by_k_total", k="3", model_name="tiny") > 0
+
+
+PER_RANK = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+            "generation_tokens_total", "request_success_total", "time_to_first_token_seconds_count",
+            "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count", "request_prompt_tokens_count",
+            "request_generation_tokens_count", "request_time_per_output_token_seconds_count",
+            "num_preemptions_total", "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+            "spec_decode_num_accepted_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total")
+
+
+def test_metrics_are_vllms_per_rank(server, client):
+    """vLLM v1's names, suffixes, labels and buckets under `specdp:`, a series per rank (engine="0", "1"), and
+    one completion moves its rank's counters by what its usage says."""
+    code, text, headers = server.http("GET", "/metrics", headers={"Authorization": ""})
+    assert code == 200 and headers["content-type"].startswith("text/plain")
+    series = [labels_of(k) | {"name": k.split("{")[0]} for k in parse_prometheus(text)]
+    for name in PER_RANK:
+        ranks = {s["engine"] for s in series if s["name"] == f"specdp:{name}" and s["model_name"] == "tiny"}
+        assert ranks == {"0", "1"}, name
+    for name, n, top in (("time_to_first_token_seconds", 22, 2560.0), ("inter_token_latency_seconds", 19, 80.0),
+                         ("e2e_request_latency_seconds", 21, 7680.0), ("request_prompt_tokens", 6, 50.0)):
+        assert f"# TYPE specdp:{name} histogram" in text
+        les = {s["le"] for s in series if s["name"] == f"specdp:{name}_bucket" and s["engine"] == "1"}
+        assert len(les) == n + 1 and max(float(le) for le in les - {"+Inf"}) == top, name   # vLLM's buckets
+    for reason in ("stop", "length", "abort", "error"):
+        assert f'finished_reason="{reason}"' in text
+    assert server.metric("specdp:ranks{") == 2 and server.metric("specdp:ranks_up") == 2
+    assert server.metric("specdp:prefix_cache_queries_total") == 0 == server.metric("specdp:prefix_cache_hits_total")
+    assert "_created" not in text
+
+    before = server.metrics()
+    r = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=16, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = server.metrics()
+
+    def delta(name, **labels):
+        """Per rank: how much the series of `name` with `labels` moved."""
+        return [sum(v - before.get(k, 0) for k, v in after.items()
+                    if k.split("{")[0] == f"specdp:{name}" and (labels | {"engine": rank}).items() <= labels_of(k).items())
+                for rank in ("0", "1")]
+
+    served = delta("request_success_total", finished_reason="length")
+    assert sorted(served) == [0, 1]               # one rank served it, and only its series moved
+    rank = served.index(1)
+    assert delta("generation_tokens_total")[rank] == r.usage.completion_tokens == 16
+    assert delta("prompt_tokens_total")[rank] == r.usage.prompt_tokens
+    assert delta("request_generation_tokens_sum")[rank] == 16
+    assert delta("time_to_first_token_seconds_count") == delta("e2e_request_latency_seconds_count") == served
+    assert delta("inter_token_latency_seconds_count")[rank] >= 1
+    assert delta("spec_decode_num_draft_tokens_total")[rank] > 0
+    assert sum(delta("generation_tokens_total")) == 16
+    # the ranks' own report after the request finished: nothing running or waiting, its KV blocks freed
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert [after[k] for k in after if k.startswith(f"specdp:{name}{{")] == [0, 0], name
 
 
 def test_opt_out_extension_field(server, client):
@@ -309,7 +438,7 @@ def test_opt_out_extension_field(server, client):
 
 
 def test_disconnect_frees_the_slot(server):
-    aborts = server.metric('specdp:request_success_total{model_name="tiny",finished_reason="abort"}')
+    aborts = server.metric("specdp:request_success_total", finished_reason="abort")
     c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     c.request("POST", "/v1/completions", body=json.dumps({"prompt": "def f(x):", "max_tokens": 80, "stream": True,
                                                             "ignore_eos": True}),
@@ -320,7 +449,7 @@ def test_disconnect_frees_the_slot(server):
     c.sock.shutdown(socket.SHUT_RDWR)
     c.close()
     deadline = time.monotonic() + 30
-    while server.metric('specdp:request_success_total{model_name="tiny",finished_reason="abort"}') == aborts:
+    while server.metric("specdp:request_success_total", finished_reason="abort") == aborts:
         assert time.monotonic() < deadline, "the disconnect did not abort the request"
         time.sleep(0.2)
     while server.metric("specdp:num_requests_running") > 0:

@@ -167,8 +167,10 @@ def test_openapi_lists_the_endpoints(server):
         assert field in schema["required"] and "seed" in schema["properties"]
         # exactly what is honoured, and the fields accepted only at one value: nothing else
         assert schema["additionalProperties"] is False
-        assert {"stop_token_ids", "ignore_eos"} <= set(schema["properties"])
-        assert schema["properties"]["presence_penalty"]["enum"] == [0]
+        assert {"stop_token_ids", "ignore_eos", "presence_penalty", "logit_bias", "min_p", "min_tokens",
+                "structured_outputs", "response_format", "logprobs"} <= set(schema["properties"])
+        assert schema["properties"]["presence_penalty"]["maximum"] == 2
+        assert schema["properties"]["best_of"]["enum"] == [1]
 
 
 def _value(schema: dict):

@@ -15,7 +15,8 @@ from typing import Any
 
 from ..config import Config
 from ..prompts import PromptEncoder, PromptError
-from ..request_params import ParamError, check_fields, check_sampling, fit_max_tokens, sampling_defaults
+from ..request_params import (ParamError, check_fields, check_sampling, check_token_ids, fit_max_tokens,
+                              sampling_defaults)
 from .fingerprint import input_hash
 
 
@@ -99,6 +100,7 @@ def _parse_line(text: str, n: int, jsonl: bool, defaults: dict, encoder: PromptE
     try:
         check_fields(obj, "line")                           # the server's rules too
         req.params = check_sampling(obj, defaults)
+        check_token_ids(req.params, len(encoder.tokenizer))
         if "prompt" in obj:
             req.prompt_ids = encoder.encode_text(obj["prompt"])
         elif "messages" in obj:

@@ -68,8 +68,11 @@ def load_prior(output: str, retry_errors: bool) -> dict[str, dict]:
 
 
 def success_record(seq: Sequence, text: str) -> dict:
+    """A finished sequence's output line (a sequence the engine failed: its error line)."""
     s = seq.stats
-    return {
+    if seq.finish_reason == "error":
+        return {"id": seq.req.id, "error": seq.error or "the engine failed this request"}
+    rec = {
         "id": seq.req.id,
         "text": text,
         "token_ids": seq.generated,
@@ -79,6 +82,9 @@ def success_record(seq: Sequence, text: str) -> dict:
         "spec": {"num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                  "num_accepted_tokens": s.num_accepted_tokens},
     }
+    if seq.logprobs is not None:        # per generated token: its log-probability and the top alternatives
+        rec["logprobs"] = [{"logprob": lp, "top_logprobs": [[t, v] for t, v in top]} for lp, top in seq.logprobs]
+    return rec
 
 
 def error_record(req: JobRequest) -> dict:

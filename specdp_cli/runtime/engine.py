@@ -41,6 +41,7 @@ from .drafters.ngram import NgramDrafter
 from .faults import EXIT_STATUS, Faults
 from .heap import collections_since_startup
 from .kv_cache import BlockPool, allocate_kv, kv_bytes_per_token
+from . import logits_process
 from .models.decoder import routed_expert_bytes
 from .models.loader import load_head, load_model
 from .model_runner import ModelRunner, capture_sizes, pad_rows
@@ -49,6 +50,7 @@ from .progress import NoProgressError, ProgressGuard, StalledPeerError, describe
 from .sampling import SamplingParams, row_tensors, verify
 from .scheduler import Request, Scheduler, Sequence, SpecStats
 from .spec_length import SpecLength
+from .structured import GrammarCompiler
 from .step_inputs import FIRST, NDRAFT, NREAL, OUT, START, RowSpec, StepInputs
 from .step_types import (WIDE_CHUNKS, WIDE_DRAFTER, DeviceResult, ScheduledStep, StepContext, StepOutput, StepSizes,
                          StepSync)
@@ -116,6 +118,8 @@ class Engine:
         models = [m for m in (target, draft, head) if m is not None]
         t_loaded = time.time()
         self._build_runners(target, draft, head, meth)
+        self.vocab = target.vocab_size                  # the target's logits (a padded vocabulary: past the tokenizer)
+        self.grammars = GrammarCompiler(self.output.tokenizer, self.vocab, self.output.eos)
         num_blocks = self._num_blocks(models)
         for m in models:
             allocate_kv(m, num_blocks, cfg.cache.block_size)
@@ -160,8 +164,9 @@ class Engine:
         positions = self.M + self.k + self.lookahead + 2
         ep = self.dp if plan.expert_parallel else None
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-        target = load_model(cfg.model, dtype, device, positions, ep=ep)
-        draft = load_model(spec.model, dtype, device, positions) if meth.separate_lm else None
+        target = load_model(cfg.model, dtype, device, positions, ep=ep, quantization=cfg.quantization)
+        draft = (load_model(spec.model, dtype, device, positions, quantization=spec.quantization)
+                 if meth.separate_lm else None)
         head = (load_head(spec.method, cfg.model if meth.in_target else spec.model, target, dtype, device, positions,
                           ep) if meth.after_verify else None)
         c = self.counters
@@ -304,7 +309,8 @@ class Engine:
 
     def make_request(self, req_id, prompt_ids: list[int], params: SamplingParams, seed: int | None) -> Request:
         params.seed = seed if seed is not None else request_seed(self.cfg.seed, req_id)
-        return Request(req_id, prompt_ids, params)
+        grammar = self.grammars.grammar(params.structured_outputs) if params.structured_outputs else None
+        return Request(req_id, prompt_ids, params, grammar)
 
     def abort(self, req_id) -> bool:
         """Drop a waiting or running request (between steps); False when it is unknown."""
@@ -452,16 +458,22 @@ class Engine:
         """The step's device work over the agreed sizes, and its one copy back to the host."""
         rows, step = sched.rows, sched.step
         self.inputs.stage(rows, sizes.R_pad)
+        drawing = [(i, r) for i, r in enumerate(rows) if i < len(sched.plan.decode) or r.done]
+        asked = [r.seq.req.params.logprobs for _, r in drawing if r.seq.req.params.logprobs is not None]
         ctx = StepContext(step, rows, sizes, self.inputs,
                           row_tensors([r.seq.req.params for r in rows], self.device, pad_to=sizes.R_pad),
                           lambda what: self.dp.publish(step, what), graphs=not self.cfg.enforce_eager,
-                          drafter_runs=drafter_runs)
-        out, n_out, proposed = self._run_device_step(ctx)
+                          drafter_runs=drafter_runs,
+                          adjust=logits_process.build(drawing, sizes.R_pad, self.vocab, self.output.eos, self.device),
+                          logprobs=max(asked, default=-1))
+        out, n_out, proposed, logprobs = self._run_device_step(ctx)
         if while_device_runs is not None:
             while_device_runs()
         if self.spec_len.adaptive:
             self._plan_k(sched.sync.batch)
         table = self._to_host(out, n_out, proposed, len(rows))
+        if logprobs is not None:
+            logprobs = tuple(t[:len(rows)].cpu().numpy() for t in logprobs)
         if self.drafter.after_verify:
             drafter_padding = drafter_runs and not rows
         else:
@@ -469,7 +481,7 @@ class Engine:
         if not rows or drafter_padding:
             self.counters.padding_steps += 1          # some forward of the step ran over padding rows only
         self.drafter.after_step(ctx)
-        return DeviceResult(table, out.shape[1], proposed is not None)
+        return DeviceResult(table, out.shape[1], proposed is not None, logprobs)
 
     def _update(self, sched: ScheduledStep, sizes: StepSizes, result: DeviceResult) -> list[StepOutput]:
         """Bookkeeping: accepted tokens, stops and frees, the adaptive k's measurements, the progress guard."""
@@ -484,7 +496,7 @@ class Engine:
             if i < n_decode or row.done:
                 new = [] if frozen is not None and i < n_decode and row.seq.req.id == frozen else \
                     [int(t) for t in res[:res[W]]]
-                outputs.append(self._accept(row.seq, row.n_drafts, new))
+                outputs.append(self._accept(row.seq, row.n_drafts, new, self._logprobs(result.logprobs, i, row, new)))
                 if row.n_drafts:
                     verified.append((row.n_drafts, int(res[W]) - 1))
                 if result.proposed:
@@ -552,7 +564,8 @@ class Engine:
         device work; any other step runs its forwards' graphs one by one."""
         sz = ctx.sizes
         key = (sz.R_pad, sz.K, sz.T_dec, sz.T, sz.T1, ctx.drafter_runs)
-        graph = self.step_graphs.get(key) if ctx.graphs and ctx.rt["all_greedy"] else None
+        whole = ctx.graphs and ctx.rt["all_greedy"] and ctx.adjust is None and ctx.logprobs < 0
+        graph = self.step_graphs.get(key) if whole else None
         if graph is None:
             return self._device_step(ctx)
         graph[0].replay()
@@ -603,10 +616,12 @@ class Engine:
             g.replay()
         torch.cuda.synchronize(self.device)
 
-    def _device_step(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _device_step(self, ctx: StepContext) -> tuple:
         """The step on the device: the drafter's forwards, the target's, verification (an EAGLE head
         proposes after it). Reads only the staged inputs; returns (tokens [R_pad, T_dec], how many
-        of them each row emits [R_pad], the next step's drafts [R_pad, K] or None)."""
+        of them each row emits [R_pad], the next step's drafts [R_pad, K] or None, the log-probabilities
+        of the tokens or None). What a request asks of the distribution (logits_process.py) changes the
+        verified logits; log-probabilities are the target's own (as vLLM reports them by default)."""
         sz, inp, t = ctx.sizes, ctx.inputs, self.target
         R, T, W = sz.R_pad, sz.T, sz.T_dec
         drafts = probs = None
@@ -618,12 +633,14 @@ class Engine:
         ids = t.ids[:R * T].view(R, T)
         if drafts is not None and W > 1:
             ids[:, 1:W] = torch.where(n.view(R, 1) > 0, drafts, ids[:, 1:W])
-        logits = t.forward(R, T, ctx.graphs)
-        out, n_out = verify(logits[:, :W], ids[:, 1:W], n, probs, ctx.rt, inp.col(FIRST, R))
+        logits = t.forward(R, T, ctx.graphs)[:, :W]
+        drafted = ids[:, 1:W]
+        verified = logits if ctx.adjust is None else ctx.adjust.apply(logits, drafted, n)
+        out, n_out = verify(verified, drafted, n, probs, ctx.rt, inp.col(FIRST, R))
         proposed = None
         if ctx.drafter_runs and self.drafter.after_verify:
             proposed = self.drafter.propose_after(ctx, out, n_out)
-        return out, n_out, proposed
+        return out, n_out, proposed, token_logprobs(logits, out, ctx.logprobs) if ctx.logprobs >= 0 else None
 
     @staticmethod
     def _to_host(out: torch.Tensor, n_out: torch.Tensor, proposed: torch.Tensor | None, n: int):
@@ -632,9 +649,19 @@ class Engine:
         cols = [out[:n], n_out[:n].view(-1, 1)] + ([proposed[:n]] if proposed is not None else [])
         return torch.cat(cols, 1).cpu().numpy()
 
-    def _accept(self, s: Sequence, n_drafts: int, new: list[int]) -> StepOutput:
+    @staticmethod
+    def _logprobs(result: tuple | None, i: int, row, new: list[int]) -> list | None:
+        """Row i's log-probabilities of its `new` tokens, with the alternatives its request asks for."""
+        k = row.seq.req.params.logprobs
+        if k is None or result is None:
+            return None
+        chosen, top_ids, top_lp = result
+        return [(float(chosen[i, j]), [(int(t), float(v)) for t, v in zip(top_ids[i, j, :k], top_lp[i, j, :k])])
+                for j in range(len(new))]
+
+    def _accept(self, s: Sequence, n_drafts: int, new: list[int], logprobs: list | None = None) -> StepOutput:
         """`new`: the tokens verification emitted (none only under the `freeze` fault: the sequence stays
-        where it was, its last token to be fed again)."""
+        where it was, its last token to be fed again); `logprobs`: theirs, when the request asks."""
         old_len = s.L
         accepted = len(new) - 1
         if n_drafts and new:
@@ -644,4 +671,20 @@ class Engine:
             self.drafter.on_accept(s, old_len, accepted)
         emitted = self.output.append(s, new)
         self.counters.generated_tokens += len(emitted)
-        return StepOutput(s, emitted, s.finish_reason is not None)
+        grammar = s.req.grammar
+        if grammar is not None and s.finish_reason != "error" and not grammar.accept(emitted):
+            s.finish_reason, s.error = "error", f"structured output: {grammar.error}"
+        if s.logprobs is not None and logprobs is not None:
+            logprobs = logprobs[:len(emitted)]
+            s.logprobs += logprobs
+        return StepOutput(s, emitted, s.finish_reason is not None, logprobs)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple:
+    """The target's log-probabilities [R, W] of `tokens` [R, W] at the verified positions, and its k most likely
+    tokens there (ids, log-probabilities [R, W, k])."""
+    lp = torch.log_softmax(logits.float(), -1)
+    top = lp.topk(k, -1) if k else None
+    return (lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1),
+            top.indices if top is not None else tokens.unsqueeze(-1)[..., :0],
+            top.values if top is not None else lp[..., :0])

@@ -47,7 +47,8 @@ class OutputProcessor:
             if t in stop_ids:                # kept in the sequence, as vLLM keeps a stop token id
                 seq.finish_reason = "stop"
                 break
-            if stops and self._stop_hit(seq, stops):
+            # stop strings wait for min_tokens, as vLLM's do (eos and stop_token_ids are masked until then)
+            if stops and len(seq.tokens) - seq.num_prompt >= p.min_tokens and self._stop_hit(seq, stops):
                 seq.finish_reason = "stop"
                 break
             if seq.L >= seq.limit:

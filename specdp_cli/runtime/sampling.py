@@ -57,7 +57,7 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _host_flags(params: list[SamplingParams]) -> dict:
     """Decided on the host, so no step waits on the device for them."""
     return {"all_greedy": all(p.greedy for p in params),
-            "filter": any(0 < p.top_k or p.top_p < 1 for p in params if not p.greedy)}
+            "filter": any(0 < p.top_k or p.top_p < 1 or p.min_p > 0 for p in params if not p.greedy)}
 
 
 def row_tensors(params: list[SamplingParams], device, pad_to: int = 0) -> dict:
@@ -70,19 +70,22 @@ def row_tensors(params: list[SamplingParams], device, pad_to: int = 0) -> dict:
     pad = pad_to - len(params)
     ints = torch.tensor([[int(p.greedy), min(p.top_k, 2 ** 31), p.seed] for p in params] + [[1, 0, 0]] * pad,
                         dtype=torch.long).to(device)
-    nums = torch.tensor([[max(p.temperature, 1e-5), p.top_p] for p in params] + [[1.0, 1.0]] * pad,
+    nums = torch.tensor([[max(p.temperature, 1e-5), p.top_p, p.min_p] for p in params] + [[1.0, 1.0, 0.0]] * pad,
                         dtype=torch.float64).to(device)
     rows.update(greedy=ints[:, 0] > 0, temperature=nums[:, 0].float(), top_p=nums[:, 1].float(),
-                top_k=ints[:, 1], seed=ints[:, 2])
+                min_p=nums[:, 2].float(), top_k=ints[:, 1], seed=ints[:, 2])
     return rows
 
 
 def probabilities(logits: torch.Tensor, rows: dict) -> torch.Tensor:
-    """Temperature, top-k and top-p per row. logits [R, P, V] -> probs [R, P, V]."""
+    """Temperature, min-p, top-k and top-p per row (vLLM's order). logits [R, P, V] -> probs [R, P, V]."""
     V = logits.shape[-1]
     x = logits / rows["temperature"].view(-1, 1, 1)
     top_k, top_p = rows["top_k"], rows["top_p"]
     if rows["filter"]:
+        # min-p: tokens less likely than min_p x the most likely one are dropped
+        p = torch.softmax(x, -1)
+        x = x.masked_fill(p < rows["min_p"].view(-1, 1, 1) * p.amax(-1, keepdim=True), float("-inf"))
         sorted_x, order = x.sort(-1, descending=True)
         rank = torch.arange(V, device=x.device).view(1, 1, V)
         k = torch.where(top_k > 0, top_k, V).view(-1, 1, 1)

@@ -33,6 +33,7 @@ class Request:
     id: Any
     prompt_ids: list[int]
     params: SamplingParams
+    grammar: Any = None              # structured output: its grammar's state (structured.Grammar)
 
 
 @dataclass
@@ -80,6 +81,7 @@ class Sequence:
         self.stop_text_end: int | None = None   # where a matched stop string starts in the text
         self.stats = SpecStats()
         self.preemptions = 0
+        self.logprobs: list | None = [] if req.params.logprobs is not None else None   # per generated token
 
     @property
     def L(self) -> int:

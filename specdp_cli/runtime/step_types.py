@@ -63,6 +63,8 @@ class StepContext:
     publish: Callable[[str], None]
     graphs: bool                                  # replay CUDA graphs (where captured)
     drafter_runs: bool                            # the drafter phase runs: it drafts, catches up or takes prompt chunks
+    adjust: object = None                         # logits_process.LogitsAdjust of the rows asking for one, or None
+    logprobs: int = -1                            # alternatives a token the step reports (-1: no log-probabilities)
 
 
 @dataclass(slots=True)
@@ -72,6 +74,7 @@ class DeviceResult:
     table: np.ndarray
     W: int
     proposed: bool
+    logprobs: tuple | None = None     # (emitted tokens' log-probabilities [n, W], top ids [n, W, k], top values)
 
 
 @dataclass
@@ -79,3 +82,4 @@ class StepOutput:
     seq: Sequence
     new_tokens: list[int]
     finished: bool
+    logprobs: list | None = None      # per new token: (its log-probability, [(token id, log-probability)] top ones)

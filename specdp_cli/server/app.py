@@ -11,9 +11,11 @@ import os
 import time
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .frontend import Event, Frontend, IncrementalText, Inflight
+from .logprobs import chat_logprobs, completion_logprobs
+from .metrics import CONTENT_TYPE
 from .protocol import APIError, GenRequest, parse_json, parse_request
 from .schema import request_body
 
@@ -56,10 +58,8 @@ def build_app(frontend: Frontend, encoder, tokenizer, model_name: str, max_model
 
     @app.get("/metrics")
     async def metrics():
-        waiting, running = frontend.queue_sizes()
         up = len(frontend.link.up) if frontend.link else 0
-        return PlainTextResponse(frontend.metrics.render(waiting, running, up, frontend.world),
-                                 media_type="text/plain; version=0.0.4")
+        return Response(frontend.metrics.render(up), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -83,7 +83,7 @@ def build_app(frontend: Frontend, encoder, tokenizer, model_name: str, max_model
             for inf in infs:
                 frontend.abort(inf)
             raise
-        return await _collect(frontend, request, infs, req)
+        return await _collect(frontend, request, infs, req, tokenizer)
 
     @app.post("/v1/completions", openapi_extra=request_body("completion"))
     async def completions(request: Request):
@@ -102,9 +102,12 @@ def _usage(stats: dict | None, inf: Inflight) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-async def _collect(frontend: Frontend, request: Request, infs: list[Inflight], req: GenRequest):
+async def _collect(frontend: Frontend, request: Request, infs: list[Inflight], req: GenRequest, tokenizer):
     """A non-streamed answer with one choice per request in `infs`; a client that goes away meanwhile aborts
     them all."""
+    tokens: dict[str, list[int]] = {inf.id: [] for inf in infs}      # each choice's tokens and log-probabilities
+    logprobs: dict[str, list] = {inf.id: [] for inf in infs}
+
     async def finished(inf: Inflight) -> Event | None:
         while True:
             try:
@@ -114,6 +117,8 @@ async def _collect(frontend: Frontend, request: Request, infs: list[Inflight], r
                     return None
                 continue
             frontend.note_tokens(inf, len(ev.new_tokens))
+            tokens[inf.id] += ev.new_tokens
+            logprobs[inf.id] += ev.logprobs or []
             if ev.finish_reason is not None:
                 return ev
 
@@ -134,13 +139,16 @@ async def _collect(frontend: Frontend, request: Request, infs: list[Inflight], r
     if failed is not None:
         raise APIError(failed.status, failed.error or "the request was aborted")
     choices = []
-    for i, ev in enumerate(events):
+    asked = req.params.get("logprobs") is not None
+    for i, (inf, ev) in enumerate(zip(infs, events)):
         text = ev.final_text or ""
         if req.chat:
-            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            lp = chat_logprobs(tokenizer, tokens[inf.id], logprobs[inf.id]) if asked else None
+            choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                             "finish_reason": ev.finish_reason})
         else:
-            choices.append({"index": i, "text": req.echo + text, "logprobs": None, "finish_reason": ev.finish_reason})
+            lp = completion_logprobs(tokenizer, tokens[inf.id], logprobs[inf.id], len(req.echo)) if asked else None
+            choices.append({"index": i, "text": req.echo + text, "logprobs": lp, "finish_reason": ev.finish_reason})
     usages = [_usage(ev.stats, inf) for inf, ev in zip(infs, events)]
     completion = sum(u["completion_tokens"] for u in usages)
     usage = {"prompt_tokens": usages[0]["prompt_tokens"], "completion_tokens": completion,
@@ -159,12 +167,23 @@ async def _stream(frontend: Frontend, tokenizer, inf: Inflight, req: GenRequest)
     base = {"id": inf.id, "object": "chat.completion.chunk" if req.chat else "text_completion",
             "created": created, "model": req.echo_model}
 
-    def chunk(delta: str | None, finish: str | None, role: bool = False) -> dict:
+    asked = req.params.get("logprobs") is not None
+    offset = len(req.echo)                   # completions: where the next token's text starts
+
+    def chunk(delta: str | None, finish: str | None, role: bool = False, ev: Event | None = None) -> dict:
+        """A chunk of text; with log-probabilities asked, those of the event's tokens (`ev`), which may come
+        with less text or none (text held back for a stop string) — every token's entry arrives once."""
+        nonlocal offset
+        lp = None
+        if asked and ev is not None:
+            lp = (chat_logprobs(tokenizer, ev.new_tokens, ev.logprobs or []) if req.chat else
+                  completion_logprobs(tokenizer, ev.new_tokens, ev.logprobs or [], offset))
+            offset += sum(len(t) for t in lp.get("tokens", ()))
         if req.chat:
             d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
-            c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            c = {"index": 0, "delta": d, "logprobs": lp, "finish_reason": finish}
         else:
-            c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            c = {"index": 0, "text": delta or "", "logprobs": lp, "finish_reason": finish}
         return {**base, "choices": [c]}
 
     finished = False
@@ -184,14 +203,14 @@ async def _stream(frontend: Frontend, tokenizer, inf: Inflight, req: GenRequest)
                 break
             if ev.finish_reason is None:
                 delta = text.add(ev.new_tokens)
-                if delta:
-                    yield _sse(chunk(delta, None))
+                if delta or (asked and ev.new_tokens):
+                    yield _sse(chunk(delta, None, ev=ev))
                 continue
             finished = True
             delta = text.finish(ev.final_text or "")      # everything not sent yet, stop string cut
             frontend.release(inf, ev.finish_reason, ev.stats)
-            if delta:
-                yield _sse(chunk(delta, None))
+            if delta or (asked and ev.new_tokens):
+                yield _sse(chunk(delta, None, ev=ev))
             yield _sse(chunk(None, ev.finish_reason))
             if req.include_usage:
                 yield _sse({**base, "choices": [], "usage": _usage(ev.stats, inf)})

@@ -23,6 +23,7 @@ class Event:
     stats: dict | None = None
     error: str | None = None
     status: int = 503                    # the HTTP status of an error: 503 a lost rank or an abort, 500 a failed request
+    logprobs: list | None = None         # per new token (its log-probability, [(id, log-probability)]) when asked
 
 
 @dataclass
@@ -94,7 +95,7 @@ class Frontend:
     def on_message(self, rank: int, msg) -> None:
         if msg[0] == "out":
             if len(msg) > 2:
-                self.metrics.steps(msg[2])
+                self.metrics.rank_report(rank, *msg[2:])
             self._call(self._dispatch, msg[1])
 
     def on_lost(self, rank: int) -> None:
@@ -104,8 +105,8 @@ class Frontend:
 
     def _dispatch(self, events) -> None:
         """events: (request id, new tokens, finish reason or None, final text — for "error" the reason —,
-        stats) from a rank's step."""
-        for rid, tokens, finish, text, stats in events:
+        stats, log-probabilities or None) from a rank's step."""
+        for rid, tokens, finish, text, stats, logprobs in events:
             inf = self.inflight.get(rid)
             if inf is None:
                 continue
@@ -113,7 +114,7 @@ class Frontend:
                 log.error("request %s failed on rank %d: %s", rid, inf.rank, text)
                 inf.queue.put_nowait(Event(tokens, finish, error=text, status=500))
             else:
-                inf.queue.put_nowait(Event(tokens, finish, text, stats))
+                inf.queue.put_nowait(Event(tokens, finish, text, stats, logprobs=logprobs))
 
     def rank_lost(self, rank: int, why: str) -> None:
         if self.draining and self.failed is None and not self.inflight:
@@ -158,6 +159,8 @@ class Frontend:
 
     def note_tokens(self, inf: Inflight, n: int) -> None:
         now = time.monotonic()
+        if n:
+            self.metrics.tokens_arrived(inf, n, now)
         if n and inf.first_token_t is None:
             inf.first_token_t = now
         if n:
@@ -170,19 +173,9 @@ class Frontend:
         self.rank_cost[inf.rank] -= inf.cost
         inf.done = True
         if outcome is not None:
-            ttft = inf.first_token_t - inf.created if inf.first_token_t is not None else None
-            tpot = ((inf.last_token_t - inf.first_token_t) / (inf.n_tokens - 1)
-                    if inf.n_tokens > 1 and inf.first_token_t is not None else None)
-            self.metrics.finished(outcome, stats, ttft, tpot)
+            self.metrics.finished(inf, outcome, stats, time.monotonic())
 
     def abort(self, inf: Inflight) -> None:
         if not inf.done and self.link is not None:
             self._send_waking_all(inf.rank, ("abort", inf.id))
         self.release(inf, "abort")
-
-    def queue_sizes(self) -> tuple[int, int]:
-        per_rank = [0] * self.world
-        for inf in self.inflight.values():
-            per_rank[inf.rank] += 1
-        running = sum(min(n, self.max_num_seqs) for n in per_rank)
-        return len(self.inflight) - running, running

@@ -3,7 +3,8 @@
 
 frontend -> rank: ("add", id, prompt_ids, params, seed) | ("abort", id) | ("wake",) | ("shutdown",)
 rank -> frontend: ("hello", rank) | ("out", [(id, new_token_ids, finish_reason|None, final_text|None,
-                  stats|None), ...], {k: steps run with k since the last "out"}) | ("bye", rank)
+                  stats|None, logprobs|None), ...], {k: steps run with k since the last "out"},
+                  (running, waiting, kv_cache_usage, preemptions so far)) | ("bye", rank)
 """
 from __future__ import annotations
 

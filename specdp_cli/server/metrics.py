@@ -1,115 +1,155 @@
-"""Server metrics in the Prometheus text format, named like vLLM's (prefix `specdp:`)."""
+"""Server metrics through prometheus_client: vLLM v1's set (names, suffixes, labels, buckets) under the
+`specdp:` prefix, labelled per DP rank as vLLM labels its engines (`model_name`, `engine` = the rank).
+
+What the ranks know (running / waiting requests, KV cache usage, preemptions, the step k used) comes
+with their "out" messages (server/rank.py); what a request's client sees (TTFT, inter-token latency,
+end-to-end latency, tokens) is measured by the frontend as the tokens arrive, and counted for the rank
+that served the request. Each server has its own registry, so several servers can share a process.
+"""
 from __future__ import annotations
 
-import bisect
-import threading
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+try:        # the `_created` series of each counter and histogram: one more series each that nobody reads
+    from prometheus_client import disable_created_metrics
+    disable_created_metrics()
+except ImportError:       # pragma: no cover - prometheus_client < 0.18
+    pass
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# vLLM v1's buckets (vllm/v1/metrics/loggers.py)
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
-TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 2.5, 5.0)
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-class Histogram:
-    def __init__(self, buckets):
-        self.buckets = buckets
-        self.counts = [0] * (len(buckets) + 1)
-        self.total = 0.0
-        self.n = 0
-
-    def observe(self, v: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, v)] += 1
-        self.total += v
-        self.n += 1
-
-    def lines(self, name: str) -> list[str]:
-        out, acc = [], 0
-        for b, c in zip(self.buckets, self.counts):
-            acc += c
-            out.append(f'{name}_bucket{{le="{b}"}} {acc}')
-        out.append(f'{name}_bucket{{le="+Inf"}} {self.n}')
-        out.append(f"{name}_sum {self.total}")
-        out.append(f"{name}_count {self.n}")
-        return out
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return out
+            out.append(m * scale)
+        scale *= 10
 
 
 class Metrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, world: int, max_model_len: int):
         self.model = model_name
-        self.lock = threading.Lock()
-        self.outcomes: dict[str, int] = {}
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.tpot = Histogram(TPOT_BUCKETS)
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.accepted_per_pos: list[int] = []
-        self.preemptions = 0
-        self.steps_by_k: dict[int, int] = {}
+        self.world = world
+        self.registry = r = CollectorRegistry()
+        engine = ["model_name", "engine"]
 
-    def steps(self, by_k: dict[int, int]) -> None:
-        """Steps each rank ran with each k (the step k actually used: spec_length.py)."""
-        with self.lock:
-            for k, n in by_k.items():
-                self.steps_by_k[k] = self.steps_by_k.get(k, 0) + n
+        def per_rank(metric) -> list:
+            return [metric.labels(model_name, str(i)) for i in range(world)]
 
-    def finished(self, outcome: str, stats: dict | None, ttft: float | None, tpot: float | None) -> None:
-        with self.lock:
-            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
-            if ttft is not None:
-                self.ttft.observe(ttft)
-            if tpot is not None:
-                self.tpot.observe(tpot)
-            if not stats:
-                return
-            self.prompt_tokens += stats["prompt_tokens"]
-            self.generation_tokens += stats["completion_tokens"]
-            self.num_drafts += stats["num_drafts"]
-            self.num_draft_tokens += stats["num_draft_tokens"]
-            self.num_accepted_tokens += stats["num_accepted_tokens"]
-            self.preemptions += stats.get("preemptions", 0)
-            per = stats["accepted_per_pos"]
-            if len(self.accepted_per_pos) < len(per):
-                self.accepted_per_pos += [0] * (len(per) - len(self.accepted_per_pos))
-            for i, v in enumerate(per):
-                self.accepted_per_pos[i] += v
+        def counter(name: str, doc: str) -> list:
+            return per_rank(Counter(f"specdp:{name}", doc, engine, registry=r))
 
-    def render(self, waiting: int, running: int, ranks_up: int, world: int) -> str:
-        m = f'model_name="{self.model}"'
-        with self.lock:
-            lines = ["# TYPE specdp:request_success_total counter"]
-            for outcome in sorted(set(self.outcomes) | {"stop", "length", "abort", "error"}):
-                lines.append(f'specdp:request_success_total{{{m},finished_reason="{outcome}"}} '
-                             f'{self.outcomes.get(outcome, 0)}')
-            lines += ["# TYPE specdp:prompt_tokens_total counter", f"specdp:prompt_tokens_total{{{m}}} {self.prompt_tokens}",
-                      "# TYPE specdp:generation_tokens_total counter",
-                      f"specdp:generation_tokens_total{{{m}}} {self.generation_tokens}",
-                      "# TYPE specdp:num_requests_waiting gauge", f"specdp:num_requests_waiting{{{m}}} {waiting}",
-                      "# TYPE specdp:num_requests_running gauge", f"specdp:num_requests_running{{{m}}} {running}",
-                      "# TYPE specdp:ranks_up gauge", f"specdp:ranks_up{{{m}}} {ranks_up}",
-                      "# TYPE specdp:ranks gauge", f"specdp:ranks{{{m}}} {world}",
-                      "# TYPE specdp:num_preemptions_total counter",
-                      f"specdp:num_preemptions_total{{{m}}} {self.preemptions}",
-                      "# TYPE specdp:time_to_first_token_seconds histogram"]
-            lines += self.ttft.lines("specdp:time_to_first_token_seconds")
-            lines += ["# TYPE specdp:time_per_output_token_seconds histogram"]
-            lines += self.tpot.lines("specdp:time_per_output_token_seconds")
-            lines += ["# TYPE specdp:spec_decode_num_drafts_total counter",
-                      f"specdp:spec_decode_num_drafts_total{{{m}}} {self.num_drafts}",
-                      "# TYPE specdp:spec_decode_num_draft_tokens_total counter",
-                      f"specdp:spec_decode_num_draft_tokens_total{{{m}}} {self.num_draft_tokens}",
-                      "# TYPE specdp:spec_decode_num_accepted_tokens_total counter",
-                      f"specdp:spec_decode_num_accepted_tokens_total{{{m}}} {self.num_accepted_tokens}",
-                      "# TYPE specdp:spec_decode_num_accepted_tokens_per_pos_total counter"]
-            for i, v in enumerate(self.accepted_per_pos):
-                lines.append(f'specdp:spec_decode_num_accepted_tokens_per_pos_total{{{m},position="{i}"}} {v}')
-            # the step k actually used: steps per k, summed over the ranks (a histogram over steps)
-            lines.append("# TYPE specdp:spec_decode_steps_by_k_total counter")
-            for k, v in sorted(self.steps_by_k.items()):
-                lines.append(f'specdp:spec_decode_steps_by_k_total{{{m},k="{k}"}} {v}')
-        return "\n".join(lines) + "\n"
+        def gauge(name: str, doc: str) -> list:
+            return per_rank(Gauge(f"specdp:{name}", doc, engine, registry=r))
+
+        def histogram(name: str, doc: str, buckets) -> list:
+            return per_rank(Histogram(f"specdp:{name}", doc, engine, buckets=buckets, registry=r))
+
+        # the scheduler of each rank, as its last message said
+        self.running = gauge("num_requests_running", "Number of requests in model execution batches.")
+        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
+        # specdp has no prefix cache yet: both stay at 0 until one is added (dashboards built for vLLM read them)
+        counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        success = Counter("specdp:request_success", "Count of successfully processed requests.",
+                          engine + ["finished_reason"], registry=r)
+        self.success = {reason: [success.labels(model_name, str(i), reason) for i in range(world)]
+                        for reason in FINISH_REASONS}
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt = histogram("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.request_generation = histogram("request_generation_tokens", "Number of generation tokens processed.",
+                                            token_buckets)
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.tpot = histogram("request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             REQUEST_LATENCY_BUCKETS)
+        # speculative decoding: acceptance rate = accepted_tokens / draft_tokens, mean acceptance length
+        # = 1 + accepted_tokens / drafts
+        self.drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.accepted_per_pos = Counter("specdp:spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted tokens per draft position.", engine + ["position"], registry=r)
+        # specdp's own: the step k actually used (spec_length.py), steps per k; and the ranks up
+        self.steps_by_k = Counter("specdp:spec_decode_steps_by_k", "Engine steps run with each speculation length k.",
+                                  engine + ["k"], registry=r)
+        self.ranks_up = Gauge("specdp:ranks_up", "Ranks connected to the frontend.", ["model_name"],
+                              registry=r).labels(model_name)
+        Gauge("specdp:ranks", "Data-parallel ranks of the server.", ["model_name"], registry=r).labels(
+            model_name).set(world)
+        self._preemptions_seen = [0] * world
+
+    # -- from the ranks' messages (the link's threads) -------------------------------------------
+
+    def rank_report(self, rank: int, steps_by_k: dict[int, int], state: tuple | None = None) -> None:
+        """A rank's "out" message: steps per k since its last one, and its scheduler's state after the
+        step (running, waiting, KV cache usage 0..1, preemptions so far)."""
+        for k, n in steps_by_k.items():
+            self.steps_by_k.labels(self.model, str(rank), str(k)).inc(n)
+        if state is None:
+            return
+        running, waiting, kv_usage, preemptions = state
+        self.running[rank].set(running)
+        self.waiting[rank].set(waiting)
+        self.kv_usage[rank].set(kv_usage)
+        if preemptions > self._preemptions_seen[rank]:
+            self.preemptions[rank].inc(preemptions - self._preemptions_seen[rank])
+            self._preemptions_seen[rank] = preemptions
+
+    # -- from the frontend, as a request's tokens reach its handler ------------------------------
+
+    def tokens_arrived(self, inf, n: int, now: float) -> None:
+        """n new tokens of request `inf` (frontend.Inflight, not yet updated with them) at `now`."""
+        rank = inf.rank
+        self.generation_tokens[rank].inc(n)
+        if inf.first_token_t is None:
+            self.ttft[rank].observe(now - inf.created)
+            self.prompt_tokens[rank].inc(len(inf.req.prompt_ids))
+        else:
+            self.itl[rank].observe(now - inf.last_token_t)
+
+    def finished(self, inf, outcome: str, stats: dict | None, now: float) -> None:
+        """Request `inf` ended with `outcome` (stop | length | abort | error); `stats`: the rank's, None
+        when it failed or was aborted."""
+        rank = inf.rank
+        self.success.get(outcome, self.success["error"])[rank].inc()
+        self.e2e[rank].observe(now - inf.created)
+        if inf.n_tokens > 1:
+            self.tpot[rank].observe((inf.last_token_t - inf.first_token_t) / (inf.n_tokens - 1))
+        self.request_prompt[rank].observe(stats["prompt_tokens"] if stats else len(inf.req.prompt_ids))
+        self.request_generation[rank].observe(stats["completion_tokens"] if stats else inf.n_tokens)
+        if not stats:
+            return
+        self.drafts[rank].inc(stats["num_drafts"])
+        self.draft_tokens[rank].inc(stats["num_draft_tokens"])
+        self.accepted_tokens[rank].inc(stats["num_accepted_tokens"])
+        for pos, v in enumerate(stats["accepted_per_pos"]):
+            self.accepted_per_pos.labels(self.model, str(rank), str(pos)).inc(v)
+
+    def render(self, ranks_up: int) -> bytes:
+        self.ranks_up.set(ranks_up)
+        return generate_latest(self.registry)
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
@@ -124,3 +164,4 @@ def parse_prometheus(text: str) -> dict[str, float]:
         except ValueError:
             pass
     return out
+

@@ -10,8 +10,8 @@ import json
 from dataclasses import dataclass, field, replace
 
 from ..prompts import PromptEncoder, PromptError
-from ..request_params import (INT64_MAX, MAX_N, ParamError, check_fields, check_sampling, fit_max_tokens,
-                              sampling_defaults)
+from ..request_params import (INT64_MAX, MAX_N, ParamError, check_fields, check_sampling, check_token_ids,
+                              fit_max_tokens, sampling_defaults)
 
 
 class APIError(Exception):
@@ -108,6 +108,7 @@ def parse_request(body: dict, chat: bool, encoder: PromptEncoder, model_name: st
         raise bad(str(e), "messages" if chat else "prompt") from None
     try:
         p = check_sampling(body, sampling_defaults(defaults, max_tokens=False))
+        check_token_ids(p, len(encoder.tokenizer))
         fit_max_tokens(p, len(prompt_ids), defaults.max_tokens, max_model_len, "messages" if chat else "prompt")
     except ParamError as e:
         raise bad(str(e), e.param) from None

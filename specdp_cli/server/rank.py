@@ -44,6 +44,7 @@ def serve_rank(engine, dp, job: dict) -> None:
     active = False            # lockstep: stepping together until a step finds no work on any rank
     received = 0              # messages from the frontend (see the module docstring)
     sent_k: dict[int, int] = {}   # steps per k already reported to the frontend (/metrics)
+    sent_state = None             # the scheduler state last reported (/metrics): sent again when it changes
     while True:
         if not active and not engine.has_work:
             if shutting_down:
@@ -65,7 +66,8 @@ def serve_rank(engine, dp, job: dict) -> None:
                 engine.add_request(engine.make_request(req_id, prompt_ids, SamplingParams.from_dict(params), seed))
             elif kind == "abort":
                 if engine.abort(msg[1]):
-                    send(("out", [(msg[1], [], "abort", "", None)]))
+                    sent_state = _state(engine)
+                    send(("out", [(msg[1], [], "abort", "", None, None)], {}, sent_state))
             elif kind == "shutdown":
                 shutting_down = True
         if shutting_down and not dp.lockstep:
@@ -80,13 +82,20 @@ def serve_rank(engine, dp, job: dict) -> None:
             continue
         events = [(o.seq.req.id, o.new_tokens, o.seq.finish_reason if o.finished else None,
                    (o.seq.error or engine.output.text(o.seq)) if o.finished else None,
-                   _stats(o.seq) if o.finished else None) for o in outs if o.new_tokens or o.finished]
-        if events:
+                   _stats(o.seq) if o.finished else None, o.logprobs) for o in outs if o.new_tokens or o.finished]
+        state = _state(engine)
+        if events or state != sent_state:
             used = engine.spec_len.used
             delta = {k: n - sent_k.get(k, 0) for k, n in used.items() if n != sent_k.get(k, 0)}
-            sent_k = dict(used)
-            send(("out", events, delta))
+            sent_k, sent_state = dict(used), state
+            send(("out", events, delta, state))
     send(("bye", dp.rank))
+
+
+def _state(engine) -> tuple[int, int, float, int]:
+    """(running, waiting, KV cache usage 0..1, preemptions so far): what /metrics shows of this rank."""
+    sc, pool = engine.scheduler, engine.pool
+    return len(sc.running), len(sc.waiting), 1 - pool.num_free / pool.num_blocks, engine.counters.preemptions
 
 
 def _stats(seq) -> dict:

@@ -61,7 +61,8 @@ def run_server(cfg: Config, plan: Plan, console: Console, ranks: Ranks) -> int:
     world = cfg.parallel.data_parallel_size
     frontend_here = cfg.parallel.machine_rank == 0
     spec = link_spec(cfg)
-    frontend = Frontend(world, Metrics(plan.model_name), cfg.server.max_queue, cfg.scheduler.max_num_seqs)
+    frontend = Frontend(world, Metrics(plan.model_name, world, cfg.max_model_len), cfg.server.max_queue,
+                        cfg.scheduler.max_num_seqs)
     link = None
     if frontend_here:
         link = RankLink(world, {**spec, "host": "0.0.0.0" if cfg.parallel.num_machines > 1 else spec["host"]},

@@ -4,7 +4,7 @@ decides: the schema lists exactly the fields it reads, with the bounds of `reque
 accepts only at one value; any other field is refused."""
 from __future__ import annotations
 
-from ..request_params import BOUNDS, MAX_N, NEUTRAL
+from ..request_params import BOUNDS, GUIDED, MAX_LOGPROBS, MAX_N, NEUTRAL
 
 # the sampling fields with their bounds as request_params.py defines them (each may be null: the default); then
 # the fields of OpenAI's and vLLM's bodies specdp does not act on yet, with the one value each accepts (or null)
@@ -20,6 +20,12 @@ SAMPLING = {
     "echo": {"type": "boolean", "nullable": True, "description": "completions: the prompt's text before each choice's"},
     "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "nullable": True,
           "description": "choices (each a request of its own; choice i samples with seed + i); not with stream"},
+    "response_format": {"type": "object", "nullable": True, "required": ["type"],
+                        "properties": {"type": {"enum": ["text", "json_object", "json_schema"]},
+                                       "json_schema": {"type": "object"}},
+                        "description": "json_object / json_schema: the output follows it (llguidance), with speculation"},
+    **{name: {"nullable": True, "description": f"vLLM's older name of structured_outputs.{name[7:]}"}
+       for name in GUIDED},
 }
 
 COMPLETION = {
@@ -54,6 +60,9 @@ CHAT = {
         "messages": {"type": "array", "items": MESSAGE, "minItems": 1},
         "max_completion_tokens": {**BOUNDS["max_tokens"], "nullable": True},
         **SAMPLING,
+        "logprobs": {"type": "boolean", "nullable": True, "description": "the tokens' log-probabilities"},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "nullable": True,
+                         "description": "alternatives a token (needs logprobs: true)"},
         "echo": {"enum": [False], "nullable": True, "description": "not supported yet: only this value (or null)"},
     },
 }

@@ -56,8 +56,12 @@ class ModelDrafter(Drafter):
         tokens = torch.zeros((R, sz.T_dec - 1), dtype=torch.long, device=r.device)
         probs = []
 
+        grammar = ctx.adjust is not None and ctx.adjust.grammar    # structured output: drafts follow the grammar
+
         def take(j: int, logits: torch.Tensor) -> torch.Tensor:
             """Draw draft j (at position L + j - 1) of every row."""
+            if grammar:
+                logits = ctx.adjust.mask_draft(logits, tokens, j)
             d, p = draw(logits, ctx.rt, None if ctx.rt["all_greedy"] else L + (j - 1), STREAM_DRAFT)
             tokens[:, j - 1] = d
             if p is not None:
@@ -75,6 +79,8 @@ class ModelDrafter(Drafter):
             r.start[:R].add_(1)
             r.set_rows(R, d.view(R, 1), n_real=taking[j - 2])
             d = take(j, r.forward(R, 1, ctx.graphs)[:, 0])
+        if grammar:
+            ctx.adjust.end_drafting()
         if not probs:
             return tokens, None
         q = torch.zeros((R, sz.T_dec - 1, probs[0].shape[-1]), device=r.device)
