@@ -47,6 +47,7 @@ class SpeculativeConfig(_Strict):
     # covers uses num_speculative_tokens. In lockstep the ranges apply to the largest batch of the ranks.
     num_speculative_tokens_per_batch_size: Optional[list[list[int]]] = None
     adaptive: bool = False                       # choose k (0..num_speculative_tokens) every step from measurements
+    quantization: Optional[Literal["fp8"]] = None   # the draft model's weights quantized at load (as `quantization`)
 
     @field_validator("method")
     @classmethod
@@ -118,6 +119,7 @@ class CacheConfig(_Strict):
     block_size: int = Field(16, ge=1, le=1024)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     num_blocks: Optional[int] = Field(None, ge=1)   # default: sized from GPU memory (CUDA) or max_num_seqs (CPU)
+    enable_prefix_caching: bool = True      # full KV blocks shared between sequences with the same prefix (lossless)
 
 
 class SamplingConfig(_Strict):
@@ -153,6 +155,8 @@ class Config(_Strict):
     max_model_len: int = Field(4096, ge=2)
     seed: int = 0
     enforce_eager: bool = False        # no CUDA graphs (CPU always runs eagerly)
+    # fp8: the target's linear layers quantized at load to 128 x 128 block FP8 (vLLM's --quantization fp8)
+    quantization: Optional[Literal["fp8"]] = None
     speculative: SpeculativeConfig = Field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

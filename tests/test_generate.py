@@ -13,7 +13,7 @@ runner = CliRunner()
 SUMMARY_KEYS = {"requests", "errors", "prompt_tokens", "generated_tokens", "wall_s", "engine_s", "tok_s", "num_drafts",
                 "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_acceptance_length",
                 "accepted_per_position", "preemptions", "startup", "launch_phases", "ranks", "resumed",
-                "speculation", "weights_per_token"}
+                "speculation", "weights_per_token", "prefix_cache"}
 RESULT_KEYS = {"id", "text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens", "spec",
                "fingerprint"}
 
@@ -104,7 +104,7 @@ def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
     assert len(s["ranks"]) == 1 and set(s["ranks"][0]) == {"rank", "requests", "steps", "padding_steps",
                                                            "skipped_drafter_steps", "generated_tokens", "preemptions",
                                                            "weight_bytes", "expert_weight_bytes", "graphs", "engine_s",
-                                                           "start_offset_s", "gc_collections", "gc_pause_s"}
+                                                           "start_offset_s", "gc_collections", "gc_pause_s", "prefix_cache"}
     # start-up froze the heap: what collections came after it are counted, and are short
     assert s["ranks"][0]["gc_collections"] >= 0 and 0 <= s["ranks"][0]["gc_pause_s"] < s["engine_s"]
     assert s["ranks"][0]["start_offset_s"] == 0 and abs(s["ranks"][0]["engine_s"] - s["engine_s"]) < 1e-9

@@ -20,7 +20,19 @@ from .results import (PartWriter, error_record, load_prior, part_path, remove_pa
 from .work_pool import WorkPool
 
 
-def assign_shards(requests: list[JobRequest], world: int) -> list[list[JobRequest]]:
+def assign_shards(requests: list[JobRequest], world: int, by_prefix: bool = False) -> list[list[JobRequest]]:
+    """The inputs of each of `world` shards, of about equal cost (prompt + max_tokens). by_prefix (prefix
+    caching): the inputs in the order of their prompts' tokens, cut into contiguous runs, so prompts sharing a
+    prefix sit side by side on one shard (a group spans two only where a cut falls in it) and run one after
+    another there, while their blocks are cached; otherwise the largest first onto the least loaded, each shard
+    in input order."""
+    if by_prefix:
+        ordered = sorted(requests, key=lambda r: (r.prompt_ids, r.line))
+        total, shards, acc = sum(r.cost for r in ordered), [[] for _ in range(world)], 0
+        for req in ordered:           # each input to the shard its cost's midpoint falls in
+            shards[min(world - 1, (2 * acc + req.cost) * world // max(2 * total, 1))].append(req)
+            acc += req.cost
+        return shards
     load = [0] * world
     shards: list[list[JobRequest]] = [[] for _ in range(world)]
     for req in sorted(requests, key=lambda r: (-r.cost, r.line)):
@@ -87,7 +99,7 @@ def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequ
             done.update({k: rec for k, rec in p.items() if k in wanted and rec.get("fingerprint") == wanted[k]})
         errors_now = [r for r in requests if r.error and r.key not in done]
         todo = [r for r in requests if not r.error and r.key not in done]
-        groups = assign_shards(todo, max(1, dp.world // per))
+        groups = assign_shards(todo, max(1, dp.world // per), engine.cfg.cache.enable_prefix_caching)
         shards = [groups[r // per] for r in range(dp.world)]
     mine = dp.scatter_objects(shards, "sending inputs")
     pool = WorkPool(mine, pool_path if shared else None, per)

@@ -150,14 +150,24 @@ def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float |
         "mean_acceptance_length": 1 + stats.num_accepted_tokens / nd if nd else None,
         "accepted_per_position": [a / nd for a in stats.accepted_per_pos] if nd else [],
         "preemptions": sum(r["preemptions"] for r in rank_reports),
+        "prefix_cache": prefix_cache_summary(rank_reports),
         "weights_per_token": weights_per_token,
         "startup": startup,
         "launch_phases": launch,
         "ranks": [{**{k: r.get(k) for k in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps",
                                             "generated_tokens", "preemptions", "weight_bytes", "expert_weight_bytes",
-                                            "graphs", "gc_collections", "gc_pause_s")},
+                                            "graphs", "gc_collections", "gc_pause_s", "prefix_cache")},
                    **rank_times(r, min(starts) if starts else None)} for r in rank_reports],
     }
+
+
+def prefix_cache_summary(rank_reports: list[dict]) -> dict | None:
+    """Prompt tokens looked up in the ranks' prefix caches and found there (vLLM's queries and hits)."""
+    reps = [r["prefix_cache"] for r in rank_reports if r.get("prefix_cache")]
+    if not reps:
+        return None
+    q, h = sum(r["queries"] for r in reps), sum(r["hits"] for r in reps)
+    return {"queries": q, "hits": h, "hit_rate": h / q if q else None}
 
 
 def rank_times(report: dict, first_start: float | None) -> dict:

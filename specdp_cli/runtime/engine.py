@@ -77,6 +77,7 @@ class RankCounters:
         self.first_step_t: float | None = None     # wall clock (comparable across ranks of a machine)
         self.last_step_t: float | None = None
         self.spec_length: SpecLength | None = None    # the step k's schedule, its counts and model
+        self.pool: BlockPool | None = None            # the KV blocks (its prefix cache's queries and hits)
 
     def report(self, rank: int, requests: int) -> dict:
         return {"rank": rank, "requests": requests, "steps": self.steps, "padding_steps": self.padding_steps,
@@ -85,6 +86,7 @@ class RankCounters:
                 "expert_weight_bytes": self.expert_weight_bytes, "first_step_t": self.first_step_t,
                 "last_step_t": self.last_step_t, "spec": vars(self.spec),
                 "spec_length": self.spec_length.report() if self.spec_length else None,
+                "prefix_cache": {"queries": self.pool.queries, "hits": self.pool.hits} if self.pool else None,
                 **collections_since_startup()}
 
 
@@ -123,7 +125,7 @@ class Engine:
         num_blocks = self._num_blocks(models)
         for m in models:
             allocate_kv(m, num_blocks, cfg.cache.block_size)
-        self.pool = BlockPool(num_blocks, cfg.cache.block_size)
+        self.pool = self.counters.pool = BlockPool(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
         t_kv = time.time()
         self._capture_graphs()
         if self.spec_len.adaptive:
@@ -488,6 +490,7 @@ class Engine:
         c, plan, rows, W = self.counters, sched.plan, sched.rows, result.W
         for s, _start, end in plan.prefill:
             s.target_len = end
+            self.scheduler.commit(s)
         n_decode = len(plan.decode)
         outputs = []
         verified = []                       # (drafts, accepted) of each drafting row: the acceptance averages
@@ -667,6 +670,7 @@ class Engine:
         if n_drafts and new:
             s.stats.add(n_drafts, accepted)
         s.target_len = old_len + accepted
+        self.scheduler.commit(s)
         if n_drafts:
             self.drafter.on_accept(s, old_len, accepted)
         emitted = self.output.append(s, new)

@@ -7,8 +7,19 @@ block ids, so one pool sizes both. Block 0 is the trash block: padding tokens wr
 table entries past a sequence's end point there. Rolling back rejected drafts is free (the length
 goes back; stale entries are masked out and later overwritten), and freeing a sequence is host
 bookkeeping only — no tensor is touched.
+
+Prefix caching (`cache.enable_prefix_caching`, as vLLM v1): a full block whose positions are final is
+registered under a chained hash of its tokens (`block_hashes`: the hash of the block before it and its own
+tokens), blocks are reference-counted, and a block no sequence holds any more keeps its contents, evictable
+least-recently-freed first, until the pool needs it. A new sequence whose first full blocks' hashes are
+registered takes those blocks (`BlockPool.cached_prefix`) and prefills only the rest. A block holds every
+model's KV of its positions (target and drafter share the block ids): the target's is a function of the
+tokens up to it, so reuse is exact; a drafter's may differ from what this sequence would have computed (an
+EAGLE head's last position reads the token after the block), which changes only which drafts are accepted.
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 
@@ -18,25 +29,75 @@ TRASH_BLOCK = 0
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         self.num_blocks = num_blocks                 # usable blocks: ids 1..num_blocks
         self.block_size = block_size
+        self.prefix_caching = prefix_caching
         self._free = list(range(num_blocks, 0, -1))  # pop() hands out low ids first
+        self._refs = [0] * (num_blocks + 1)          # sequences holding each block
+        self._cached: dict[bytes, int] = {}          # block hash -> the block holding those positions' KV
+        self._hash_of: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()    # cached blocks nobody holds, oldest first
+        self.queries = self.hits = 0                 # prefix cache: prompt tokens looked up, tokens found
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can take: free ones and cached ones nobody holds."""
+        return len(self._free) + len(self._evictable)
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"KV block pool exhausted: {n} wanted, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        if n > self.num_free:
+            raise RuntimeError(f"KV block pool exhausted: {n} wanted, {self.num_free} free")
+        out = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:                                    # evict the least recently freed cached block
+                b, _ = self._evictable.popitem(last=False)
+                del self._cached[self._hash_of.pop(b)]
+            self._refs[b] = 1
+            out.append(b)
+        return out
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """A sequence lets go of its blocks; cached ones stay cached (the tail first in line for eviction)."""
+        for b in reversed(blocks):
+            self._refs[b] -= 1
+            if self._refs[b] == 0:
+                if b in self._hash_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def cached_prefix(self, hashes: list[bytes]) -> list[int]:
+        """The registered blocks of the longest run of `hashes` from the first (not yet taken)."""
+        out = []
+        for h in hashes:
+            b = self._cached.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def take(self, blocks: list[int]) -> None:
+        """A sequence holds cached blocks `blocks` (from `cached_prefix`)."""
+        for b in blocks:
+            if self._refs[b] == 0:
+                del self._evictable[b]
+            self._refs[b] += 1
+
+    def evictable_among(self, blocks: list[int]) -> int:
+        return sum(1 for b in blocks if self._refs[b] == 0)
+
+    def register(self, block: int, h: bytes) -> None:
+        """Block `block` holds the final KV of the positions hashed `h` (the first registration of a hash
+        stands; a block holds one hash)."""
+        if h not in self._cached and block not in self._hash_of:
+            self._cached[h] = block
+            self._hash_of[block] = h
 
 
 def kv_bytes_per_token(model) -> int:

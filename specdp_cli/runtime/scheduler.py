@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from .block_hash import block_hashes
 from .kv_cache import BlockPool
 from .sampling import SamplingParams
 
@@ -82,6 +83,9 @@ class Sequence:
         self.stats = SpecStats()
         self.preemptions = 0
         self.logprobs: list | None = [] if req.params.logprobs is not None else None   # per generated token
+        self.block_hashes: list[bytes] = []    # prefix caching: the chained hashes of its full blocks so far
+        self.cached_tokens = 0                 # prompt tokens its last admission found in the prefix cache
+        self.committed_blocks = 0              # of its blocks, those registered in the prefix cache
 
     @property
     def L(self) -> int:
@@ -149,11 +153,18 @@ class Scheduler:
         preempted = self._grow_running()
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            need = self.pool.blocks_for(self.kv_positions(seq))
-            if need > self.pool.num_free:
+            hit = self._cached_prefix(seq)
+            need = self.pool.blocks_for(self.kv_positions(seq)) - len(hit)
+            if need > self.pool.num_free - self.pool.evictable_among(hit):
                 break
             self.waiting.popleft()
-            seq.blocks = self.pool.allocate(need)
+            self.pool.take(hit)
+            seq.blocks = hit + self.pool.allocate(need)
+            if self.pool.prefix_caching:
+                seq.cached_tokens = seq.target_len = seq.draft_len = len(hit) * self.pool.block_size
+                seq.committed_blocks = len(hit)
+                self.pool.queries += seq.prefill_len
+                self.pool.hits += seq.cached_tokens
             self.running.append(seq)
         decode = [(s, min(s.k_eff(self.k, self.D), self.k_step)) for s in self.running if not s.in_prefill]
         budget = self.max_batched_tokens - sum(1 + ke for _, ke in decode)
@@ -166,6 +177,27 @@ class Scheduler:
                 budget -= end - s.target_len
                 rows -= -(-(end - s.target_len) // self.row_tokens)
         return StepPlan(decode, prefill, preempted)
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks of the sequence's first full blocks, short of its last token to prefill: that one
+        is always computed (its logits draw the next token), in a block of the sequence's own, so a
+        sequence never writes a block it shares."""
+        if not self.pool.prefix_caching:
+            return []
+        n = (seq.prefill_len - 1) // self.pool.block_size
+        return self.pool.cached_prefix(block_hashes(seq.tokens, self.pool.block_size, seq.block_hashes, n))
+
+    def commit(self, seq: Sequence) -> None:
+        """The sequence's positions below target_len are final: register its full blocks among them."""
+        if not self.pool.prefix_caching:
+            return
+        bs = self.pool.block_size
+        n = min(seq.target_len // bs, len(seq.blocks))
+        if n > seq.committed_blocks:
+            hashes = block_hashes(seq.tokens, bs, seq.block_hashes, n)
+            for i in range(seq.committed_blocks, n):
+                self.pool.register(seq.blocks[i], hashes[i])
+            seq.committed_blocks = n
 
     def kv_positions(self, s: Sequence) -> int:
         """KV positions sequence `s` holds blocks for before a step: the one rule of admission and growth.
@@ -205,7 +237,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.remove(seq)
-        seq.target_len = seq.draft_len = 0
+        seq.target_len = seq.draft_len = seq.committed_blocks = 0
         seq.next_drafts = []
         seq.prefill_len = seq.L - 1 if seq.L > seq.num_prompt else seq.num_prompt
         seq.preemptions += 1

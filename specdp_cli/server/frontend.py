@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from .link import RankLink
 from .metrics import Metrics
 from .protocol import APIError, GenRequest
+from .routing import PrefixIndex, pick_rank
 
 log = logging.getLogger("specdp.server")
 
@@ -69,8 +70,10 @@ class IncrementalText:
 
 
 class Frontend:
-    def __init__(self, world: int, metrics: Metrics, max_queue: int, max_num_seqs: int):
+    def __init__(self, world: int, metrics: Metrics, max_queue: int, max_num_seqs: int,
+                 prefix_index: PrefixIndex | None = None):
         self.world = world
+        self.prefix_index = prefix_index        # prefix-aware routing (prefix caching on); None: least loaded
         self.metrics = metrics
         self.max_queue = max_queue
         self.max_num_seqs = max_num_seqs
@@ -136,10 +139,10 @@ class Frontend:
         if len(self.inflight) >= self.max_queue:
             raise APIError(429, f"the server has {len(self.inflight)} requests in flight (server.max_queue); "
                                 f"retry shortly", headers={"Retry-After": "1"})
-        # spread by outstanding work (prompt + max_tokens), ties to the lower rank
-        rank = min(range(self.world), key=lambda r: (self.rank_cost[r], r))
-        rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        # by outstanding work (prompt + max_tokens) and where the prompt's prefix is cached (routing.py)
         cost = len(req.prompt_ids) + req.max_tokens
+        rank = pick_rank(self.rank_cost, cost, self.prefix_index, req.prompt_ids)
+        rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         inf = Inflight(rid, req, rank, cost, asyncio.Queue())
         self.inflight[rid] = inf
         self.rank_cost[rank] += cost

@@ -63,9 +63,8 @@ class Metrics:
         self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
         self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         self.preemptions = counter("num_preemptions", "Cumulative number of preemption from the engine.")
-        # specdp has no prefix cache yet: both stay at 0 until one is added (dashboards built for vLLM read them)
-        counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
-        counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
         success = Counter("specdp:request_success", "Count of successfully processed requests.",
@@ -98,24 +97,26 @@ class Metrics:
                               registry=r).labels(model_name)
         Gauge("specdp:ranks", "Data-parallel ranks of the server.", ["model_name"], registry=r).labels(
             model_name).set(world)
-        self._preemptions_seen = [0] * world
+        self._seen = [(0, 0, 0)] * world       # each rank's preemptions, prefix queries and hits counted so far
 
     # -- from the ranks' messages (the link's threads) -------------------------------------------
 
     def rank_report(self, rank: int, steps_by_k: dict[int, int], state: tuple | None = None) -> None:
         """A rank's "out" message: steps per k since its last one, and its scheduler's state after the
-        step (running, waiting, KV cache usage 0..1, preemptions so far)."""
+        step (running, waiting, KV cache usage 0..1; preemptions, prefix cache queries and hits so far)."""
         for k, n in steps_by_k.items():
             self.steps_by_k.labels(self.model, str(rank), str(k)).inc(n)
         if state is None:
             return
-        running, waiting, kv_usage, preemptions = state
+        running, waiting, kv_usage, *totals = state
         self.running[rank].set(running)
         self.waiting[rank].set(waiting)
         self.kv_usage[rank].set(kv_usage)
-        if preemptions > self._preemptions_seen[rank]:
-            self.preemptions[rank].inc(preemptions - self._preemptions_seen[rank])
-            self._preemptions_seen[rank] = preemptions
+        for counter, now, seen in zip((self.preemptions, self.prefix_queries, self.prefix_hits), totals,
+                                      self._seen[rank]):
+            if now > seen:
+                counter[rank].inc(now - seen)
+        self._seen[rank] = tuple(totals)
 
     # -- from the frontend, as a request's tokens reach its handler ------------------------------
 

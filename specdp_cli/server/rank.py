@@ -92,10 +92,12 @@ def serve_rank(engine, dp, job: dict) -> None:
     send(("bye", dp.rank))
 
 
-def _state(engine) -> tuple[int, int, float, int]:
-    """(running, waiting, KV cache usage 0..1, preemptions so far): what /metrics shows of this rank."""
+def _state(engine) -> tuple[int, int, float, int, int, int]:
+    """(running, waiting, KV cache usage 0..1, preemptions, prefix cache queries and hits so far): what
+    /metrics shows of this rank."""
     sc, pool = engine.scheduler, engine.pool
-    return len(sc.running), len(sc.waiting), 1 - pool.num_free / pool.num_blocks, engine.counters.preemptions
+    return (len(sc.running), len(sc.waiting), 1 - pool.num_free / pool.num_blocks, engine.counters.preemptions,
+            pool.queries, pool.hits)
 
 
 def _stats(seq) -> dict:

@@ -57,12 +57,14 @@ def run_server(cfg: Config, plan: Plan, console: Console, ranks: Ranks) -> int:
     from .app import build_app
     from .frontend import Frontend
     from .metrics import Metrics
+    from .routing import PrefixIndex
 
     world = cfg.parallel.data_parallel_size
     frontend_here = cfg.parallel.machine_rank == 0
     spec = link_spec(cfg)
+    index = PrefixIndex(world, cfg.cache.block_size) if cfg.cache.enable_prefix_caching and world > 1 else None
     frontend = Frontend(world, Metrics(plan.model_name, world, cfg.max_model_len), cfg.server.max_queue,
-                        cfg.scheduler.max_num_seqs)
+                        cfg.scheduler.max_num_seqs, index)
     link = None
     if frontend_here:
         link = RankLink(world, {**spec, "host": "0.0.0.0" if cfg.parallel.num_machines > 1 else spec["host"]},

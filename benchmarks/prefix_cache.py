@@ -1,0 +1,117 @@
+"""Prefix caching: time to first token and throughput of requests sharing a long prefix (a system prompt, a
+few-shot template), with caching on and off, in one process and one run (the shipped demo pair on CPU by default,
+or any pair).
+
+Two workloads, each with caching on then off (engines built alike):
+  - ttft: requests one at a time (each alone in the batch), each its own tail after the shared prefix: the time
+    from handing the request to the engine to its first token (median over requests 2..N: the first fills the cache);
+  - batch: N such requests at once, `--max-num-seqs` in the batch: generated tokens per second.
+
+Usage: python benchmarks/prefix_cache.py [--pair demo/pair] [--device cpu] [--prefix 400] [--requests 16]
+           [--max-tokens 16] [--max-num-seqs 8] --json OUT.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from specdp_cli.config import validate  # noqa: E402
+from specdp_cli.preflight import run_preflight  # noqa: E402
+from specdp_cli.runtime.dist import DPGroup  # noqa: E402
+from specdp_cli.runtime.engine import Engine  # noqa: E402
+from specdp_cli.runtime.sampling import SamplingParams  # noqa: E402
+
+
+def build(a, caching: bool) -> Engine:
+    pair = os.path.abspath(a.pair)
+    tok = os.path.join(pair, "tokenizer")
+    cfg = validate({"model": os.path.join(pair, "target"), "max_model_len": a.prefix + 128, "device": a.device,
+                    **({"tokenizer": tok} if os.path.isdir(tok) else {}),
+                    "dtype": "float32" if a.device == "cpu" else "bfloat16",
+                    "speculative": {"method": a.method, "model": os.path.join(pair, "draft"),
+                                    "num_speculative_tokens": 4},
+                    "scheduler": {"max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": 2048},
+                    "cache": {"enable_prefix_caching": caching}})
+    report = run_preflight(cfg)
+    assert report.ok, report.errors
+    return Engine(cfg, report.plan, DPGroup.solo(), torch.device(a.device))
+
+
+def prompts(engine: Engine, a) -> list[list[int]]:
+    """A shared prefix of `--prefix` tokens (the demo prompts' text, repeated as needed) and a distinct tail each."""
+    lines = [json.loads(x)["prompt"] for x in open(os.path.join(ROOT, "demo", "prompts.jsonl"))]
+    tok = engine.output.tokenizer
+    ids: list[int] = []
+    for line in lines * 8:
+        ids += tok.encode(line)
+        if len(ids) >= a.prefix:
+            break
+    prefix = ids[:a.prefix]
+    return [prefix + tok.encode(f"\n# request {i}: {lines[i % len(lines)][:40]}") for i in range(a.requests)]
+
+
+def run(engine: Engine, batch: list[list[int]], max_tokens: int, tag: str) -> tuple[list[float], float, int]:
+    """Serve `batch` to the end: (each request's time to first token, seconds, generated tokens)."""
+    t0 = time.perf_counter()
+    added, first = {}, {}
+    for i, p in enumerate(batch):
+        engine.add_request(engine.make_request(f"{tag}{i}", p, SamplingParams(max_tokens=max_tokens), None))
+        added[f"{tag}{i}"] = time.perf_counter()
+    tokens = 0
+    while engine.has_work:
+        for out in engine.step():
+            if out.new_tokens and out.seq.req.id not in first:
+                first[out.seq.req.id] = time.perf_counter()
+            tokens += len(out.new_tokens)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    return [first[k] - added[k] for k in added], time.perf_counter() - t0, tokens
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pair", default=os.path.join(ROOT, "demo", "pair"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--method", default="draft_model")
+    ap.add_argument("--prefix", type=int, default=400)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    if a.device == "cpu":
+        torch.set_num_threads(min(4, os.cpu_count() or 1))
+    rows = {}
+    for caching in (True, False):
+        engine = build(a, caching)
+        batch = prompts(engine, a)
+        run(engine, batch[:1], 2, "warm")                 # first calls, allocator; fills the cache with the prefix
+        ttft = [run(engine, [p], a.max_tokens, f"t{i}-")[0][0] for i, p in enumerate(batch)]
+        _, secs, tokens = run(engine, batch, a.max_tokens, "b")
+        rows["on" if caching else "off"] = {
+            "ttft_median_s": statistics.median(ttft[1:]), "ttft_first_s": ttft[0], "batch_s": secs,
+            "batch_tok_s": tokens / secs, "hits": engine.pool.hits, "queries": engine.pool.queries,
+            "prompt_tokens": len(batch[0])}
+    on, off = rows["on"], rows["off"]
+    print(f"{'caching':<8} {'TTFT median ms':>15} {'batch tok/s':>12} {'hit rate':>9}")
+    for k, r in rows.items():
+        print(f"{k:<8} {r['ttft_median_s'] * 1e3:>15.1f} {r['batch_tok_s']:>12.1f} "
+              f"{r['hits'] / r['queries'] if r['queries'] else 0:>9.1%}")
+    ratio = {"ttft_on_over_off": on["ttft_median_s"] / off["ttft_median_s"],
+             "batch_throughput_on_over_off": on["batch_tok_s"] / off["batch_tok_s"]}
+    print(f"TTFT on/off {ratio['ttft_on_over_off']:.2f}x, throughput on/off {ratio['batch_throughput_on_over_off']:.2f}x")
+    with open(a.json, "w") as fh:
+        json.dump({"args": vars(a), "rows": rows, **ratio}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Prefix caching (issue 33): full KV blocks registered under a chained hash of their tokens, shared between
+sequences, reference-counted, evicted least-recently-freed first; lossless with every drafter, at dp 1 and dp 2,
+with shared prefixes and preemption, and its queries and hits reported."""
+import json
+
+import pytest
+
+from dp_util import dp_config, run_cli, run_in_process, write_jsonl
+from engine_util import check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine
+from helpers import make_eagle_head
+from specdp_cli.runtime.block_hash import block_hashes
+from specdp_cli.runtime.kv_cache import BlockPool
+from specdp_cli.runtime.sampling import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def shared_prefix_prompts(n=6, prefix=30, seed=3):
+    base = prompts_of_lengths([prefix], seed=seed)[0]
+    tails = prompts_of_lengths([3 + i % 5 for i in range(n)], seed=seed + 1)
+    return [base + t for t in tails]
+
+
+def test_pool_shares_counts_and_evicts_the_least_recently_freed():
+    pool = BlockPool(4, 2, prefix_caching=True)
+    toks = [5, 6, 7, 8, 9, 10]
+    h = block_hashes(toks, 2, [], 3)
+    assert block_hashes(toks, 2, h[:1], 3) == h and block_hashes([5, 6, 7, 0], 2, [], 2)[1] != h[1]   # chained
+    a = pool.allocate(3)
+    for b, x in zip(a, h):
+        pool.register(b, x)
+    assert pool.cached_prefix(h) == a and pool.cached_prefix(block_hashes([1, 6], 2, [], 1)) == []
+    pool.take(a[:2])                                  # a second sequence shares the first two blocks
+    pool.free(a)                                      # the first lets go: only its third block is unheld
+    assert pool.num_free == 2 and pool.evictable_among(a) == 1
+    pool.free(a[:2])                                  # all cached, nobody holds them: free but kept
+    assert pool.num_free == 4 and pool.cached_prefix(h) == a
+    fresh = pool.allocate(2)                          # the never-used block, then the least recently freed
+    assert fresh[0] not in a and fresh[1] == a[2]
+    assert pool.cached_prefix(h) == a[:2]
+    assert pool.allocate(1) == [a[1]]                 # a sequence's tail goes before its head
+    assert pool.cached_prefix(h) == a[:1] and pool.cached_prefix(h[1:]) == []
+
+
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_greedy_with_caching_equals_transformers_with_preemption(tmp_path, models, method):
+    """Two waves of prompts sharing a 30-token prefix (block 4): the second wave hits the first's blocks; a KV
+    cache of 40 blocks for 4 sequences of up to 96 tokens preempts. Outputs equal transformers' greedy ones."""
+    draft = models["draft"] if method == "draft_model" else make_eagle_head(tmp_path / "head", models["target"])
+    M = 96
+    cfg, plan = make_config(models["target"], draft, method=method, k=3, M=M, max_num_seqs=4, max_batched=64,
+                            cache={"block_size": 4, "num_blocks": 40})
+    engine = make_engine(cfg, plan)
+    prompts = shared_prefix_prompts(8)
+    first = run_engine(engine, prompts[:4], max_tokens=40)
+    pool, counters = engine.pool, engine.counters
+    assert pool.hits >= 3 * 28                       # within the wave: the prefix was found by the later three
+    hits = pool.hits
+    second = {i + 4: s for i, s in run_engine(engine, prompts[4:], max_tokens=40).items()}
+    assert pool.hits >= hits + 4 * 28 and counters.preemptions > 0
+    done = {**first, **second}
+    check_against_reference(models["target"], {i: done[i] for i in range(8)}, prompts, 40, M, label=method)
+    assert counters.report(0, 8)["prefix_cache"] == {"queries": pool.queries, "hits": pool.hits}
+
+
+def test_caching_off_changes_nothing_and_finds_nothing(models):
+    prompts = shared_prefix_prompts(4)
+    out = {}
+    for on in (True, False):
+        cfg, plan = make_config(models["target"], models["draft"], k=3, M=96, cache={"block_size": 4,
+                                                                                     "enable_prefix_caching": on})
+        engine = make_engine(cfg, plan)
+        out[on] = [s.generated for half in (prompts[:2], prompts[2:])      # sampled, seeded: the second half hits
+                   for s in run_engine(engine, half, max_tokens=20, temperature=0.8, seed=4).values()]
+        assert (engine.pool.hits > 0) == on
+    assert out[True] == out[False]
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token(models):
+    cfg, plan = make_config(models["target"], models["draft"], k=3, M=96, cache={"block_size": 4})
+    engine = make_engine(cfg, plan)
+    p = prompts_of_lengths([32], seed=9)[0]                   # 8 full blocks
+    a = run_engine(engine, [p], max_tokens=8)[0]
+    b = run_engine(engine, [p], max_tokens=8)[0]
+    assert b.cached_tokens == 28 and a.generated == b.generated        # 7 blocks found, the 8th recomputed
+    engine.add_request(engine.make_request("x", p, SamplingParams(max_tokens=3), None))
+    engine.step()
+    seq = engine.scheduler.running[0]
+    assert all(blk not in seq.blocks[7:] for blk in a.blocks)         # a block of its own from the last token on
+
+
+def test_dp2_with_caching_equals_dp1_and_keeps_its_hit_rate(tmp_path, models):
+    """Four groups of four prompts, each group sharing a 30-token prefix, interleaved in the input: dp 2 groups
+    them by prefix when it splits the inputs, so it finds ≥ 90 % of what dp 1 finds; outputs equal caching off."""
+    prompts = [g[i] for i in range(4) for g in (shared_prefix_prompts(4, seed=s) for s in (3, 5, 7, 9))]
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p, "max_tokens": 12} for p in prompts])
+    ref_cfg = dp_config(tmp_path, models["target"], models["draft"], dp=1, M=96, name="ref.yaml",
+                        cache={"enable_prefix_caching": False})
+    run_in_process(ref_cfg, inp, tmp_path / "ref.jsonl")
+    one = dp_config(tmp_path, models["target"], models["draft"], dp=1, M=96, name="one.yaml", cache={"block_size": 4},
+                    max_num_seqs=2)
+    run_in_process(one, inp, tmp_path / "one.jsonl", "--summary-json", tmp_path / "one.json")
+    cfg = dp_config(tmp_path, models["target"], models["draft"], dp=2, M=96, cache={"block_size": 4}, max_num_seqs=2)
+    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
+                   tmp_path / "s.json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = [json.loads(x)["token_ids"] for x in open(tmp_path / "ref.jsonl")]
+    for out in ("one.jsonl", "out.jsonl"):
+        assert [json.loads(x)["token_ids"] for x in open(tmp_path / out)] == ref
+    dp1, dp2 = (json.load(open(tmp_path / f))["prefix_cache"] for f in ("one.json", "s.json"))
+    assert dp1["hits"] >= 4 * 2 * 28 and dp2["hit_rate"] >= 0.9 * dp1["hit_rate"], (dp1, dp2)
+
+
+def test_routing_sends_a_prefix_where_it_is_cached_while_the_load_allows():
+    from specdp_cli.server.routing import PrefixIndex, pick_rank
+
+    index = PrefixIndex(3, 4)
+    a, b = shared_prefix_prompts(6, seed=3), shared_prefix_prompts(6, seed=8)
+    load = [0, 0, 0]
+
+    def send(p, cost=50):
+        r = pick_rank(load, cost, index, p)
+        load[r] += cost
+        return r
+
+    assert send(a[0]) == 0 and send(b[0]) == 1            # nothing cached: the least loaded
+    assert send(a[1]) == 0                                 # rank 0 holds a's prefix and is within one request
+    assert send(a[2]) == 2                                 # rank 0 is two requests ahead: the least loaded
+    assert send(b[1]) == 1 and send(a[3]) in (0, 2)
+    assert pick_rank(load, 50, None, a[4]) == min(range(3), key=lambda r: (load[r], r))
