@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8 OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -378,6 +378,39 @@ moe)
   4) python3 benchmarks/dp_scaling.py --pair /tmp/moepair --method none --runs "1:always,2:always,2:ep,2:always,2:ep" \
        --work /tmp/dpwork-moe --json "$out/dp_scaling_moe.json" 2>&1 | tail -12 ;;
   esac
+  ;;
+fp8)
+  # issue 30 (FP8). PART=1: the FP8 GPU tests, then the block-scaled GEMM against cuBLAS's and bf16 (with a decode
+  # tile sweep). PART=2: the 8B shape bf16 vs FP8 quantized at load (batch 1 and 16, median of 3, greedy agreement),
+  # then the Qwen3-30B-A3B shape bf16 vs FP8 at batch 1 (FP8 rows per decode activation mode, FP8_DECODE_MODES).
+  # Without PART: both; PART=gemm: both without the tests (SWEEP= leaves the tile sweep out).
+  case "${PART:-all}" in 1|all|gemm)
+    [ "${PART:-all}" != gemm ] && timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k fp8 > "$out/gpu_tests_fp8.log" 2>&1
+    [ "${PART:-all}" != gemm ] && tail -15 "$out/gpu_tests_fp8.log"
+    timeout 240 python3 benchmarks/fp8_gemm.py ${SWEEP---sweep} --json "$out/fp8_gemm.json" > "$out/fp8_gemm.log" 2>&1 \
+      || tail -20 "$out/fp8_gemm.log"
+    grep -E "^sweep|^shape|^8b|^a3b" "$out/fp8_gemm.log" ;;
+  esac
+  case "${PART:-all}" in 2|all|gemm)
+    widen || exit 1
+    timeout 330 python3 benchmarks/fp8.py --pair $P --target $W/target --label 8b-shape --prompts 16 --batch1-prompts 8 \
+      --batches 1,16 --repeats 3 --decode-modes ${FP8_DECODE_MODES:-quantize,weight_only} --json "$out/fp8_8b.json" > "$out/fp8_8b.log" 2>&1 || tail -20 "$out/fp8_8b.log"
+    sed -n '/^quant /,$p' "$out/fp8_8b.log"
+    timeout 200 python3 benchmarks/fp8.py --pair $P --moe-shape qwen3_30b_a3b --work /tmp/moe_shapes --prompts 4 \
+      --prompt-len 32 --batches 1 --repeats 3 --decode-modes ${FP8_DECODE_MODES:-quantize,weight_only} --json "$out/fp8_qwen3_30b_a3b.json" > "$out/fp8_moe.log" 2>&1 \
+      || tail -20 "$out/fp8_moe.log"
+    sed -n '/^quant /,$p' "$out/fp8_moe.log" ;;
+  esac
+  ;;
+prefix)
+  # issue 33 / 31 on one GPU: every GPU test (the request fields and prefix caching in CUDA graphs among them), then
+  # prefix caching on the codepair pair: requests sharing a 1,500-token prefix, caching on vs off (TTFT, throughput)
+  timeout ${GPU_TEST_S:-420} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1
+  tail -8 "$out/gpu_tests.log"
+  timeout 200 python3 benchmarks/prefix_cache.py --pair $P --device cuda --prefix 1500 --requests ${REQUESTS:-64} \
+    --max-tokens 32 --max-num-seqs 32 --json "$out/prefix_cache_codepair.json" > "$out/prefix_cache.log" 2>&1 \
+    || tail -20 "$out/prefix_cache.log"
+  grep -v Loading "$out/prefix_cache.log" | tail -5
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

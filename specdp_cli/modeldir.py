@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from .runtime.models.naming import expert_split, layer_index  # noqa: F401 - preflight's too
-from .runtime.models.quant import BlockFP8, QuantizationError, quantization_of
+from .runtime.models.quant import BlockFP8, QuantizationError, quantizable, quantization_of
 from .runtime.models.registry import (UnsupportedModel, architecture_of, attention_kv_shapes,  # noqa: F401
                                       family_of)
 
@@ -165,7 +165,16 @@ class ModelDir:
             return experts_held if ".experts." in name else 1.0
         return sum(v * held(n) for n, v in sizes.items()) / total if total else 1.0
 
-    def weights_per_token(self, dtype: str) -> dict | None:
+    def _loaded_bytes(self, name: str, shape, dtype: str, fp8: bool) -> float:
+        """Bytes of one tensor as loaded: in `dtype`, or with `fp8` (FP8 weights kept FP8) a quantizable weight's
+        one byte an element plus a float32 scale per 128 x 128 block (models/quant.py)."""
+        n = _numel(shape)
+        if fp8 and len(shape) >= 2 and quantizable(name) and not (self.get("model_type") == "gpt_oss"
+                                                                   and ".experts." in name):
+            return n + 4 * (n // (shape[-1] * shape[-2])) * -(-shape[-2] // 128) * -(-shape[-1] // 128)
+        return n * DTYPE_BYTES.get(dtype, 4)
+
+    def weights_per_token(self, dtype: str, fp8: bool = False) -> dict | None:
         """What decoding one token reads of the decoder's weights in `dtype` (safetensors headers; None if
         unknown): `total_bytes` every decoder tensor (the MTP layers past it left out), `active_bytes` the
         same with each MoE layer's routed experts counted top_k of E and the input embedding one row (the
@@ -181,7 +190,7 @@ class ModelDir:
             layer = layer_index(name)
             if (layer is not None and layer >= self.num_layers) or name.endswith("_scale_inv"):
                 continue
-            n = _numel(shape)
+            n = self._loaded_bytes(name, shape, dtype, fp8)
             total += n
             if E and ".experts." in name:
                 active += n * k / E
@@ -189,16 +198,17 @@ class ModelDir:
                 active += n / shape[0]
             else:
                 active += n
-        size = DTYPE_BYTES.get(dtype, 4)
-        return {"active_bytes": int(active * size), "total_bytes": int(total * size),
+        return {"active_bytes": int(active), "total_bytes": int(total),
                 "routed": f"top {k} of {E} experts" if E else None}
 
-    def weight_bytes(self, dtype: str) -> int:
+    def weight_bytes(self, dtype: str, fp8: bool = False) -> int:
         """Bytes of the weights once loaded in `dtype` (files on disk, rescaled from their stored dtype; a block-FP8
-        checkpoint's weights are dequantized at load: its tensors' elements, scales left out, in `dtype`)."""
-        if self.quantization is not None and self.tensor_headers:
-            return sum(_numel(shape) for n, (_, shape) in self.tensor_headers.items()
-                       if not n.endswith("_scale_inv")) * DTYPE_BYTES.get(dtype, 4)
+        checkpoint's weights dequantized at load: its tensors' elements, scales left out, in `dtype`). With `fp8`
+        (a block-FP8 checkpoint kept FP8, or `quantization: fp8` on a GPU with FP8) the quantizable weights count
+        one byte an element plus their block scales."""
+        if (self.quantization is not None or fp8) and self.tensor_headers:
+            return int(sum(self._loaded_bytes(n, shape, dtype, fp8) for n, (_, shape) in self.tensor_headers.items()
+                           if not n.endswith("_scale_inv")))
         on_disk = sum(os.path.getsize(f) for f in self.weight_files)
         stored = DTYPE_BYTES.get(self.stored_dtype, 4)
         return on_disk * DTYPE_BYTES.get(dtype, 4) // stored

@@ -52,6 +52,12 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def fp8_capability() -> Optional[tuple[int, int]]:
+    """GPU 0's compute capability (FP8 tensor cores from 8.9: Ada, Hopper); None without a GPU."""
+    import torch
+    return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
+
+
 def device_memory(device: str) -> Optional[tuple[int, int]]:
     """(free, total) bytes of one device; None on CPU (there the memory estimate is all there is)."""
     if device != "cuda":
@@ -142,10 +148,13 @@ def _memory(cfg: Config, device: str, dtype: str, expert_parallel: bool, target:
     experts = target.num_experts
     # under expert parallelism each rank holds 1/dp of the routed experts (the most any rank holds)
     experts_held = -(-experts // cfg.parallel.data_parallel_size) / experts if expert_parallel else 1.0
-    weights = int(target.weight_bytes(dtype) * target.loaded_share(mtp, experts_held))
+    fp8 = {"target": _fp8(target, cfg.quantization, device, dtype),
+           "drafter": _fp8(drafter, cfg.speculative.quantization, device, dtype) if drafter else None}
+    kept = {role: bool(q and q["loaded_as"] == "float8_e4m3fn") for role, q in fp8.items()}
+    weights = int(target.weight_bytes(dtype, kept["target"]) * target.loaded_share(mtp, experts_held))
     per_token = target.kv_bytes_per_token(dtype)
     if drafter:
-        weights += drafter.weight_bytes(dtype)
+        weights += drafter.weight_bytes(dtype, kept["drafter"])
         per_token += drafter.kv_bytes_per_token(dtype)
     if mtp:                          # the MTP layer caches like one of the target's layers
         per_token += kv_bytes_per_token(target.kv_shapes()[:1], DTYPE_BYTES.get(dtype, 4))
@@ -162,15 +171,28 @@ def _memory(cfg: Config, device: str, dtype: str, expert_parallel: bool, target:
         blocks, source = max(0, int(budget // max(per_token * c.block_size, 1))), "gpu"
     return {"weight_bytes": weights, "kv_bytes_per_token": per_token, "block_size": c.block_size,
             "num_blocks": blocks, "source": source, "device_total": total, "sequence_blocks": per_seq,
-            "weights_per_token": target.weights_per_token(dtype), "quantization": _quantization(target, dtype)}
+            "weights_per_token": target.weights_per_token(dtype, kept["target"]), "quantization": fp8["target"],
+            "drafter_quantization": fp8["drafter"]}
 
 
-def _quantization(target: ModelDir, dtype: str) -> dict | None:
-    """A block-FP8 target as preflight reports it: its block, the dtype its weights are loaded in (dequantized:
-    specdp has no FP8 compute yet) and the matrices the checkpoint keeps in high precision."""
-    q = target.quantization
-    if q is None:
+def _fp8(md: ModelDir, quantization: Optional[str], device: str, dtype: str) -> dict | None:
+    """A block-FP8 model (its checkpoint's, or `quantization: fp8` at load) as preflight reports it: where the
+    FP8 comes from, its block, how its weights load (`float8_e4m3fn`: kept FP8 and computed as W8A8, on a GPU
+    with FP8 in bf16/fp16; else dequantized to `dtype`), the GPU's capability where it has no FP8, and the
+    matrices kept in high precision."""
+    from .runtime.models.quant import quantizable, unquantized_weights
+    q = md.quantization
+    if q is None and quantization != "fp8":
         return None
-    from .runtime.models.quant import unquantized_weights
-    return {"method": "fp8", "weight_block_size": list(q.block), "loaded_as": dtype,
-            "high_precision": unquantized_weights(target.tensor_headers)}
+    cap = fp8_capability() if device == "cuda" else None
+    kept = device == "cuda" and cap is not None and cap >= (8, 9) and dtype in ("bfloat16", "float16")
+    if q is not None:
+        high = unquantized_weights(md.tensor_headers)
+    else:
+        high = sorted({name for name, (_, shape) in md.tensor_headers.items()
+                       if len(shape) >= 2 and not quantizable(name)})
+    return {"method": "fp8", "source": "checkpoint" if q is not None else "on load",
+            "weight_block_size": list(q.block if q is not None else (128, 128)),
+            "loaded_as": "float8_e4m3fn" if kept else dtype,
+            "gpu_capability": f"{cap[0]}.{cap[1]}" if cap and not kept else None,
+            "high_precision": high}

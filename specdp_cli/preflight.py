@@ -427,6 +427,31 @@ def _fmt_bytes(n: float) -> str:
     return f"{n}"
 
 
+def _fp8_finding(role: str, key: str, q: dict, plan: Plan) -> tuple[str, str]:
+    """How a block-FP8 model (plan.memory's quantization) loads: kept FP8 (W8A8) on a GPU with FP8, else
+    dequantized (a GPU without FP8 is warned for an FP8 checkpoint, refused for `quantization: fp8`)."""
+    high = f"{', '.join(q['high_precision']) or 'nothing'} stay{'s' if len(q['high_precision']) == 1 else ''} in high precision"
+    what = (f"FP8 weights ({q['weight_block_size'][0]}x{q['weight_block_size'][1]} blocks)" if q["source"] == "checkpoint"
+            else "linear layers, quantized to FP8 (128x128 blocks) at load,")
+    dtype = plan.dtype
+    if q["loaded_as"] == "float8_e4m3fn":
+        return "ok", (f"The {role}'s {what} stay FP8 on the GPU and compute as W8A8 (activations quantized per token "
+                      f"and 128 columns; counted above at one byte a weight plus the block scales); {high}.")
+    no_fp8 = (f"this GPU (compute capability {q['gpu_capability']}) has no FP8 (8.9+ needed: Ada, Hopper)"
+              if q.get("gpu_capability") else f"FP8 compute needs bfloat16 or float16, not {dtype}")
+    if q["source"] == "checkpoint":
+        if plan.device == "cuda":
+            return "warn", (f"The {role}'s {what} are dequantized to {dtype} at load: {no_fp8}, so they take "
+                            f"{dtype}'s memory (counted above) and speed; {high}.")
+        return "ok", (f"The {role}'s {what} are dequantized to {dtype} at load (FP8 compute needs a CUDA GPU with "
+                      f"compute capability 8.9+; counted above in {dtype}); {high}.")
+    if plan.device == "cuda":
+        return "error", (f"{key}: fp8 quantizes the {role} to FP8 at load, but {no_fp8}: remove {key}"
+                         + (" (or set dtype: bfloat16)." if not q.get("gpu_capability") else "."))
+    return "ok", (f"The {role}'s {what} are dequantized to {dtype} again (the CPU has no FP8: outputs show the "
+                  f"quantization's effect, memory and speed are {dtype}'s); {high}.")
+
+
 def _memory(cfg: Config, plan: Plan, report: Report) -> list[tuple[str, str]]:
     """Weights and the paged KV cache's capacity, in tokens and in full-length sequences (plan.memory)."""
     m = plan.memory
@@ -448,11 +473,10 @@ def _memory(cfg: Config, plan: Plan, report: Report) -> list[tuple[str, str]]:
     where = ("estimate only: no GPU to compare with" if m["source"] == "cpu" or m["device_total"] is None
              else "an estimate; the engine measures it at start")
     out = [("ok", f"{numbers} ({where}).")]
-    q = m.get("quantization")
-    if q:
-        out.append(("ok", f"The target's FP8 weights are dequantized to {q['loaded_as']} at load (specdp has no FP8 "
-                          f"compute yet: they take {q['loaded_as']}'s memory, counted above); the checkpoint keeps "
-                          f"{', '.join(q['high_precision']) or 'nothing'} in high precision."))
+    for role, key, q in (("target", "quantization", m.get("quantization")),
+                         ("drafter", "speculative.quantization", m.get("drafter_quantization"))):
+        if q:
+            out.append(_fp8_finding(role, key, q, plan))
     read = m.get("weights_per_token")
     if read:
         how = f" (routed experts: {read['routed']})" if read["routed"] else ""

@@ -177,3 +177,151 @@ def test_other_quantizations_are_refused(tmp_path, models, fp8, quant, why):
     res = CliRunner().invoke(app, ["validate", "config", str(cfg), "--json"])
     assert res.exit_code == 1
     assert any(why in e for e in json.loads(res.stdout)["errors"]), res.stdout
+
+
+# -- FP8 compute (W8A8 kernels) and `quantization: fp8` ------------------------------------------------------
+
+def _exact_activations(M: int, K: int, seed: int) -> torch.Tensor:
+    """Activations whose 128-column groups quantize without rounding: FP8-representable values times a power of
+    two per group, each group holding +-448 (so its scale is that power of two exactly)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(M, K, generator=g) * 60).to(torch.float8_e4m3fn).float()
+    for c in range(0, K, 128):
+        x[:, c] = 448.0 * torch.sign(torch.randn(M, generator=g)).clamp(min=0).mul(2).sub(1)
+        x[:, c:c + 128] *= 2.0 ** torch.randint(-6, 6, (M, 1), generator=g).float()
+    return x
+
+
+def interpreted_kernel_checks() -> None:
+    """fp8_kernels.py under Triton's interpreter (TRITON_INTERPRET=1, CPU): the quantization's scales and values
+    and the block-scaled GEMM (every tile path: activations quantized inside or before or not at all, split K, per-row
+    weight scales, partial blocks, bias) against float64 torch. Inputs quantize without rounding because the
+    interpreter's float8 conversion rounds some values below a power of two down a binade (the GPU's does not:
+    tests/test_gpu.py checks random inputs there)."""
+    from specdp_cli.runtime import fp8_kernels as fk
+    from specdp_cli.runtime.models.quant import dequantize, quantize_blocks
+
+    x = _exact_activations(5, 300, 0)
+    q, s = fk.quantize_activations(x)
+    assert torch.equal(q.float() * s.repeat_interleave(128, 1)[:, :300], x)
+    q2, s2 = fk.quantize_activations(x, column_major_scales=True)
+    assert s2.stride() == (1, 5) and torch.equal(s2, s) and torch.equal(q2.float(), q.float())
+    for i, (M, N, K, rows, bias, split) in enumerate([(5, 200, 300, 128, True, 1), (3, 64, 512, 1, False, 2),
+                                                      (20, 96, 256, 128, True, 4), (70, 160, 384, 128, False, 1)]):
+        g = torch.Generator().manual_seed(i)
+        wq, ws = quantize_blocks(torch.randn(N, K, generator=g))
+        if rows == 1:
+            ws = ws.repeat_interleave(128, 0)[:N].contiguous() * torch.rand(N, 1, generator=g)
+        x = _exact_activations(M, K, i)
+        b = torch.randn(N, generator=g) if bias else None
+        ref = x.double() @ dequantize(wq, ws, (rows, 128), torch.float64).t() + (b.double() if bias else 0)
+        tile = {**fk.tiles(M, N, K, 132), "SPLIT": split}
+        for xs in (None, fk.quantize_activations(x)[1]):
+            xin = x if xs is None else fk.quantize_activations(x)[0]
+            y = fk.block_fp8_gemm(xin, wq, ws, rows, b, x_scale=xs, out_dtype=torch.float32, tile=tile)
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            assert err < 1e-6, (M, N, K, rows, split, xs is None, err)
+        y = fk.block_fp8_gemm(x, wq, ws, rows, b, out_dtype=torch.float32, tile=tile, mode="weight_only")
+        assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6
+    print("interpreted fp8 kernels: ok")
+
+
+def test_fp8_kernels_under_the_triton_interpreter():
+    import os
+    import subprocess
+    import sys
+
+    here = Path(__file__).parent
+    code = f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; import test_fp8; test_fp8.interpreted_kernel_checks()"
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_fp8_weights_join_and_reorder_exactly():
+    """qkv / gate_up joins and the latent attention's row reorder keep each row's scales (block scales where
+    the parts fill whole blocks, else one per row); dequantized they equal the same ops on dequantized weights."""
+    from specdp_cli.runtime.models.quant import FP8Weight, cat_fp8, quantize_blocks
+
+    g = torch.Generator().manual_seed(1)
+
+    def fp8(n, k):
+        q, s = quantize_blocks(torch.randn(n, k, generator=g))
+        return FP8Weight(q, s, 128, torch.float32)
+
+    a, b, c = fp8(256, 200), fp8(128, 200), fp8(100, 200)
+    whole = cat_fp8([a, b, c])
+    assert whole.rows == 128 and whole.scale.shape == (4, 2)
+    assert torch.equal(whole.dequantize(), torch.cat([a.dequantize(), b.dequantize(), c.dequantize()]))
+    ragged = cat_fp8([c, a])
+    assert ragged.rows == 1 and torch.equal(ragged.dequantize(), torch.cat([c.dequantize(), a.dequantize()]))
+    rows = torch.randperm(256, generator=g)
+    assert torch.equal(a.take_rows(rows).dequantize(), a.dequantize()[rows])
+    stacked = cat_fp8([a, a], stack=True)
+    assert stacked.weight.shape == (2, 256, 200) and torch.equal(stacked.dequantize()[1], a.dequantize())
+
+
+def test_quantization_fp8_on_cpu_equals_transformers_on_the_quantized_weights(tmp_path, models, fp8):
+    """`quantization: fp8` on a float32 checkpoint: its linear layers quantized to 128 x 128 blocks at load and,
+    on the CPU, dequantized again: greedy tokens equal transformers' on a copy quantized the same way (the
+    published layout's rule), with a float32 draft model beside it; preflight says so."""
+    import shutil
+
+    path, ref = fp8["llama"]
+    src = tmp_path / "llama"
+    shutil.copytree(path.parent / "llama", src)
+    cfg, plan = make_config(src, models["draft"], method="draft_model", k=3, M=64, max_num_seqs=4, max_batched=24,
+                            quantization="fp8")
+    q = plan.memory["quantization"]
+    assert q["source"] == "on load" and q["loaded_as"] == "float32" and "lm_head.weight" in q["high_precision"]
+    assert plan.memory["drafter_quantization"] is None
+    engine = make_engine(cfg, plan)
+    prompts = prompts_of_lengths(LENGTHS, seed=7)
+    done = run_engine(engine, prompts, max_tokens=30)
+    check_against_reference(ref, done, prompts, 30, 64, "llama-quantized-at-load")
+    assert engine.counters.spec.num_drafts > 0
+
+
+def test_quantization_fp8_preflight(tmp_path, models, fp8, monkeypatch):
+    """validate config: on the CPU `quantization: fp8` is reported as quantized then dequantized; the drafter's
+    own setting (speculative.quantization) is reported for the drafter; a GPU without FP8 refuses
+    `quantization: fp8` and dequantizes an FP8 checkpoint with a warning; a GPU with FP8 keeps it and counts
+    one byte a quantized weight."""
+    from specdp_cli import plan as plan_mod
+    from specdp_cli.config import validate
+    from specdp_cli.preflight import run_preflight
+
+    src = fp8["llama"][0].parent / "llama"
+    base = {"model": str(src), "max_model_len": 64, "device": "cpu", "dtype": "float32",
+            "speculative": {"method": "draft_model", "model": str(models["draft"]), "num_speculative_tokens": 2,
+                            "quantization": "fp8"}, "quantization": "fp8"}
+    r = run_preflight(validate(base))
+    assert r.ok, r.errors
+    memory = {c.name: c.detail for c in r.checks}["memory"]
+    assert "target's linear layers, quantized to FP8 (128x128 blocks) at load, are dequantized to float32" in memory
+    assert "drafter's linear layers" in memory
+    assert r.plan.memory["drafter_quantization"]["source"] == "on load"
+
+    monkeypatch.setattr(plan_mod, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(plan_mod, "device_memory", lambda device: (80 << 30, 80 << 30))
+    gpu = {**base, "device": "cuda", "dtype": "bfloat16", "speculative": {**base["speculative"], "quantization": None}}
+    monkeypatch.setattr(plan_mod, "fp8_capability", lambda: (8, 0))
+    r = run_preflight(validate(gpu))
+    assert not r.ok and any("quantization: fp8 quantizes the target to FP8 at load, but this GPU (compute "
+                            "capability 8.0) has no FP8" in e for e in r.errors), r.errors
+    r = run_preflight(validate({**gpu, "model": str(fp8["llama"][0]), "quantization": None}))
+    assert any("FP8 weights (128x128 blocks) are dequantized to bfloat16 at load: this GPU (compute capability 8.0)"
+               in w for w in r.warnings), r.warnings + r.errors
+
+    monkeypatch.setattr(plan_mod, "fp8_capability", lambda: (9, 0))
+    r8 = run_preflight(validate(gpu))
+    r16 = run_preflight(validate({**gpu, "quantization": None}))
+    assert r8.to_json()["quantization"]["loaded_as"] == "float8_e4m3fn"
+    assert "compute as W8A8" in {c.name: c.detail for c in r8.checks}["memory"]
+    from specdp_cli.modeldir import ModelDir
+    md = ModelDir.open(str(src), "model")
+    # the quantized weights take 1 byte an element and a float32 scale per 128 x 128 block, the rest bfloat16's 2
+    expected = sum(torch.Size(s).numel() + 4 * -(-s[0] // 128) * -(-s[1] // 128) if "_proj" in n
+                   else 2 * torch.Size(s).numel() for n, (_, s) in md.tensor_headers.items())
+    assert md.weight_bytes("bfloat16", fp8=True) == expected
+    assert r8.plan.memory["weight_bytes"] - r16.plan.memory["weight_bytes"] == expected - md.weight_bytes("bfloat16")

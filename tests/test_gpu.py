@@ -360,3 +360,138 @@ def test_fp8_checkpoint_graphs_equal_eager_float32(models, tmp_path):
         out[eager] = run_engine(cuda_engine(cfg, plan), prompts, max_tokens=30)
     for i, p in enumerate(prompts):
         assert out[False][i].generated == out[True][i].generated == hf_reference(ref, p, min(30, 64 - len(p))), i
+
+
+def _fp8_reference(x, wq, ws, rows, bias=None):
+    """W8A8 in float64: x quantized per token and 128 columns (torch's float8 rounding), both dequantized."""
+    from specdp_cli.runtime.models.quant import dequantize
+    M, K = x.shape
+    G = -(-K // 128)
+    xp = torch.zeros(M, G * 128, device=x.device)
+    xp[:, :K] = x.float()
+    s = (xp.view(M, G, 128).abs().amax(-1) / 448).clamp(min=1e-12)
+    q = (xp.view(M, G, 128) / s[..., None]).clamp(-448, 448).view(M, G * 128)[:, :K].to(torch.float8_e4m3fn)
+    y = dequantize(q, s, (1, 128), torch.float64) @ dequantize(wq, ws, (rows, 128), torch.float64).t()
+    return (y + bias.double() if bias is not None else y), q, s
+
+
+@pytest.mark.parametrize("M", [1, 7, 16, 33, 64, 200])
+def test_fp8_gemm_matches_reference(M):
+    """The block-scaled FP8 GEMM (activations quantized inside for decode sizes, by quantize_activations before
+    it; split K; per-row weight scales; partial blocks; bias) and cuBLAS's where torch has it, against float64
+    W8A8; inside a CUDA graph too."""
+    from specdp_cli.runtime import fp8_kernels as fk
+    from specdp_cli.runtime.models.quant import quantize_blocks
+    g = torch.Generator(device="cuda").manual_seed(M)
+    for N, K, rows, bias in ((4096, 4096, 128, False), (576, 7168, 128, True), (200, 300, 1, True)):
+        x = torch.randn(M, K, device="cuda", generator=g).bfloat16()
+        wq, ws = quantize_blocks(torch.randn(N, K, device="cuda", generator=g))
+        if rows == 1:
+            ws = ws.repeat_interleave(128, 0)[:N].contiguous() * torch.rand(N, 1, device="cuda", generator=g)
+        b = torch.randn(N, device="cuda", generator=g).bfloat16() if bias else None
+        ref, q, s = _fp8_reference(x, wq, ws, rows, b)
+        q2, s2 = fk.quantize_activations(x)
+        assert torch.allclose(s2, s, rtol=1e-6, atol=0) and (q2.float() == q.float()).float().mean() > 0.999
+        for xin, xs in ((x, None), (q2, s2)):
+            y = fk.block_fp8_gemm(xin, wq, ws, rows, b, x_scale=xs, out_dtype=torch.bfloat16)
+            assert rel(y, ref) < 5e-3, (M, N, K, rows, xs is None, rel(y, ref))
+        from specdp_cli.runtime.models.quant import dequantize
+        y = fk.block_fp8_gemm(x, wq, ws, rows, b, mode="weight_only")         # W8A16: x as it is
+        w16 = x.double() @ dequantize(wq, ws, (rows, 128), torch.float64).t() + (b.double() if bias else 0)
+        assert rel(y, w16) < 5e-3, ("weight_only", M, N, K, rows, rel(y, w16))
+        if rows == 128 and K % 128 == 0 and M % 8 == 0 and fk.cublas_supported(x.device):
+            y = fk.cublas_block_fp8_gemm(x, wq, fk.cublas_weight_scale(ws), b)
+            assert rel(y, ref) < 5e-3, ("cublas", M, N, K, rel(y, ref))
+        graph, out = torch.cuda.CUDAGraph(), None
+        eager = fk.fp8_linear(x, wq, ws, rows, b)
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            out = fk.fp8_linear(x, wq, ws, rows, b)
+        graph.replay()
+        assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (16, 64, 4), (300, 8, 2)])
+def test_fp8_routed_expert_kernels_match_reference(tokens, experts, top_k):
+    """The grouped expert kernels reading FP8 experts (weight-only: bf16 activations) equal the bf16 kernels on the
+    dequantized experts to bf16 rounding."""
+    from specdp_cli.runtime.moe_kernels import routed_experts
+    from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    H, I = 512, 384
+    gu_q, gu_s = quantize_blocks(torch.randn(experts, 2 * I, H, device="cuda", generator=g) / 20)
+    d_q, d_s = quantize_blocks(torch.randn(experts, H, I, device="cuda", generator=g) / 20)
+    gate_up, down = FP8Weight(gu_q, gu_s, 128, torch.bfloat16), FP8Weight(d_q, d_s, 128, torch.bfloat16)
+    x = torch.randn(tokens, H, device="cuda", generator=g).bfloat16()
+    w = torch.rand(tokens, top_k, device="cuda", generator=g)
+    idx = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:top_k] for _ in range(tokens)])
+    got = routed_experts(x, w, idx, gate_up, down)
+    ref = routed_experts(x, w, idx, gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16))
+    assert rel(got, ref) < 1e-2, rel(got, ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_fp8_graphs_equal_eager_bf16(models, tmp_path, family):
+    """FP8 kept FP8 on the GPU (bf16 compute): a Llama and a Qwen3-MoE quantized at load (`quantization: fp8`),
+    a DeepSeek-V3 FP8 checkpoint in 128 x 128 blocks with its MTP layer (latent attention's reordered rows, the
+    shared expert, FP8 routed experts). Greedy tokens with graphs equal eager ones."""
+    from helpers import make_deepseek_dir, make_model_dir, make_moe_dir
+    from test_fp8 import fp8_pair
+
+    tok = models["tokenizer"]
+    method, extra = "draft_model", {"quantization": "fp8"}
+    if family == "llama":
+        target = make_model_dir(tmp_path / family, tok, layers=2, seed=11)
+    elif family == "qwen3_moe":
+        target = make_moe_dir(tmp_path / family, tok, "qwen3_moe", seed=4, experts=64, top_k=8, norm_topk_prob=True)
+    else:
+        src = make_deepseek_dir(tmp_path / "ds", tok, seed=3, experts=8, top_k=2, n_group=2, topk_group=1)
+        target, _ = fp8_pair(src, (128, 128))
+        method, extra = "mtp", {}
+    prompts = prompts_of_lengths([3, 9, 17, 26, 33])
+    kw = dict(method=method, k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda", cache=ROOM, dtype="bfloat16")
+    out = {}
+    for eager in (True, False):
+        cfg, plan = make_config(target, models["draft"] if method == "draft_model" else None, enforce_eager=eager,
+                                **kw, **extra)
+        assert plan.memory["quantization"]["loaded_as"] == "float8_e4m3fn"
+        engine = cuda_engine(cfg, plan)
+        from specdp_cli.runtime.models.quant import FP8Weight
+        assert isinstance(engine.target.model.layers[-1].o, FP8Weight)
+        out[eager] = run_engine(engine, prompts, max_tokens=20)
+    for i in range(len(prompts)):
+        assert out[False][i].generated == out[True][i].generated, i
+
+
+def test_request_fields_and_prefix_cache_graphs_equal_eager_float32(models):
+    """What a request asks of the distribution (penalties, bias, min_tokens, a grammar, log-probabilities) and
+    prefix caching on CUDA: a step that asks runs its forwards' graphs one by one and adjusts the verified
+    logits eagerly; greedy float32 tokens equal eager execution's and plain decoding's, and log-probabilities
+    agree."""
+    from pathlib import Path
+
+    from specdp_cli.request_params import check_sampling
+
+    demo = Path(__file__).resolve().parent.parent / "demo" / "pair"
+    grammar = check_sampling({"structured_outputs": {"regex": r"(def|class) [a-z_]{1,10}\([a-z]{0,6}\):"}},
+                             {})["structured_outputs"]
+    asks = [dict(repetition_penalty=1.3, presence_penalty=0.5, logit_bias={7: 3.0}, min_tokens=8, logprobs=2),
+            dict(structured_outputs=grammar)]
+    out = {}
+    for eager in (True, False):
+        cfg, plan = make_config(demo / "target", demo / "draft", k=4, M=256, max_num_seqs=4, max_batched=256,
+                                device="cuda", cache={**ROOM, "block_size": 16}, enforce_eager=eager)
+        engine = cuda_engine(cfg, plan)
+        tok = engine.output.tokenizer
+        shared = tok.encode("import os\nimport sys\nimport json\n" * 6)
+        prompts = [shared + tok.encode(t) for t in ("def add(a, b):\n", "class Point:\n", "for i in x:\n")]
+        for j, kw in enumerate(asks):
+            spec = run_engine(engine, prompts, max_tokens=24, **kw)
+            plain = run_engine(engine, prompts, max_tokens=24, speculative=False, **kw)
+            assert [s.generated for s in spec.values()] == [s.generated for s in plain.values()], (eager, j)
+            out[eager, j] = spec
+        assert engine.pool.hits > 0 and (engine.graphs == 0) == eager
+    for j in range(len(asks)):
+        assert [s.generated for s in out[True, j].values()] == [s.generated for s in out[False, j].values()]
+    for a, b in zip(out[True, 0].values(), out[False, 0].values()):
+        assert max(abs(x[0] - y[0]) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3

@@ -63,10 +63,10 @@ def _align_kernel(idx_ptr, pairs_ptr, block_expert_ptr, count_ptr, rank_ptr, P, 
 
 
 @triton.jit
-def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, P, TOPK, I, H,
-               stride_x, stride_we, stride_wn, stride_be, stride_a, alpha, limit,
+def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr, P, TOPK, I, H,
+               stride_x, stride_we, stride_wn, stride_be, stride_a, stride_wse, stride_wsn, stride_wsk, alpha, limit,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
-               HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+               HAS_BIAS: tl.constexpr, PREC: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr):
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
@@ -81,6 +81,9 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, P, TOP
     xp = x_ptr + tok[:, None] * stride_x + k[None, :]
     wg = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + k[:, None]    # [BLOCK_K, BLOCK_N] of gate
     wu = wg + I * stride_wn                                                           # ... and of up
+    # FP8 weights (W_FP8): their rows' block scales, one per 128 columns (BLOCK_K divides 128)
+    sg = ws_ptr + e.to(tl.int64) * stride_wse + (n // W_ROWS) * stride_wsn
+    su = ws_ptr + e.to(tl.int64) * stride_wse + ((I + n) // W_ROWS) * stride_wsn
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
@@ -88,8 +91,13 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, P, TOP
         a = tl.load(xp, mask=ok[:, None] & k_ok[None, :], other=0.0)
         g = tl.load(wg, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         u = tl.load(wu, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, g, acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, u, acc_u, input_precision=PREC)
+        if W_FP8:       # weight-only FP8: exact fp8 -> bf16/fp16 values, the block's scale on the partial product
+            kb = k0 // 128
+            acc_g += tl.dot(a, g.to(a.dtype)) * tl.load(sg + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            acc_u += tl.dot(a, u.to(a.dtype)) * tl.load(su + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+        else:
+            acc_g = tl.dot(a, g, acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PREC)
         xp += BLOCK_K
         wg += BLOCK_K
         wu += BLOCK_K
@@ -109,10 +117,10 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, P, TOP
 
 
 @triton.jit
-def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, pairs_ptr, block_expert_ptr, y_ptr, P, H, I,
-                 stride_a, stride_we, stride_wn, stride_be, stride_y,
+def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, pairs_ptr, block_expert_ptr, y_ptr, ws_ptr, P, H, I,
+                 stride_a, stride_we, stride_wn, stride_be, stride_y, stride_wse, stride_wsn, stride_wsk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PREC: tl.constexpr, ROUND_W: tl.constexpr):
+                 PREC: tl.constexpr, ROUND_W: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr):
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
@@ -126,12 +134,16 @@ def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, pairs_ptr, block_expert_ptr, y_ptr
     k = tl.arange(0, BLOCK_K)
     ap = a_ptr + row[:, None] * stride_a + k[None, :]
     wp = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + k[:, None]
+    sp = ws_ptr + e.to(tl.int64) * stride_wse + (n // W_ROWS) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_ok = k0 + k < I
         a = tl.load(ap, mask=ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(wp, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PREC)
+        if W_FP8:
+            acc += tl.dot(a, w.to(a.dtype)) * tl.load(sp + (k0 // 128) * stride_wsk, mask=n_ok, other=0.0)[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PREC)
         ap += BLOCK_K
         wp += BLOCK_K
     if HAS_BIAS:
@@ -182,7 +194,15 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     (`round_weights`: rounded to x's dtype first, as Qwen3-MoE does); experts [N, top_k] indices into the held
     experts (outside [0, E'): held elsewhere, skipped); gate_up [E', 2I, hidden] (gate rows, then up rows), down
     [E', hidden, I]; optional biases [E', 2I], [E', hidden]; act "silu" (SiLU-and-mul) or "swiglu_oai" (GPT-OSS's
-    clamped SwiGLU with alpha and limit)."""
+    clamped SwiGLU with alpha and limit). gate_up and down may be FP8 (models/quant.FP8Weight: float8 weights with
+    their 128-column block scales, read as weight-only FP8: the activations stay in x's dtype)."""
+    fp8 = not isinstance(gate_up, torch.Tensor)
+    if fp8:
+        gu_s, gu_rows, gate_up = gate_up.scale, gate_up.rows, gate_up.weight
+        d_s, d_rows, down = down.scale, down.rows, down.weight
+    else:
+        gu_s = d_s = x
+        gu_rows = d_rows = 1
     N, H = x.shape
     K = experts.shape[1]
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
@@ -210,17 +230,19 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     _align_kernel[(1,)](idx, pairs, block_expert, counts, ranks, P, E, max_blocks, BLOCK_M=BM, CHUNK=1024,
                         E_BLOCK=_pow2(E), B_CHUNK=max(16, min(64, 8192 // _pow2(E))), num_warps=4)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    gss = gu_s.stride() if fp8 else (0, 0, 0)
     _up_kernel[(max_blocks, triton.cdiv(I, t["UP_N"]))](
-        x, gate_up, gub, pairs, block_expert, act_out, P, K, I, H,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), gub_stride, act_out.stride(0), float(alpha), float(limit),
-        BLOCK_M=BM, BLOCK_N=t["UP_N"], BLOCK_K=t["BLOCK_K"], ACT=ACT, HAS_BIAS=gate_up_bias is not None, PREC=prec,
-        num_warps=t["warps"], num_stages=t["stages"])
+        x, gate_up, gub, pairs, block_expert, act_out, gu_s, P, K, I, H,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gub_stride, act_out.stride(0), *gss, float(alpha),
+        float(limit), BLOCK_M=BM, BLOCK_N=t["UP_N"], BLOCK_K=t["BLOCK_K"], ACT=ACT, HAS_BIAS=gate_up_bias is not None,
+        PREC=prec, W_FP8=fp8, W_ROWS=gu_rows, num_warps=t["warps"], num_stages=t["stages"])
     y = torch.empty((P, H), dtype=x.dtype, device=dev)
+    dss = d_s.stride() if fp8 else (0, 0, 0)
     _down_kernel[(max_blocks, triton.cdiv(H, t["DOWN_N"]))](
-        act_out, down, db, rw, pairs, block_expert, y, P, H, I,
-        act_out.stride(0), down.stride(0), down.stride(1), db_stride, y.stride(0),
+        act_out, down, db, rw, pairs, block_expert, y, d_s, P, H, I,
+        act_out.stride(0), down.stride(0), down.stride(1), db_stride, y.stride(0), *dss,
         BLOCK_M=BM, BLOCK_N=t["DOWN_N"], BLOCK_K=min(t["BLOCK_K"], _pow2(I)), HAS_BIAS=down_bias is not None,
-        PREC=prec, ROUND_W=round_weights, num_warps=t["warps"], num_stages=t["stages"])
+        PREC=prec, ROUND_W=round_weights, W_FP8=fp8, W_ROWS=d_rows, num_warps=t["warps"], num_stages=t["stages"])
     BLOCK = min(_pow2(H), 1024)
     _sum_kernel[(N, triton.cdiv(H, BLOCK))](y, idx, out, K, H, E, y.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
     return out

@@ -29,6 +29,17 @@ def _triton():
     return triton_kernels
 
 
+def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w^T (+ bias): F.linear for a tensor; for an FP8 weight (models/quant.FP8Weight, kept FP8 only on CUDA
+    devices with FP8) the W8A8 block-scaled GEMM of `fp8_kernels.py` (elsewhere: its dequantized copy)."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    if x.is_cuda:
+        from .fp8_kernels import fp8_linear
+        return fp8_linear(x, w.weight, w.scale, w.rows, bias, w.cublas_scale)
+    return F.linear(x, w.dequantize(x.dtype), bias)
+
+
 # ---------------------------------------------------------------------------------------------
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -129,13 +129,13 @@ class CausalLM:
     def _mlp(layer: Layer, h: torch.Tensor) -> torch.Tensor:
         if layer.moe is not None:
             return layer.moe(h)
-        return F.linear(ops.act_and_mul(F.linear(h, layer.gate_up, layer.gate_up_bias), layer.act), layer.down,
-                        layer.down_bias)
+        return ops.linear(ops.act_and_mul(ops.linear(h, layer.gate_up, layer.gate_up_bias), layer.act), layer.down,
+                          layer.down_bias)
 
     def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
         N = h.shape[0]
         H, KV, D = self.H, self.KV, self.D
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
         if layer.q_norm is not None:
             if layer.qk_norm_whole:
                 q, k = qkv[:, :H * D], qkv[:, H * D:(H + KV) * D]
@@ -147,7 +147,7 @@ class CausalLM:
         ops.rope_and_store(qkv, cos, sin, meta, k_cache, v_cache, H, KV, D)
         q = qkv[:, :H * D].view(N, H, D)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window, layer.sinks)
-        return F.linear(out.reshape(N, -1), layer.o, layer.o_bias)
+        return ops.linear(out.reshape(N, -1), layer.o, layer.o_bias)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head)

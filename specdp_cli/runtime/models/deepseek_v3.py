@@ -20,9 +20,9 @@ from .decoder import CausalLM, Layer, mlp_weights
 from .heads import TargetFeatureHead
 from .llama import refuse_activation
 from .moe import MoE, load_experts
-from .quant import quantization_of
+from .quant import FP8Load, quantization_of
 from .registry import Family, UnsupportedModel
-from .weights import expert_split, rank_experts, read_weights, weight_getter, weights_of
+from .weights import cat_rows, expert_split, rank_experts, read_weights, take_rows, weight_getter, weights_of
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps, whatever rms_norm_eps says
 MLA_NORM_EPS = 1e-6
@@ -86,12 +86,12 @@ class MLA:
         with keys wider than values. Returns [N, H * v] before o_proj."""
         N, H = h.shape[0], model.H
         if self.q_a is None:
-            q = F.linear(h, self.q)
+            q = ops.linear(h, self.q)
         else:
-            q = F.linear(ops.rms_norm(F.linear(h, self.q_a, self.q_a_bias), self.q_a_norm, MLA_NORM_EPS), self.q)
+            q = ops.linear(ops.rms_norm(ops.linear(h, self.q_a, self.q_a_bias), self.q_a_norm, MLA_NORM_EPS), self.q)
         q = q.view(N, H, model.D)
-        latent, k_rope = F.linear(h, self.kv_a, self.kv_a_bias).split([self.kv_a.shape[0] - self.rope, self.rope], -1)
-        kv = F.linear(ops.rms_norm(latent.contiguous(), self.kv_a_norm, MLA_NORM_EPS), self.kv_b).view(N, H, -1)
+        latent, k_rope = ops.linear(h, self.kv_a, self.kv_a_bias).split([self.kv_a.shape[0] - self.rope, self.rope], -1)
+        kv = ops.linear(ops.rms_norm(latent.contiguous(), self.kv_a_norm, MLA_NORM_EPS), self.kv_b).view(N, H, -1)
         k_rope = k_rope.contiguous().view(N, 1, self.rope)
         ops.rotate(q[..., self.nope:], model.cos, model.sin, meta.positions)
         ops.rotate(k_rope, model.cos, model.sin, meta.positions)
@@ -112,7 +112,7 @@ class DeepseekV3LM(CausalLM):
         _use_latent_attention(self, hf_config)
 
     def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
-        return F.linear(layer.mla(self, h, meta, k_cache, v_cache), layer.o, layer.o_bias)
+        return ops.linear(layer.mla(self, h, meta, k_cache, v_cache), layer.o, layer.o_bias)
 
 
 def kv_shapes(config: dict):
@@ -148,7 +148,7 @@ def _moe(c, i: int, p: str, get, path: str, ep) -> MoE:
                            float(c.routed_scaling_factor))
     shared = block + "shared_experts."
     return MoE(route, gate_up, down, True, mine, ep if ep is not None and ep.world > 1 else None,
-               shared_gate_up=torch.cat([get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")]).contiguous(),
+               shared_gate_up=cat_rows(path, get(shared + "gate_proj.weight"), get(shared + "up_proj.weight")),
                shared_down=get(shared + "down_proj.weight"))
 
 
@@ -176,7 +176,7 @@ def _rope_rows_deinterleaved(w: torch.Tensor, blocks: int, block: int, rope_star
     order = torch.cat([torch.arange(rope_start), rope_start + torch.arange(0, rope, 2),
                        rope_start + torch.arange(1, rope, 2)])
     rows = (torch.arange(blocks).view(-1, 1) * block + order).view(-1)
-    return w[rows.to(w.device)].contiguous()
+    return take_rows(w, rows)
 
 
 def _mla_scale(c) -> float:
@@ -217,8 +217,8 @@ class MTPHead(TargetFeatureHead):
     def forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         N = ids.shape[0]
         layer, (k_cache, v_cache) = self.layers[0], self.kv_caches[0]
-        residual = F.linear(torch.cat([ops.rms_norm(F.embedding(ids, self.embed), self.enorm, self.eps),
-                                       ops.rms_norm(self.feats[:N], self.hnorm, self.eps)], -1), self.eh_proj)
+        residual = ops.linear(torch.cat([ops.rms_norm(F.embedding(ids, self.embed), self.enorm, self.eps),
+                                         ops.rms_norm(self.feats[:N], self.hnorm, self.eps)], -1), self.eh_proj)
         a = self._attention(layer, ops.rms_norm(residual, layer.in_norm, self.eps), meta, k_cache, v_cache)
         h = ops.rms_norm(a, layer.mlp_norm, self.eps, residual)          # residual += a
         return residual + self._mlp(layer, h)
@@ -237,7 +237,7 @@ def load_mtp_head(md, target: CausalLM, dtype: torch.dtype, device: torch.device
     prefix = "model." if f"model.{p}eh_proj.weight" in w else ""
     if prefix + p + "eh_proj.weight" not in w:
         raise UnsupportedModel(f"{md.path}: no multi-token-prediction layer (weight model.{p}eh_proj.weight)")
-    get = weight_getter(w, prefix, md.path, dtype, quantization_of(md.config))
+    get = weight_getter(w, prefix, md.path, dtype, quantization_of(md.config), getattr(target, "fp8_load", FP8Load()))
     layer = build_layer(c, i, get, md.path, ep)
     h = target.embed.shape[1]
     eh_proj = get(p + "eh_proj.weight")

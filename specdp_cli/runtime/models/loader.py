@@ -6,22 +6,25 @@ import torch
 from ...modeldir import ModelDir
 from .config import load_config
 from .decoder import CausalLM
-from .quant import quantization_of
+from .quant import fp8_load, quantization_of
 from .registry import UnsupportedModel, family_of
 from .rotary import rotary_tables, sliding_layer_tables
 from .weights import rank_experts, read_weights, weight_getter, weights_of
 
 
-def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int, ep=None) -> CausalLM:
+def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int, ep=None,
+               quantization: str | None = None) -> CausalLM:
     """Load a supported Hugging Face causal LM directory as specdp's decoder. `ep`: the DP group over
-    which a mixture-of-experts model's routed experts are split (each rank reads only its own)."""
+    which a mixture-of-experts model's routed experts are split (each rank reads only its own).
+    `quantization` "fp8": quantize a high-precision checkpoint's linear layers at load (models/quant.py)."""
     md = ModelDir.open(path, "model")
     fam = family_of(md.config)
     c = load_config(path, md.config, fam)
     experts = rank_experts(fam.num_experts(md.config), ep)
     w = read_weights(md.weight_files, device, weights_of(range(c.num_hidden_layers), experts))
-    get = weight_getter(w, "model." if "model.embed_tokens.weight" in w else "", path, dtype,
-                        quantization_of(md.config))
+    quant = quantization_of(md.config)
+    fp8 = fp8_load(quant, quantization, device, dtype, fam.model_type)
+    get = weight_getter(w, "model." if "model.embed_tokens.weight" in w else "", path, dtype, quant, fp8)
     layers = [fam.build_layer(c, i, get, path, ep) for i in range(c.num_hidden_layers)]
     embed = get("embed_tokens.weight")
     norm = get("norm.weight")
@@ -39,7 +42,9 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
         for layer, kind in zip(layers, c.layer_types):
             if kind == "sliding_attention":
                 layer.rope = local
-    return (fam.model_class or CausalLM)(c, layers, embed, norm, lm_head, cos.to(device), sin.to(device))
+    model = (fam.model_class or CausalLM)(c, layers, embed, norm, lm_head, cos.to(device), sin.to(device))
+    model.fp8_load = fp8                     # the MTP layer in the same checkpoint loads the same way
+    return model
 
 
 def load_head(method: str, path: str, target: CausalLM, dtype: torch.dtype, device: torch.device, max_len: int,

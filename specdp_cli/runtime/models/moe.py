@@ -8,10 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from .quant import FP8Weight, cat_fp8
 
 
 def gated_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    return F.linear(ops.silu_and_mul(F.linear(x, gate_up)), down)
+    return ops.linear(ops.silu_and_mul(ops.linear(x, gate_up)), down)
 
 
 @dataclass
@@ -109,10 +110,25 @@ def load_experts(get, block: str, num_experts: int, names: tuple[str, str, str],
     ({block}experts.gate_up_proj [E, 2I, H], {block}experts.down_proj)."""
     fused = get(block + "experts.gate_up_proj", False)
     if fused is not None:
-        return (fused[mine.start:mine.stop].contiguous(),
-                get(block + "experts.down_proj")[mine.start:mine.stop].contiguous())
+        return _held(fused, mine), _held(get(block + "experts.down_proj"), mine)
     g, u, d = names
-    gate_up = torch.stack([torch.cat([get(f"{block}experts.{e}.{g}.weight"), get(f"{block}experts.{e}.{u}.weight")])
-                           for e in mine]).contiguous()
-    down = torch.stack([get(f"{block}experts.{e}.{d}.weight") for e in mine]).contiguous()
+    gate_up = _stack([_cat([get(f"{block}experts.{e}.{g}.weight"), get(f"{block}experts.{e}.{u}.weight")])
+                      for e in mine])
+    down = _stack([get(f"{block}experts.{e}.{d}.weight") for e in mine])
     return gate_up, down
+
+
+# routed experts' weights are tensors or, kept FP8 for the grouped kernels, FP8Weights
+def _held(w, mine: range):
+    if isinstance(w, FP8Weight):
+        return FP8Weight(w.weight[mine.start:mine.stop].contiguous(), w.scale[mine.start:mine.stop].contiguous(),
+                         w.rows, w.dtype)
+    return w[mine.start:mine.stop].contiguous()
+
+
+def _cat(ws: list):
+    return cat_fp8(ws) if isinstance(ws[0], FP8Weight) else torch.cat(ws)
+
+
+def _stack(ws: list):
+    return cat_fp8(ws, stack=True) if isinstance(ws[0], FP8Weight) else torch.stack(ws).contiguous()

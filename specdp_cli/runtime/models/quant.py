@@ -4,9 +4,15 @@ config.json's `quantization_config` says `quant_method: fp8`, `weight_block_size
 published checkpoints) and `activation_scheme: dynamic`. Each quantized linear layer's `weight` [out, in] is
 float8_e4m3fn and its `weight_scale_inv` [ceil(out / bm), ceil(in / bn)] float32 holds one scale per block:
 the layer's real weight is weight * scale, block by block. Embeddings, norms, the LM head and the routers are
-stored unquantized (as their own dtype says). specdp reads such checkpoints by dequantizing each FP8 weight to the
-compute dtype as it loads it (exact: the same numbers a dequantized copy of the checkpoint holds). Torch-free at
-import: preflight reads it.
+stored unquantized (as their own dtype says).
+
+How specdp loads them (`FP8Load`): on a CUDA device with FP8 (compute capability >= 8.9) in bf16/fp16 the
+quantized weights stay FP8 (`FP8Weight`, computed as W8A8 by `runtime/fp8_kernels.py` through `ops.linear`);
+elsewhere (CPU, older GPUs, float32) each is dequantized to the compute dtype as it loads (exact: the same
+numbers a dequantized copy of the checkpoint holds). `quantization: fp8` in the config quantizes a
+high-precision checkpoint's quantizable weights (`quantizable`) to the same 128 x 128 block format at load
+(`quantize_blocks`); where weights are not kept FP8 they are dequantized again, so a CPU run shows the effect
+of the quantization. Torch-free at import: preflight reads it.
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ if TYPE_CHECKING:
     import torch
 
 FP8_DTYPES = ("F8_E4M3",)          # safetensors' name of float8_e4m3fn
+FP8_MAX = 448.0                    # float8_e4m3fn's largest finite value
+ON_LOAD_BLOCK = (128, 128)         # the block `quantization: fp8` quantizes to (the published checkpoints')
 
 
 @dataclass(frozen=True)
@@ -75,3 +83,121 @@ def unquantized_weights(headers: dict[str, tuple[str, list[int]]]) -> list[str]:
     names = {_NUMBERED.sub(".*.", n) for n, (dt, shape) in headers.items()
              if len(shape) >= 2 and dt not in FP8_DTYPES and not n.endswith("_scale_inv")}
     return sorted(names)
+
+
+# -- FP8 weights kept FP8 ------------------------------------------------------------------------------------
+
+_LINEAR = re.compile(r"(self_attn\.|mlp\.|block_sparse_moe\.)(.*\.)?[a-z0-9_]*_proj(_with_mqa)?\.weight$"
+                     r"|\.eh_proj\.weight$|block_sparse_moe\.experts\.\d+\.w[123]\.weight$"
+                     r"|mlp\.experts\.(gate_up_proj|down_proj)$")
+_ROUTED = re.compile(r"\.experts\.(\d+\.|gate_up_proj$|down_proj$)")
+
+
+def quantizable(name: str) -> bool:
+    """Whether `name` is a linear layer's weight that FP8 checkpoints quantize and `quantization: fp8` quantizes:
+    attention projections (incl. latent attention's), dense, shared and routed experts' projections, the MTP
+    layer's eh_proj. Never the embeddings, norms, LM heads or routers (mlp.gate)."""
+    return bool(_LINEAR.search(name))
+
+
+def routed_expert(name: str) -> bool:
+    return bool(_ROUTED.search(name))
+
+
+@dataclass(frozen=True)
+class FP8Load:
+    """How a model's weights load. keep: FP8 weights stay FP8 (a GPU with FP8 compute); else they are dequantized
+    to the compute dtype. quantize: `quantization: fp8`, quantize the quantizable high-precision weights (128 x
+    128 blocks). experts: routed experts stay FP8 too (their grouped kernels read FP8)."""
+    keep: bool = False
+    quantize: bool = False
+    experts: bool = False
+
+
+def fp8_compute(device, dtype) -> bool:
+    """Whether FP8 weights stay FP8 on `device` in `dtype`: a CUDA device with FP8 tensor cores (compute
+    capability >= 8.9: Ada, Hopper and later) computing in bf16 or fp16."""
+    import torch
+
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def fp8_load(checkpoint: BlockFP8 | None, quantization: str | None, device, dtype, model_type: str) -> FP8Load:
+    """How a model loads: its checkpoint's FP8 (or `quantization: fp8` for a high-precision one) kept FP8 where
+    `fp8_compute`; routed experts FP8 too except GPT-OSS's (its own expert layout)."""
+    on_load = quantization == "fp8" and checkpoint is None
+    keep = (checkpoint is not None or on_load) and fp8_compute(device, dtype)
+    return FP8Load(keep=keep, quantize=on_load, experts=keep and model_type != "gpt_oss")
+
+
+@dataclass
+class FP8Weight:
+    """A linear layer's FP8 weight: `weight` [..., N, K] float8_e4m3fn and `scale` [..., ceil(N / rows),
+    ceil(K / 128)] float32 (the checkpoint's weight_scale_inv: real weight = weight * scale per block); `rows` is
+    128 as stored, 1 once rows were reordered at load (one scale row per weight row). `dtype`: the compute dtype.
+    `cublas_scale`: the scales in the layout of cuBLAS's block-scaled GEMM (fp8_kernels), where it applies."""
+    weight: torch.Tensor
+    scale: torch.Tensor
+    rows: int
+    dtype: torch.dtype
+    cublas_scale: torch.Tensor | None = None
+
+    @property
+    def shape(self):
+        return self.weight.shape
+
+    @property
+    def device(self):
+        return self.weight.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.scale.nbytes
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize(self.weight, self.scale, (self.rows, 128), dtype or self.dtype)
+
+    def per_row(self) -> FP8Weight:
+        """The same weight with one scale row per weight row (rows 1), so that rows can be reordered or joined."""
+        if self.rows == 1:
+            return self
+        n = self.weight.shape[-2]
+        return FP8Weight(self.weight, self.scale.repeat_interleave(self.rows, -2)[..., :n, :].contiguous(), 1,
+                         self.dtype)
+
+    def take_rows(self, index: torch.Tensor) -> FP8Weight:
+        w = self.per_row()
+        return FP8Weight(w.weight[..., index, :].contiguous(), w.scale[..., index, :].contiguous(), 1, self.dtype)
+
+
+def cat_fp8(parts: list[FP8Weight], stack: bool = False) -> FP8Weight:
+    """FP8 weights joined along their rows (q, k, v -> qkv), or with `stack` along a new leading dim (experts):
+    block scales kept where every part's rows fill whole blocks, else one scale row per weight row."""
+    import torch
+
+    if stack:
+        return FP8Weight(torch.stack([p.weight for p in parts]).contiguous(),
+                         torch.stack([p.scale for p in parts]).contiguous(), parts[0].rows, parts[0].dtype)
+    rows = parts[0].rows
+    if any(p.rows != rows or p.weight.shape[-2] % rows for p in parts[:-1]) or any(p.rows != rows for p in parts):
+        parts, rows = [p.per_row() for p in parts], 1
+    return FP8Weight(torch.cat([p.weight for p in parts], -2).contiguous(),
+                     torch.cat([p.scale for p in parts], -2).contiguous(), rows, parts[0].dtype)
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = ON_LOAD_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (float8_e4m3fn weight, float32 scales [..., ceil(N / bm), ceil(K / bn)]) as the published
+    checkpoints hold them: each block's scale is its largest magnitude over FP8's largest value (computed in
+    float32 on w's device)."""
+    import torch
+
+    bm, bn = block
+    *lead, n, k = w.shape
+    R, C = -(-n // bm), -(-k // bn)
+    padded = torch.zeros((*lead, R * bm, C * bn), dtype=torch.float32, device=w.device)
+    padded[..., :n, :k] = w
+    blocks = padded.view(*lead, R, bm, C, bn)
+    scale = blocks.abs().amax(dim=(-3, -1)).clamp(min=1e-12) / FP8_MAX
+    q = (blocks / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX).view(*lead, R * bm, C * bn)
+    return q[..., :n, :k].to(torch.float8_e4m3fn).contiguous(), scale

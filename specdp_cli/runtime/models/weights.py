@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from .naming import expert_split, layer_index
-from .quant import BlockFP8, dequantize
+from .quant import BlockFP8, FP8Load, FP8Weight, cat_fp8, dequantize, quantizable, quantize_blocks, routed_expert
 from .registry import UnsupportedModel
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")      # routed experts only: ".shared_experts." does not match
@@ -52,10 +52,29 @@ def rank_experts(num_experts: int, ep) -> set[int] | None:
 
 
 def weight_getter(w: dict[str, torch.Tensor], prefix: str, path: str, dtype: torch.dtype,
-                  quant: BlockFP8 | None = None):
-    """`get(name, required=True, as_dtype=None)`: takes weight `prefix + name` out of `w`, in `dtype`; a float8
-    weight of a block-FP8 checkpoint (`quant`) is dequantized with its `weight_scale_inv`."""
-    def get(name: str, required: bool = True, as_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+                  quant: BlockFP8 | None = None, fp8: FP8Load = FP8Load()):
+    """`get(name, required=True, as_dtype=None)`: takes weight `prefix + name` out of `w`, in `dtype`. A float8
+    weight of a block-FP8 checkpoint (`quant`) comes with its `weight_scale_inv`; with `fp8.quantize` the
+    quantizable high-precision weights are quantized to 128 x 128 blocks first. Either stays FP8 (an FP8Weight)
+    where `fp8.keep` says so (routed experts only with `fp8.experts`), else is dequantized to `dtype`."""
+    def fp8_weight(name: str, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                   as_dtype: torch.dtype | None):
+        keep = (fp8.keep and as_dtype is None and block[1] == 128 and quantizable(name)
+                and (fp8.experts or not routed_expert(name)))
+        try:
+            if not keep:
+                return dequantize(q, scale, block, as_dtype or dtype)
+        except ValueError as e:
+            raise UnsupportedModel(f"{path}: {prefix + name}: {e}") from None
+        scale = scale.float().contiguous()
+        cublas = None
+        if block[0] == 128 and q.dim() == 2 and q.is_cuda:
+            from ..fp8_kernels import cublas_supported, cublas_weight_scale
+            # tried here, at load: the trial synchronizes, which a CUDA graph's capture must not
+            cublas = cublas_weight_scale(scale) if cublas_supported(q.device) else None
+        return FP8Weight(q.contiguous(), scale, block[0], dtype, cublas)
+
+    def get(name: str, required: bool = True, as_dtype: torch.dtype | None = None):
         t = w.pop(prefix + name, None)
         if t is None:
             if required:
@@ -67,12 +86,20 @@ def weight_getter(w: dict[str, torch.Tensor], prefix: str, path: str, dtype: tor
                 raise UnsupportedModel(f"{path}: weight {prefix + name} is float8 but "
                                        + ("config.json has no quantization_config" if quant is None
                                           else f"{prefix + name}_scale_inv is missing"))
-            try:
-                return dequantize(t, scale, quant.block, as_dtype or dtype)
-            except ValueError as e:
-                raise UnsupportedModel(f"{path}: {prefix + name}: {e}") from None
+            return fp8_weight(name, t, scale, quant.block, as_dtype)
+        if fp8.quantize and as_dtype is None and t.dim() >= 2 and quantizable(name) and (
+                fp8.experts or not routed_expert(name) or not fp8.keep):
+            q, scale = quantize_blocks(t)
+            return fp8_weight(name, q, scale, (128, 128), None)
         return t.to(as_dtype or dtype)
     return get
+
+
+def take_rows(w, rows: torch.Tensor):
+    """w's rows (a tensor's first dim, an FP8 weight's rows with their scales) in the order `rows`."""
+    if isinstance(w, FP8Weight):
+        return w.take_rows(rows.to(w.device))
+    return w[rows.to(w.device)].contiguous()
 
 
 def cat_rows(path: str, *ts: torch.Tensor | None) -> torch.Tensor | None:
@@ -81,4 +108,7 @@ def cat_rows(path: str, *ts: torch.Tensor | None) -> torch.Tensor | None:
         return None
     if any(t is None for t in ts):
         raise UnsupportedModel(f"{path}: some projections of a layer have a bias and others not")
+    if all(isinstance(t, FP8Weight) for t in ts):
+        return cat_fp8(list(ts))
+    ts = [t.dequantize() if isinstance(t, FP8Weight) else t for t in ts]
     return torch.cat(ts, 0).contiguous()

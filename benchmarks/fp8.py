@@ -1,0 +1,137 @@
+"""FP8 against bf16 end to end: the same target loaded as stored (bf16) and with `quantization: fp8` (its linear
+layers quantized at load to 128 x 128 block FP8, computed as W8A8), greedy, `none` (target-only decoding) through
+offline.py's engine loop. Per batch size a row per quantization: tok/s as the median of --repeats runs, and for
+FP8 the greedy agreement with bf16 at the same batch size (share of prompts whose tokens are identical, and
+where the others first diverge).
+
+Targets: --target DIR (e.g. the 8B shape, benchmarks/widen.py), or --moe-shape qwen3_30b_a3b (built at random by
+moe_shapes.py into --work; prompts cut to --prompt-len tokens so decoding dominates).
+
+Usage: python benchmarks/fp8.py --pair .bench/codepair (--target DIR | --moe-shape qwen3_30b_a3b --work DIR)
+           [--prompts 16] [--batches 1,16] [--new 128] [--repeats 3] --json OUT.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import offline  # noqa: E402
+from specdp_cli.config import validate  # noqa: E402
+from specdp_cli.preflight import run_preflight  # noqa: E402
+from specdp_cli.runtime.dist import DPGroup  # noqa: E402
+from specdp_cli.runtime.engine import Engine  # noqa: E402
+from workloads import heldout  # noqa: E402
+
+
+def build(a, target: str, tokenizer: str, quantization: str | None, max_seqs: int) -> tuple[Engine, dict]:
+    cfg = validate({"model": target, "tokenizer": tokenizer, "dtype": "bfloat16", "device": "cuda",
+                    "max_model_len": a.max_model_len, "quantization": quantization,
+                    "speculative": {"method": "none"},
+                    "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": 8192}})
+    report = run_preflight(cfg)
+    assert report.ok, report.errors
+    return Engine(cfg, report.plan, DPGroup.solo(), torch.device("cuda", 0)), report.plan.memory
+
+
+def agreement(outs: list[list[int]], ref: list[list[int]]) -> dict:
+    """Share of identical outputs; for the others the first position where they differ."""
+    same = sum(o == r for o, r in zip(outs, ref))
+    first = [next((i for i, (x, y) in enumerate(zip(o, r)) if x != y), min(len(o), len(r)))
+             for o, r in zip(outs, ref) if o != r]
+    return {"identical": f"{same}/{len(ref)}", "identical_share": same / len(ref), "first_divergence": first,
+            "first_divergence_median": statistics.median(first) if first else None}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pair", required=True)
+    ap.add_argument("--target")
+    ap.add_argument("--moe-shape")
+    ap.add_argument("--work", default="/tmp/moe_shapes")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=0, help="cut prompts to this many tokens (0: whole)")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--batch1-prompts", type=int, default=0, help="prompts at batch 1 (0: --prompts)")
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--decode-modes", default="quantize",
+                    help="fp8 rows per decode activation mode of fp8_kernels (quantize, fused, weight_only)")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    tokenizer = os.path.join(a.pair, "tokenizer")
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    target = a.target
+    if a.moe_shape:
+        import moe_shapes
+        ns = SimpleNamespace(work=a.work, pair=a.pair, deepseek_layers=2, tiny=False)
+        model, pair = moe_shapes.build(a.moe_shape, ns, tok)
+        del model
+        torch.cuda.empty_cache()
+        target = os.path.join(pair, "target")
+    texts = (heldout(a.pair) * (a.prompts // len(heldout(a.pair)) + 1))[:a.prompts]
+    prompts = [tok(t)["input_ids"][:a.prompt_len or None] for t in texts]
+    batches = [int(b) for b in a.batches.split(",")]
+    bw = offline.copy_bandwidth()
+    rows, ref = [], {}
+    from specdp_cli.runtime import fp8_kernels
+    for quant, mode in [(None, None)] + [("fp8", m) for m in a.decode_modes.split(",")]:
+        if mode:
+            fp8_kernels.DECODE_MODE = mode
+        t = time.perf_counter()
+        engine, memory = build(a, target, tokenizer, quant, max(batches))
+        build_s = time.perf_counter() - t
+        for B in batches:
+            use = prompts[:a.batch1_prompts] if B == 1 and a.batch1_prompts else prompts
+            engine.scheduler.max_num_seqs = B
+            offline.run(engine, use[:2], 4)                                   # warm-up
+            runs, outs = [], None
+            for _ in range(a.repeats):
+                done, secs = offline.run(engine, use, a.new)
+                runs.append(sum(len(s.generated) for s in done.values()) / secs)
+                outs = [done[i].generated for i in range(len(use))]
+            row = {"label": a.label or os.path.basename(os.path.dirname(target.rstrip("/"))) or target,
+                   "quantization": quant or "bf16", "decode_mode": mode, "batch": B, "tok_s": statistics.median(runs), "runs": runs,
+                   "prompts": len(use), "new_tokens": a.new, "weight_bytes": memory["weight_bytes"],
+                   "active_bytes": (memory.get("weights_per_token") or {}).get("active_bytes"),
+                   "build_s": build_s, "graphs": engine.graphs}
+            if quant is None:
+                ref[B] = outs
+            else:
+                row["greedy_vs_bf16"] = agreement(outs, ref[B])
+                row["speedup_vs_bf16"] = row["tok_s"] / next(r["tok_s"] for r in rows
+                                                             if r["batch"] == B and r["quantization"] == "bf16")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__, "copy_bandwidth_Bps": bw, "target": target,
+            "argv": sys.argv[1:]}
+    with open(a.json, "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    print(f"{'quant':<6}{'decode':>12}{'batch':>6}{'tok/s':>10}{'x bf16':>8}{'GB read':>9}{'identical':>11}{'1st diff (median)':>19}")
+    for r in rows:
+        g = r.get("greedy_vs_bf16") or {}
+        print(f"{r['quantization']:<6}{str(r['decode_mode'] or '-'):>12}{r['batch']:>6}{r['tok_s']:>10.1f}{r.get('speedup_vs_bf16', 1.0):>8.2f}"
+              f"{(r['active_bytes'] or 0) / 1e9:>9.2f}{g.get('identical', '-'):>11}"
+              f"{str(g.get('first_divergence_median', '-')):>19}")
+    if bw:
+        print(f"device copy bandwidth {bw / 1e12:.2f} TB/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The block-scaled FP8 GEMM (runtime/fp8_kernels.py) against cuBLAS's (torch's scaled_mm with 1x128 / 128x128
+block scales, where this torch and GPU run it) and against bf16 F.linear, at decode and prefill row counts, on
+the 8B shape's (Llama-3-8B) and the Qwen3-30B-A3B shape's dense projections. Each time is triton.testing.do_bench's
+median (activation quantization included: what a layer pays); GB/s counts the weight bytes read once.
+With --sweep, decode tiles (BLOCK_N x split K x stages) at M = 1 and 16.
+
+Usage: python benchmarks/fp8_gemm.py [--rows 1,16,64,256,2048] [--sweep] --json OUT.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from specdp_cli.runtime import fp8_kernels as fk  # noqa: E402
+from specdp_cli.runtime.models.quant import quantize_blocks  # noqa: E402
+
+SHAPES = {"8b.qkv": (6144, 4096), "8b.o": (4096, 4096), "8b.gate_up": (28672, 4096), "8b.down": (4096, 14336),
+          "a3b.qkv": (5120, 2048), "a3b.o": (2048, 4096)}
+
+
+def bench(fn, calls: int = 20) -> float:
+    """ms per call: `calls` calls captured in one CUDA graph (as the engine runs them: no host launch cost),
+    the graph replayed under do_bench (median)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median") / calls
+
+
+def quantized(x, wq, ws):
+    x_q, x_s = fk.quantize_activations(x)
+    return fk.block_fp8_gemm(x_q, wq, ws, 128, x_scale=x_s, out_dtype=x.dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,16,64,256,2048")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    cublas = fk.cublas_supported(dev)
+    rows = []
+    for name, (N, K) in SHAPES.items():
+        w = torch.randn(N, K, device=dev, dtype=torch.bfloat16) / 30
+        wq, ws = quantize_blocks(w)
+        wcs = fk.cublas_weight_scale(ws)
+        for M in [int(m) for m in a.rows.split(",")]:
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            r = {"shape": name, "N": N, "K": K, "M": M,
+                 "bf16_ms": bench(lambda: F.linear(x, w)),
+                 "triton_ms": bench(lambda: quantized(x, wq, ws)),
+                 "fused_ms": bench(lambda: fk.block_fp8_gemm(x, wq, ws, 128)) if M <= 64 else None,
+                 "w8a16_ms": bench(lambda: fk.block_fp8_gemm(x, wq, ws, 128, mode="weight_only")) if M <= 64 else None,
+                 "cublas_ms": bench(lambda: fk.cublas_block_fp8_gemm(x, wq, wcs)) if cublas and M % 8 == 0 else None}
+            r["triton_GBps"] = (N * K + M * K * 2) / r["triton_ms"] / 1e6
+            r["bf16_GBps"] = (2 * N * K + M * K * 2) / r["bf16_ms"] / 1e6
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    print_table(rows)
+    sweep = []
+    if a.sweep:
+        for name in ("8b.o", "8b.down", "8b.qkv"):
+            N, K = SHAPES[name]
+            wq, ws = quantize_blocks(torch.randn(N, K, device=dev) / 30)
+            for M in (1, 16):
+                x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+                for bn in (16, 32, 64):
+                    for split in (1, 2, 4, 8):
+                        for stages in (4,):
+                            t = dict(BLOCK_M=16, BLOCK_N=bn, SPLIT=split, warps=4, stages=stages, GROUP_M=1)
+                            x_q, x_s = fk.quantize_activations(x)
+                            try:
+                                ms = bench(lambda: fk.block_fp8_gemm(x_q, wq, ws, 128, x_scale=x_s, tile=t,
+                                                                     out_dtype=torch.bfloat16))
+                            except Exception as e:  # noqa: BLE001 - a tile that does not compile is skipped
+                                print(f"skip {t}: {type(e).__name__}")
+                                continue
+                            sweep.append({"shape": name, "M": M, "BLOCK_N": bn, "SPLIT": split, "stages": stages,
+                                          "ms": ms, "GBps": N * K / ms / 1e6})
+                best = min((s for s in sweep if s["shape"] == name and s["M"] == M), key=lambda s: s["ms"])
+                print(f"sweep {name} M={M}: best {best}", flush=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "triton": triton.__version__, "cublas_block_scaled": cublas, "argv": sys.argv[1:]}
+    with open(a.json, "w") as fh:
+        json.dump({"meta": meta, "rows": rows, "sweep": sweep}, fh, indent=1)
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'shape':<12}{'M':>6}{'bf16 us':>10}{'triton us':>11}{'fused us':>10}{'w8a16 us':>10}{'cublas us':>11}"
+          f"{'triton GB/s':>13}{'bf16 GB/s':>11}")
+
+    def us(v):
+        return f"{v * 1e3:.1f}" if v is not None else "-"
+    for r in rows:
+        print(f"{r['shape']:<12}{r['M']:>6}{us(r['bf16_ms']):>10}{us(r['triton_ms']):>11}{us(r['fused_ms']):>10}"
+              f"{us(r['w8a16_ms']):>10}{us(r['cublas_ms']):>11}{r['triton_GBps']:>13.0f}{r['bf16_GBps']:>11.0f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""W8A8 block-scaled FP8 linear layers on CUDA (compute capability >= 8.9; tuned on Hopper).
+
+A weight W [N, K] is float8_e4m3fn with one float32 scale per block of `rows` x 128 (`rows` 128 as the
+checkpoints store it, 1 once rows were reordered at load): W's real value is W_q * scale, block by block.
+Activations are quantized dynamically, per token and 128-column group: x ~ x_q * x_scale, x_scale =
+amax(group) / 448. Then y = sum over the K groups g of (x_q[:, g] @ W_q[:, g]^T) * x_scale[:, g] * w_scale[n, g]
+(+ bias), accumulated in float32, written in the activations' dtype.
+
+- `quantize_activations`: the per-token, per-group quantization (one kernel; the scales may be written
+  column-major, the layout cuBLAS's block-scaled GEMM wants).
+- `_gemm_kernel`: the block-scaled GEMM over float8 activations and their scales (A_MODE 0); A_MODE 1 reads
+  bf16/fp16 activations and quantizes each [BLOCK_M, 128] tile itself (the same numbers as
+  `quantize_activations`), A_MODE 2 uses them as they are (weight-only W8A16). Decode tiles are
+  thin in N and split K over several programs when there are too few column blocks to fill the device;
+  the partial sums go to a float32 workspace that `_splitk_sum_kernel` adds up (no atomics: deterministic).
+- `fp8_linear(x, w, bias)`: decode sizes (M <= 64) quantize the activations with `quantize_activations` and run
+  the Triton GEMM; from `CUBLAS_FROM_M` rows cuBLAS's block-scaled GEMM through torch's scaled_mm (M padded to a
+  multiple of 8), where this torch and GPU have it. benchmarks/fp8_gemm.py measures all of them (H200, CUDA
+  graphs: the Triton GEMM 1.4-1.65x bf16 at M = 1 on the 8B's large projections, cuBLAS's fastest at 2048 rows;
+  quantizing inside the GEMM was slowest: a row reduction and a layout change in every K step).
+Every size is fixed by the shapes and nothing reads device memory on the host: a CUDA graph holds them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0                 # float8_e4m3fn's largest finite value
+GROUP = 128                     # activation group and weight block width along K
+_MIN_SCALE = 1e-12              # an all-zero group gets this scale (its values quantize to 0 either way)
+
+
+@triton.jit
+def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg,
+                  GROUP_SIZE: tl.constexpr, GROUPS: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    c = tl.arange(0, GROUP_SIZE)
+    col = g[:, None] * GROUP_SIZE + c[None, :]
+    ok = col < K
+    x = tl.load(x_ptr + m * stride_x + col, mask=ok, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), 1) / 448.0, 1e-12)
+    q = tl.clamp(x / s[:, None], -448.0, 448.0)
+    tl.store(q_ptr + m * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + m * stride_sm + g * stride_sg, s, mask=g * GROUP_SIZE < K)
+
+
+def quantize_activations(x: torch.Tensor, column_major_scales: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x_q [M, K] float8_e4m3fn, scales [M, ceil(K / 128)] float32), x ~ x_q * scale per group.
+    `column_major_scales`: the scales' memory is [groups, M] (stride (1, M)), as torch's scaled_mm wants."""
+    M, K = x.shape
+    G = triton.cdiv(K, GROUP)
+    q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
+    s = (torch.empty((G, M), dtype=torch.float32, device=x.device).t() if column_major_scales
+         else torch.empty((M, G), dtype=torch.float32, device=x.device))
+    if M:
+        per = min(8, triton.next_power_of_2(G))
+        _quant_kernel[(M, triton.cdiv(G, per))](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+                                                GROUP_SIZE=GROUP, GROUPS=per, num_warps=4)
+    return q, s
+
+
+@triton.jit
+def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, M, N, K, k_blocks_per_split,
+                 stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm,
+                 B_ROWS: tl.constexpr, A_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                 EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    # program -> (row block, column block), grouped so that GROUP_M row blocks share the weights in L2
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    m_ok = m < M
+    n_ok = n < N
+    kb0 = split * k_blocks_per_split
+    a_ptrs = a_ptr + m.to(tl.int64)[:, None] * stride_am + (kb0 * BLOCK_K + k)[None, :]
+    b_ptrs = b_ptr + n.to(tl.int64)[None, :] * stride_bn + (kb0 * BLOCK_K + k)[:, None]
+    bs_ptrs = bs_ptr + (n // B_ROWS) * stride_bsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(kb0, tl.minimum(kb0 + k_blocks_per_split, tl.cdiv(K, BLOCK_K))):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = kb * BLOCK_K + k < K
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
+        if A_MODE == 2:    # weight-only: bf16/fp16 activations, the weights' exact fp8 values in that dtype
+            acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
+        else:
+            if A_MODE == 1:    # this tile's per-row group scales and fp8 values, as _quant_kernel computes them
+                af = a.to(tl.float32)
+                a_s = tl.maximum(tl.max(tl.abs(af), 1) / 448.0, 1e-12)
+                a = tl.clamp(af / a_s[:, None], -448.0, 448.0).to(b_ptr.dtype.element_ty)
+            else:
+                a_s = tl.load(as_ptr + m * stride_asm + kb * stride_asg, mask=m_ok, other=0.0)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    ok = m_ok[:, None] & n_ok[None, :]
+    out = c_ptr + split * stride_cs + m.to(tl.int64)[:, None] * stride_cm + n[None, :]
+    if SPLIT:            # float32 partial sums; _splitk_sum_kernel adds the bias and casts
+        tl.store(out, acc, mask=ok)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _splitk_sum_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        acc += tl.load(ws_ptr + s * MN + i, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(c_ptr + i, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    if device.index not in _SMS:
+        _SMS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device.index]
+
+
+_SMS: dict = {}
+
+
+def tiles(M: int, N: int, K: int, sms: int) -> dict:
+    """Tiles by the number of rows M. Decode (M <= 64): BLOCK_M 16 (the smallest tensor-core tile), thin
+    column blocks, and K split so that about 2 programs per SM stream the weights; prefill: 64 x 128 tiles."""
+    k_blocks = triton.cdiv(K, GROUP)
+    if M <= 64:
+        bn = 32 if N >= 2048 else 16
+        programs = triton.cdiv(M, 16) * triton.cdiv(N, bn)
+        split = 1
+        while programs * split < 2 * sms and k_blocks >= 8 * split:
+            split *= 2
+        return dict(BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=bn, SPLIT=split, warps=4, stages=4,
+                    GROUP_M=1)
+    return dict(BLOCK_M=64 if M <= 128 else 128, BLOCK_N=128, SPLIT=1, warps=8 if M > 128 else 4, stages=3,
+                GROUP_M=8)
+
+
+def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows: int,
+                   bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None, tile: dict | None = None, mode: str = "fused") -> torch.Tensor:
+    """y [M, N] = dequant(x) @ dequant(weight)^T (+ bias). x [M, K]: with `x_scale` [M, ceil(K / 128)] already
+    float8; else bf16/fp16/fp32 activations, `mode` "fused": quantized per token and 128-group inside the kernel,
+    "weight_only": kept as they are (W8A16). weight [N, K] float8_e4m3fn with `scale` [ceil(N / rows), ceil(K / 128)]
+    float32."""
+    M, K = x.shape
+    N = weight.shape[0]
+    out_dtype = out_dtype or x.dtype
+    out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    if M == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    t = tile or tiles(M, N, K, _num_sms(x.device))
+    k_blocks = triton.cdiv(K, GROUP)
+    split = max(1, min(t["SPLIT"], k_blocks))
+    per_split = triton.cdiv(k_blocks, split)
+    split = triton.cdiv(k_blocks, per_split)
+    c = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    a_mode = 0 if x_scale is not None else 2 if mode == "weight_only" else 1
+    a_s = x_scale if x_scale is not None else scale          # unused unless pre-quantized
+    grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"]), split)
+    _gemm_kernel[grid](x, a_s, weight, scale, bias if bias is not None else scale, c, M, N, K, per_split,
+                       x.stride(0), a_s.stride(0), a_s.stride(1), weight.stride(0), scale.stride(0), scale.stride(1),
+                       c.stride(0) if split > 1 else 0, c.stride(-2),
+                       B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None, SPLIT=split > 1,
+                       EVEN_K=K % GROUP == 0, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"], BLOCK_K=GROUP,
+                       GROUP_M=t["GROUP_M"], num_warps=t["warps"], num_stages=t["stages"])
+    if split > 1:
+        BLOCK = 1024
+        _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](c, bias if bias is not None else c, out, M * N, N,
+                                                         SPLITS=split, HAS_BIAS=bias is not None, BLOCK=BLOCK,
+                                                         num_warps=4)
+    return out
+
+
+# -- cuBLAS's block-scaled GEMM (torch's scaled_mm, Hopper, CUDA >= 12.9) ---------------------------------
+
+def cublas_weight_scale(scale: torch.Tensor) -> torch.Tensor:
+    """The weight's [ceil(N / 128), ceil(K / 128)] scales in the layout cuBLAS reads for 128 x 128 blocks:
+    the K-block count padded to a multiple of 4, stored K-major ([L4, N / 128] seen transposed)."""
+    R, L = scale.shape
+    L4 = -(-L // 4) * 4
+    padded = torch.zeros((R, L4), dtype=torch.float32, device=scale.device)
+    padded[:, :L] = scale
+    return padded.t()
+
+
+def cublas_block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, cublas_scale: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same product through torch.nn.functional.scaled_mm (BlockWise1x128 activations, BlockWise128x128
+    weights); K a multiple of 128, 128-row weight blocks, M a multiple of 8 (cuBLAS refuses M = 1, 7, 33 on an
+    H200 with torch 2.11: CUBLAS_STATUS_NOT_SUPPORTED)."""
+    from torch.nn.functional import ScalingType, scaled_mm
+
+    x_q, x_s = quantize_activations(x, column_major_scales=True)
+    y = scaled_mm(x_q, weight.t(), x_s, ScalingType.BlockWise1x128, cublas_scale, ScalingType.BlockWise128x128,
+                  output_dtype=x.dtype)
+    return y if bias is None else y + bias
+
+
+def cublas_supported(device: torch.device) -> bool:
+    """Whether this torch and device run scaled_mm with block scales (tried once on a small product)."""
+    key = device.index
+    if key not in _CUBLAS:
+        try:
+            w = torch.randn(256, 256, device=device).to(torch.float8_e4m3fn)
+            s = cublas_weight_scale(torch.ones(2, 2, device=device))
+            cublas_block_fp8_gemm(torch.randn(16, 256, device=device, dtype=torch.bfloat16), w, s)
+            torch.cuda.synchronize(device)
+            _CUBLAS[key] = True
+        except Exception:  # noqa: BLE001 - any failure means: not on this build/device
+            _CUBLAS[key] = False
+    return _CUBLAS[key]
+
+
+_CUBLAS: dict = {}
+
+# Rows from which cuBLAS's block-scaled GEMM is used instead of the Triton kernel (None: never), and how the
+# Triton kernel treats decode activations (M <= 64: "quantize" first with quantize_activations, "fused" in the
+# kernel, or "weight_only"). Set from benchmarks/fp8_gemm.py's measurements on an H200 (benchmarks/results/).
+CUBLAS_FROM_M: int | None = 128
+DECODE_MODE = "quantize"
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows: int,
+               bias: torch.Tensor | None = None, cublas_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] through the FP8 weight: [..., N] in x's dtype."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    M = x2.shape[0]
+    # cublas_scale is set at load only where cublas_supported (models/weights.py)
+    if CUBLAS_FROM_M is not None and cublas_scale is not None and M >= CUBLAS_FROM_M and x2.shape[1] % GROUP == 0:
+        pad = -M % 8                      # cuBLAS's block-scaled GEMM wants M a multiple of 8
+        xp = torch.nn.functional.pad(x2, (0, 0, 0, pad)) if pad else x2
+        y = cublas_block_fp8_gemm(xp, weight, cublas_scale, bias)[:M]
+    elif M <= 64 and DECODE_MODE != "quantize":
+        y = block_fp8_gemm(x2, weight, scale, rows, bias, mode=DECODE_MODE)
+    else:
+        x_q, x_s = quantize_activations(x2)
+        y = block_fp8_gemm(x_q, weight, scale, rows, bias, x_scale=x_s, out_dtype=x2.dtype)
+    return y.reshape(*lead, weight.shape[0])
