@@ -89,8 +89,8 @@ def test_what_each_field_does(demo):
     for s in run["regex"].values():
         assert re.fullmatch(r"(def|class) [a-z_]{1,10}\([a-z]{0,6}\):", engine.output.text(s)), engine.output.text(s)
     assert all(engine.output.text(s) in ("alpha", "beta gamma", "delta") for s in run["choice"].values())
-    seen = [s.generated for s in run["repetition"].values()]
-    assert all(len(set(g)) >= len(set(b.generated)) for g, b in zip(seen, base.values()))
+    rep = run["repetition"]
+    assert all(len(set(rep[i].generated)) >= len(set(base[i].generated)) for i in base)
 
 
 def test_sampled_rows_follow_the_grammar_and_min_p(demo):
