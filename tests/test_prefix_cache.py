@@ -89,18 +89,20 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(models):
     assert all(blk not in seq.blocks[7:] for blk in a.blocks)         # a block of its own from the last token on
 
 
-def test_dp2_with_caching_equals_dp1_and_keeps_its_hit_rate(tmp_path, models):
+@pytest.mark.parametrize("method", ["draft_model", "eagle"])
+def test_dp2_with_caching_equals_dp1_and_keeps_its_hit_rate(tmp_path, models, method):
     """Four groups of four prompts, each group sharing a 30-token prefix, interleaved in the input: dp 2 groups
     them by prefix when it splits the inputs, so it finds ≥ 90 % of what dp 1 finds; outputs equal caching off."""
+    draft = models["draft"] if method == "draft_model" else make_eagle_head(tmp_path / "head", models["target"])
     prompts = [g[i] for i in range(4) for g in (shared_prefix_prompts(4, seed=s) for s in (3, 5, 7, 9))]
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p, "max_tokens": 12} for p in prompts])
-    ref_cfg = dp_config(tmp_path, models["target"], models["draft"], dp=1, M=96, name="ref.yaml",
+    ref_cfg = dp_config(tmp_path, models["target"], draft, method=method, dp=1, M=96, name="ref.yaml",
                         cache={"enable_prefix_caching": False})
     run_in_process(ref_cfg, inp, tmp_path / "ref.jsonl")
-    one = dp_config(tmp_path, models["target"], models["draft"], dp=1, M=96, name="one.yaml", cache={"block_size": 4},
+    one = dp_config(tmp_path, models["target"], draft, method=method, dp=1, M=96, name="one.yaml", cache={"block_size": 4},
                     max_num_seqs=2)
     run_in_process(one, inp, tmp_path / "one.jsonl", "--summary-json", tmp_path / "one.json")
-    cfg = dp_config(tmp_path, models["target"], models["draft"], dp=2, M=96, cache={"block_size": 4}, max_num_seqs=2)
+    cfg = dp_config(tmp_path, models["target"], draft, method=method, dp=2, M=96, cache={"block_size": 4}, max_num_seqs=2)
     r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
                    tmp_path / "s.json")
     assert r.returncode == 0, r.stderr[-3000:]
