@@ -61,22 +61,28 @@ def prompts(engine: Engine, a) -> list[list[int]]:
     return [prefix + tok.encode(f"\n# request {i}: {lines[i % len(lines)][:40]}") for i in range(a.requests)]
 
 
-def run(engine: Engine, batch: list[list[int]], max_tokens: int, tag: str) -> tuple[list[float], float, int]:
-    """Serve `batch` to the end: (each request's time to first token, seconds, generated tokens)."""
+def run(engine: Engine, batch: list[list[int]], max_tokens: int, tag: str) -> tuple[list[float], float, int, float]:
+    """Serve `batch` to the end: (each request's time to first token, seconds, generated tokens, acceptance rate:
+    with caching on, a sequence's drafter reads the cached blocks' drafter KV, made by the sequence that registered
+    them)."""
     t0 = time.perf_counter()
     added, first = {}, {}
     for i, p in enumerate(batch):
         engine.add_request(engine.make_request(f"{tag}{i}", p, SamplingParams(max_tokens=max_tokens), None))
         added[f"{tag}{i}"] = time.perf_counter()
-    tokens = 0
+    tokens, drafted, accepted = 0, 0, 0
     while engine.has_work:
         for out in engine.step():
             if out.new_tokens and out.seq.req.id not in first:
                 first[out.seq.req.id] = time.perf_counter()
             tokens += len(out.new_tokens)
+            if out.finished:
+                drafted += out.seq.stats.num_draft_tokens
+                accepted += out.seq.stats.num_accepted_tokens
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
-    return [first[k] - added[k] for k in added], time.perf_counter() - t0, tokens
+    return ([first[k] - added[k] for k in added], time.perf_counter() - t0, tokens,
+            accepted / drafted if drafted else float("nan"))
 
 
 def main() -> None:
@@ -98,19 +104,19 @@ def main() -> None:
         batch = prompts(engine, a)
         run(engine, batch[:1], 2, "warm")                 # first calls, allocator; fills the cache with the prefix
         ttft = [run(engine, [p], a.max_tokens, f"t{i}-")[0][0] for i, p in enumerate(batch)]
-        _, secs, tokens = run(engine, batch, a.max_tokens, "b")
+        _, secs, tokens, acceptance = run(engine, batch, a.max_tokens, "b")
         rows["on" if caching else "off"] = {
             "ttft_median_s": statistics.median(ttft[1:]), "ttft_first_s": ttft[0], "batch_s": secs,
-            "batch_tok_s": tokens / secs, "hits": engine.pool.hits, "queries": engine.pool.queries,
+            "batch_tok_s": tokens / secs, "acceptance": acceptance, "hits": engine.pool.hits, "queries": engine.pool.queries,
             "prompt_tokens": len(batch[0])}
         del engine
         if a.device != "cpu":
             torch.cuda.empty_cache()
     on, off = rows["on"], rows["off"]
-    print(f"{'caching':<8} {'TTFT median ms':>15} {'batch tok/s':>12} {'hit rate':>9}")
+    print(f"{'caching':<8} {'TTFT median ms':>15} {'batch tok/s':>12} {'hit rate':>9} {'acceptance':>11}")
     for k, r in rows.items():
         print(f"{k:<8} {r['ttft_median_s'] * 1e3:>15.1f} {r['batch_tok_s']:>12.1f} "
-              f"{r['hits'] / r['queries'] if r['queries'] else 0:>9.1%}")
+              f"{r['hits'] / r['queries'] if r['queries'] else 0:>9.1%} {r['acceptance']:>11.1%}")
     ratio = {"ttft_on_over_off": on["ttft_median_s"] / off["ttft_median_s"],
              "batch_throughput_on_over_off": on["batch_tok_s"] / off["batch_tok_s"]}
     print(f"TTFT on/off {ratio['ttft_on_over_off']:.2f}x, throughput on/off {ratio['batch_throughput_on_over_off']:.2f}x")

@@ -466,7 +466,8 @@ def _memory(cfg: Config, plan: Plan, report: Report) -> list[tuple[str, str]]:
     numbers = (f"weights {_fmt_bytes(weights)}{with_mtp}{' per rank (experts split)' if plan.expert_parallel else ''}; "
                f"KV cache {blocks} blocks of {bs} tokens = {tokens} tokens "
                f"({_fmt_bytes(per_token)} per token{with_mtp}, {_fmt_bytes(tokens * per_token)}; from {how}): "
-               f"{seqs} sequences of max_model_len {M} at once")
+               f"{seqs} sequences of max_model_len {M} at once; prefix caching "
+               f"{'on' if cfg.cache.enable_prefix_caching else 'off'}")
     if blocks < per_seq:
         return [("error", f"{numbers}; not even one sequence of max_model_len {M} fits ({per_seq} blocks): raise "
                           f"cache.num_blocks or cache.gpu_memory_utilization, or lower max_model_len.")]

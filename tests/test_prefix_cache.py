@@ -130,3 +130,26 @@ def test_routing_sends_a_prefix_where_it_is_cached_while_the_load_allows():
     assert send(a[2]) == 2                                 # rank 0 is two requests ahead: the least loaded
     assert send(b[1]) == 1 and send(a[3]) in (0, 2)
     assert pick_rank(load, 50, None, a[4]) == min(range(3), key=lambda r: (load[r], r))
+
+
+def test_a_draft_model_reads_cached_blocks_only_with_their_drafter_kv(models):
+    """A request that drafts nothing (max_tokens 1) does not feed the draft model: its blocks are cached without
+    drafter KV. A drafting request does not take them (it recomputes, and its blocks replace them); the next one
+    takes those. Their drafts — hence their acceptance counts — equal those with caching off (the target drafts for
+    itself here: with its KV in place every draft is accepted; garbage drafter KV would be seen)."""
+    prompts = shared_prefix_prompts(3, seed=11)
+    stats = {}
+    for on in (True, False):
+        cfg, plan = make_config(models["target"], models["target"], k=3, M=96, cache={"block_size": 4,
+                                                                                     "enable_prefix_caching": on})
+        engine = make_engine(cfg, plan)
+        run_engine(engine, prompts[:1], max_tokens=1)
+        hits = [engine.pool.hits]
+        stats[on] = []
+        for p in prompts[1:]:
+            s = run_engine(engine, [p], max_tokens=16)[0]
+            stats[on].append((s.generated, s.stats.num_draft_tokens, s.stats.num_accepted_tokens))
+            hits.append(engine.pool.hits)
+        if on:
+            assert hits[1] == hits[0] and hits[2] - hits[1] >= 28, hits
+    assert stats[True] == stats[False] and all(a == d > 0 for _, d, a in stats[True])

@@ -250,6 +250,14 @@ def _launched(cfg, plan, output, retry_errors, requests, on_tick, ranks: Ranks) 
     return summary
 
 
+
+def _hits(pc: dict | None) -> str:
+    """Prompt tokens found in the prefix cache, of those looked up."""
+    if not pc:
+        return "- (prefix caching off)"
+    rate = f" ({pc['hit_rate']:.1%})" if pc["hit_rate"] is not None else ""
+    return f"{pc['hits']} of {pc['queries']} prompt tokens{rate}"
+
 def print_summary(summary: dict, console: Console) -> None:
     t = Table(title="specdp generate", show_header=False)
     t.add_column("what", style="bold")
@@ -268,6 +276,7 @@ def print_summary(summary: dict, console: Console) -> None:
             ("mean acceptance length", f(summary["mean_acceptance_length"])),
             ("accepted per position", ", ".join(f"{a:.2f}" for a in summary["accepted_per_position"]) or "-"),
             ("preemptions", summary["preemptions"]),
+            ("prefix cache hits", _hits(summary.get("prefix_cache"))),
             ("start-up (s)", ", ".join(f"{k[:-2]} {v:.2f}" for k, v in summary["startup"].items()) or "-")]
     read = summary.get("weights_per_token")
     if read:

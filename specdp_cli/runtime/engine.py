@@ -138,6 +138,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, self.k,
                                    self.M, self.D, max_rows=self.row_sizes[-1], row_tokens=self.T_chunk,
                                    lookahead=self.lookahead)
+        self.scheduler.reads_drafter_kv, self.scheduler.drafter_kv_upto = self.drafter.prefills, self.drafter.kv_upto
         self.launch = launch or {}
         self.ready_line = (f"rank {dp.rank} ready in {t_captured - (started_at or t_begin):.1f} s: "
                            + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in self.startup.items())
@@ -670,9 +671,9 @@ class Engine:
         if n_drafts and new:
             s.stats.add(n_drafts, accepted)
         s.target_len = old_len + accepted
-        self.scheduler.commit(s)
         if n_drafts:
             self.drafter.on_accept(s, old_len, accepted)
+        self.scheduler.commit(s)
         emitted = self.output.append(s, new)
         self.counters.generated_tokens += len(emitted)
         grammar = s.req.grammar

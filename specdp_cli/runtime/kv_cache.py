@@ -14,8 +14,11 @@ tokens), blocks are reference-counted, and a block no sequence holds any more ke
 least-recently-freed first, until the pool needs it. A new sequence whose first full blocks' hashes are
 registered takes those blocks (`BlockPool.cached_prefix`) and prefills only the rest. A block holds every
 model's KV of its positions (target and drafter share the block ids): the target's is a function of the
-tokens up to it, so reuse is exact; a drafter's may differ from what this sequence would have computed (an
-EAGLE head's last position reads the token after the block), which changes only which drafts are accepted.
+tokens up to it, so reuse is exact. A draft model's is too, when the registering sequence's drafter had
+computed it (a sequence that drafts nothing does not feed its drafter): a block is registered with that flag,
+a sequence that drafts takes cached blocks only while their drafter KV is there, and a block with it replaces
+one without under the same hash. An EAGLE head's last position of a block reads the token after it, so what a
+sequence finds there may differ from what it would have computed: only which drafts are accepted changes.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ class BlockPool:
         self._refs = [0] * (num_blocks + 1)          # sequences holding each block
         self._cached: dict[bytes, int] = {}          # block hash -> the block holding those positions' KV
         self._hash_of: dict[int, bytes] = {}
+        self._drafter_kv: dict[int, bool] = {}      # a registered block holds its positions' drafter KV too
         self._evictable: OrderedDict[int, None] = OrderedDict()    # cached blocks nobody holds, oldest first
         self.queries = self.hits = 0                 # prefix cache: prompt tokens looked up, tokens found
 
@@ -58,6 +62,7 @@ class BlockPool:
             else:                                    # evict the least recently freed cached block
                 b, _ = self._evictable.popitem(last=False)
                 del self._cached[self._hash_of.pop(b)]
+                del self._drafter_kv[b]
             self._refs[b] = 1
             out.append(b)
         return out
@@ -72,12 +77,13 @@ class BlockPool:
                 else:
                     self._free.append(b)
 
-    def cached_prefix(self, hashes: list[bytes]) -> list[int]:
-        """The registered blocks of the longest run of `hashes` from the first (not yet taken)."""
+    def cached_prefix(self, hashes: list[bytes], drafter_kv: bool = False) -> list[int]:
+        """The registered blocks of the longest run of `hashes` from the first (not yet taken); with `drafter_kv`
+        (the sequence drafts with a draft model) only while they hold their drafter KV too."""
         out = []
         for h in hashes:
             b = self._cached.get(h)
-            if b is None:
+            if b is None or (drafter_kv and not self._drafter_kv[b]):
                 break
             out.append(b)
         return out
@@ -92,12 +98,23 @@ class BlockPool:
     def evictable_among(self, blocks: list[int]) -> int:
         return sum(1 for b in blocks if self._refs[b] == 0)
 
-    def register(self, block: int, h: bytes) -> None:
-        """Block `block` holds the final KV of the positions hashed `h` (the first registration of a hash
-        stands; a block holds one hash)."""
-        if h not in self._cached and block not in self._hash_of:
-            self._cached[h] = block
-            self._hash_of[block] = h
+    def register(self, block: int, h: bytes, drafter_kv: bool = True) -> None:
+        """Block `block` holds the final KV of the positions hashed `h`, and with `drafter_kv` the drafter's too.
+        The first registration of a hash stands, unless it lacks the drafter KV and this one has it; a block
+        holds one hash."""
+        if block in self._hash_of:
+            return
+        old = self._cached.get(h)
+        if old is not None:
+            if self._drafter_kv[old] or not drafter_kv:
+                return
+            del self._hash_of[old], self._drafter_kv[old]        # the old copy is an ordinary block again
+            if self._refs[old] == 0:
+                del self._evictable[old]
+                self._free.append(old)
+        self._cached[h] = block
+        self._hash_of[block] = h
+        self._drafter_kv[block] = drafter_kv
 
 
 def kv_bytes_per_token(model) -> int:

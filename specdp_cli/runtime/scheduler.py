@@ -20,9 +20,10 @@ holds), so some sequence gains a token within the steps its prefill takes (`prog
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .block_hash import block_hashes
 from .kv_cache import BlockPool
@@ -135,6 +136,10 @@ class Scheduler:
         self.lookahead = lookahead           # positions past a step's tokens its drafter writes (EAGLE: k - 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # admission order: the last is the newest
+        # prefix caching (the engine sets them from its drafter): whether a sequence will read a draft model's KV
+        # of its prompt, and up to which position a sequence's drafter KV is computed
+        self.reads_drafter_kv: Callable[[Sequence], bool] = lambda s: False
+        self.drafter_kv_upto: Callable[[Sequence], float] = lambda s: math.inf
 
     @property
     def prefill_steps(self) -> int:
@@ -185,7 +190,8 @@ class Scheduler:
         if not self.pool.prefix_caching:
             return []
         n = (seq.prefill_len - 1) // self.pool.block_size
-        return self.pool.cached_prefix(block_hashes(seq.tokens, self.pool.block_size, seq.block_hashes, n))
+        return self.pool.cached_prefix(block_hashes(seq.tokens, self.pool.block_size, seq.block_hashes, n),
+                                       self.reads_drafter_kv(seq))
 
     def commit(self, seq: Sequence) -> None:
         """The sequence's positions below target_len are final: register its full blocks among them."""
@@ -195,8 +201,9 @@ class Scheduler:
         n = min(seq.target_len // bs, len(seq.blocks))
         if n > seq.committed_blocks:
             hashes = block_hashes(seq.tokens, bs, seq.block_hashes, n)
+            upto = self.drafter_kv_upto(seq)
             for i in range(seq.committed_blocks, n):
-                self.pool.register(seq.blocks[i], hashes[i])
+                self.pool.register(seq.blocks[i], hashes[i], (i + 1) * bs <= upto)
             seq.committed_blocks = n
 
     def kv_positions(self, s: Sequence) -> int:

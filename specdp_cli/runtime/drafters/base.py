@@ -9,6 +9,7 @@ feeds for a decode row, `prefills` whether it prefills a sequence's prompt besid
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,12 @@ class Drafter:
     def prefills(self, seq: Sequence) -> bool:
         """Whether the drafter's cache takes this sequence's prompt chunks beside the target's."""
         return False
+
+    def kv_upto(self, seq: Sequence) -> float:
+        """The positions below which the drafter's own KV of `seq` is computed (prefix caching registers blocks
+        with it): all of them for a drafter without a cache of its own, or one that learns every verified
+        position (an EAGLE head, an MTP layer)."""
+        return math.inf
 
     def propose(self, ctx) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """On the device: (drafts [R_pad, T_dec - 1], the distributions drawn from or None)."""

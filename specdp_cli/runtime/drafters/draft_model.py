@@ -38,6 +38,9 @@ class ModelDrafter(Drafter):
     def host_drafts(self, rows, n_forwards) -> Drafts:
         return Drafts([min(ke, n_forwards) for _, ke in rows])
 
+    def kv_upto(self, seq: Sequence) -> float:
+        return seq.draft_len
+
     def catch_up(self, seq: Sequence, n: int, width: int) -> tuple[int, list[int], int]:
         missed = seq.tokens[seq.draft_len:]
         if len(missed) > width:
