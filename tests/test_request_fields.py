@@ -96,3 +96,19 @@ def test_check_fields_by_kind():
         with pytest.raises(ParamError) as e:
             check_fields(body, kind)
         assert e.value.param == param
+
+
+def test_a_grammar_the_tokenizer_cannot_follow_fails_its_line_only(tmp_path, models, monkeypatch):
+    """Where llguidance cannot build a request's grammar for this tokenizer, that request fails with a sentence
+    (an error line; a 500 in the server) and the job goes on."""
+    from specdp_cli.runtime.structured import GrammarCompiler
+
+    def refuse(self, spec):
+        raise ValueError("no token trie for this tokenizer")
+
+    monkeypatch.setattr(GrammarCompiler, "grammar", refuse)
+    by = _run(tmp_path, models, models["target"], [
+        {"id": "choice", "prompt": "def f(x):", "structured_outputs": {"choice": ["yes", "no"]}},
+        {"id": "plain", "prompt": "def f(x):", "max_tokens": 4, "ignore_eos": True}], method="none")
+    assert "structured output cannot be followed" in by["choice"]["error"] and "no token trie" in by["choice"]["error"]
+    assert by["plain"]["completion_tokens"] == 4

@@ -13,6 +13,7 @@ whenever they have free batch slots: a faster rank serves more and the ranks end
 """
 from __future__ import annotations
 
+from ..runtime.engine import RequestError
 from ..runtime.sampling import SamplingParams
 from .inputs import JobRequest, id_key
 from .results import (PartWriter, error_record, load_prior, part_path, remove_parts, success_record,
@@ -55,8 +56,14 @@ def serve_requests(engine, dp, pool: WorkPool, writer: PartWriter, on_result=Non
     def top_up() -> None:
         for r in pool.take(engine.free_slots):
             fingerprints[id_key(r.id)] = r.fingerprint
-            engine.add_request(engine.make_request(r.id, r.prompt_ids, SamplingParams.from_dict(r.params),
-                                                   r.params.get("seed")))
+            try:
+                engine.add_request(engine.make_request(r.id, r.prompt_ids, SamplingParams.from_dict(r.params),
+                                                       r.params.get("seed")))
+            except RequestError as e:            # this line's error; the job goes on
+                r.error = f"line {r.line}: {e}"
+                rec = error_record(r)
+                writer.write(rec)
+                records.append(rec)
         engine.drain_to_finish = pool.empty
 
     def record_finished() -> None:

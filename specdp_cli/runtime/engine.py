@@ -64,6 +64,10 @@ class CaptureError(RuntimeError):
     kind = "graph-capture"
 
 
+class RequestError(ValueError):
+    """A request the engine cannot take (its message says why): that request fails, the rank goes on."""
+
+
 class RankCounters:
     def __init__(self):
         self.steps = 0
@@ -311,8 +315,14 @@ class Engine:
         self.scheduler.add(req)
 
     def make_request(self, req_id, prompt_ids: list[int], params: SamplingParams, seed: int | None) -> Request:
+        """Raises RequestError when the request's grammar cannot be followed with this tokenizer."""
         params.seed = seed if seed is not None else request_seed(self.cfg.seed, req_id)
-        grammar = self.grammars.grammar(params.structured_outputs) if params.structured_outputs else None
+        grammar = None
+        if params.structured_outputs:
+            try:
+                grammar = self.grammars.grammar(params.structured_outputs)
+            except Exception as e:  # noqa: BLE001 - llguidance on this tokenizer: the request's failure, not the rank's
+                raise RequestError(f"structured output cannot be followed with this model's tokenizer: {e}") from None
         return Request(req_id, prompt_ids, params, grammar)
 
     def abort(self, req_id) -> bool:

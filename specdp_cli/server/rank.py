@@ -15,6 +15,7 @@ import queue
 import threading
 from multiprocessing.connection import Client
 
+from ..runtime.engine import RequestError
 from ..runtime.sampling import SamplingParams
 from .link import link_address
 
@@ -63,7 +64,11 @@ def serve_rank(engine, dp, job: dict) -> None:
             kind = msg[0]
             if kind == "add":
                 _, req_id, prompt_ids, params, seed = msg
-                engine.add_request(engine.make_request(req_id, prompt_ids, SamplingParams.from_dict(params), seed))
+                try:
+                    engine.add_request(engine.make_request(req_id, prompt_ids, SamplingParams.from_dict(params),
+                                                           seed))
+                except RequestError as e:            # that request fails (a 500 naming why); the rank goes on
+                    send(("out", [(req_id, [], "error", str(e), None, None)], {}, _state(engine)))
             elif kind == "abort":
                 if engine.abort(msg[1]):
                     sent_state = _state(engine)
