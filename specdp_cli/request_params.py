@@ -40,6 +40,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def changes_logits(self) -> bool:
+        """Asks for more than temperature / top-k / top-p / min-p: the target's logits change at every verified
+        position (runtime/logits_process.py)."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.structured_outputs)
+
     @classmethod
     def from_dict(cls, p: dict) -> "SamplingParams":
         """From `check_sampling`'s values (a field it leaves out keeps its default)."""

@@ -471,13 +471,16 @@ class Engine:
         """The step's device work over the agreed sizes, and its one copy back to the host."""
         rows, step = sched.rows, sched.step
         self.inputs.stage(rows, sizes.R_pad)
-        drawing = [(i, r) for i, r in enumerate(rows) if i < len(sched.plan.decode) or r.done]
-        asked = [r.seq.req.params.logprobs for _, r in drawing if r.seq.req.params.logprobs is not None]
+        n_decode = len(sched.plan.decode)
+        # rows drawing tokens whose request asks for log-probabilities or changed logits (most steps: none)
+        special = [(i, r) for i, r in enumerate(rows) if r.seq.req.special and (i < n_decode or r.done)]
+        asked = [r.seq.req.params.logprobs for _, r in special if r.seq.req.params.logprobs is not None]
         ctx = StepContext(step, rows, sizes, self.inputs,
                           row_tensors([r.seq.req.params for r in rows], self.device, pad_to=sizes.R_pad),
                           lambda what: self.dp.publish(step, what), graphs=not self.cfg.enforce_eager,
                           drafter_runs=drafter_runs,
-                          adjust=logits_process.build(drawing, sizes.R_pad, self.vocab, self.output.eos, self.device),
+                          adjust=logits_process.build(special, sizes.R_pad, self.vocab, self.output.eos, self.device)
+                          if special else None,
                           logprobs=max(asked, default=-1))
         out, n_out, proposed, logprobs = self._run_device_step(ctx)
         if while_device_runs is not None:

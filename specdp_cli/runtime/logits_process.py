@@ -9,8 +9,8 @@ plain decoding would sample from after accepting those drafts: verification stay
 takes the argmax of the adjusted logits; a draft the grammar forbids has probability 0 and is rejected there.
 The drafter's own distribution is left alone: it only changes how many drafts are accepted.
 
-`build` runs on the host, only in a step where some row asks for one of these (`needs`); that step runs its
-forwards' graphs one by one and this adjustment eagerly.
+`build` runs on the host, only in a step where some row asks for one of these (`SamplingParams.changes_logits`);
+that step runs its forwards' graphs one by one and this adjustment eagerly.
 """
 from __future__ import annotations
 
@@ -20,11 +20,6 @@ import torch
 
 from ..request_params import SamplingParams
 from .structured import draft_masks, verify_masks
-
-
-def needs(p: SamplingParams) -> bool:
-    return bool(p.logit_bias or p.min_tokens or p.presence_penalty or p.frequency_penalty
-                or p.repetition_penalty != 1.0 or p.structured_outputs)
 
 
 @dataclass
@@ -103,8 +98,9 @@ class LogitsAdjust:
 
 
 def build(rows: list, R: int, V: int, eos: set[int], device) -> LogitsAdjust | None:
-    """rows: (row index, RowSpec) of the step's rows that draw tokens. None when none asks for anything."""
-    asking = [(i, r) for i, r in rows if needs(r.seq.req.params)]
+    """rows: (row index, RowSpec) of the step's rows that draw tokens and whose request asks for more than
+    log-probabilities (`Request.special`). None when none asks for anything."""
+    asking = [(i, r) for i, r in rows if r.seq.req.params.changes_logits]
     if not asking:
         return None
     bias = ban = pen_rows = counts = prompt_seen = penalties = None

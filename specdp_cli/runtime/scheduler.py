@@ -36,6 +36,10 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     grammar: Any = None              # structured output: its grammar's state (structured.Grammar)
+    special: bool = field(init=False)     # asks for log-probabilities or changes the logits: a step checks it once
+
+    def __post_init__(self):
+        self.special = self.params.changes_logits or self.params.logprobs is not None
 
 
 @dataclass
