@@ -26,21 +26,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import offline  # noqa: E402
-from specdp_cli.config import validate  # noqa: E402
-from specdp_cli.preflight import run_preflight  # noqa: E402
-from specdp_cli.runtime.dist import DPGroup  # noqa: E402
 from specdp_cli.runtime.engine import Engine  # noqa: E402
 from workloads import heldout  # noqa: E402
 
 
 def build(a, target: str, tokenizer: str, quantization: str | None, max_seqs: int) -> tuple[Engine, dict]:
-    cfg = validate({"model": target, "tokenizer": tokenizer, "dtype": "bfloat16", "device": "cuda",
-                    "max_model_len": a.max_model_len, "quantization": quantization,
-                    "speculative": {"method": "none"},
-                    "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": 8192}})
-    report = run_preflight(cfg)
-    assert report.ok, report.errors
-    return Engine(cfg, report.plan, DPGroup.solo(), torch.device("cuda", 0)), report.plan.memory
+    engine = offline.engine_from({"model": target, "tokenizer": tokenizer, "dtype": "bfloat16", "device": "cuda",
+                                  "max_model_len": a.max_model_len, "quantization": quantization,
+                                  "speculative": {"method": "none"},
+                                  "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": 8192}})
+    return engine, engine.plan.memory
 
 
 def agreement(outs: list[list[int]], ref: list[list[int]]) -> dict:

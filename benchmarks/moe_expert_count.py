@@ -24,10 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import offline  # noqa: E402
 
-from specdp_cli.config import validate  # noqa: E402
-from specdp_cli.preflight import run_preflight  # noqa: E402
-from specdp_cli.runtime.dist import DPGroup  # noqa: E402
-from specdp_cli.runtime.engine import Engine  # noqa: E402
 from specdp_cli.runtime.models.moe import MoE  # noqa: E402
 
 TOKENIZER = os.path.join(ROOT, "demo", "pair", "target")
@@ -62,11 +58,8 @@ def all_experts(self: MoE, x, w, held):
 
 
 def timed_run(path: str, prompts, a) -> tuple[float, list]:
-    cfg = validate({"model": path, "dtype": "float32", "device": "cpu", "max_model_len": 512,
-                    "speculative": {"method": "none"}, "scheduler": {"max_num_seqs": a.batch}})
-    report = run_preflight(cfg)
-    assert report.ok, report.errors
-    engine = Engine(cfg, report.plan, DPGroup.solo(), torch.device("cpu"))
+    engine = offline.engine_from({"model": path, "dtype": "float32", "device": "cpu", "max_model_len": 512,
+                                  "speculative": {"method": "none"}, "scheduler": {"max_num_seqs": a.batch}})
     times, outs = [], None
     for _ in range(a.repeats):
         done, secs = offline.run(engine, prompts, a.new)

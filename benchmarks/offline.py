@@ -59,9 +59,21 @@ def copy_bandwidth() -> float | None:
     return 2 * x.numel() * 10 / (time.perf_counter() - t)
 
 
-def run(engine: Engine, prompts: list[list[int]], new: int) -> tuple[dict, float]:
+def engine_from(data: dict) -> Engine:
+    """An engine of one rank over a config (a dict as a YAML config holds it), checked by preflight first."""
+    cfg = validate(data)
+    report = run_preflight(cfg)
+    assert report.ok, report.errors
+    dev = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+    return Engine(cfg, report.plan, DPGroup.solo(), dev)
+
+
+def run(engine: Engine, prompts: list[list[int]], new: int, fields: dict | None = None) -> tuple[dict, float]:
+    """Serve `prompts` to the end (`new` tokens each; `fields`: further sampling fields, as check_sampling
+    returns them): ({index: Sequence}, seconds)."""
     for i, p in enumerate(prompts):
-        engine.add_request(engine.make_request(i, p, SamplingParams(max_tokens=new), None))
+        params = SamplingParams.from_dict({**(fields or {}), "max_tokens": new})
+        engine.add_request(engine.make_request(i, p, params, None))
     # the whole job is handed over at once: once nothing waits, the batch drains as `generate`'s does when its
     # input is used up (an adaptive k then plans for the job's tail; a fixed k ignores this)
     engine.drain_to_finish = True
@@ -77,7 +89,7 @@ def run(engine: Engine, prompts: list[list[int]], new: int) -> tuple[dict, float
 
 
 def build(a, method: str, eager: bool, max_seqs: int) -> Engine:
-    cfg = validate({
+    engine = engine_from({
         "model": a.target or os.path.join(a.pair, "target"), "tokenizer": os.path.join(a.pair, "tokenizer"),
         "dtype": a.dtype, "device": "cuda" if torch.cuda.is_available() else "cpu", "max_model_len": a.max_model_len,
         "enforce_eager": eager,
@@ -85,10 +97,6 @@ def build(a, method: str, eager: bool, max_seqs: int) -> Engine:
                         **({"model": os.path.join(a.pair, method if method.startswith("eagle") else "draft")}
                            if METHODS[method].loads else {})},
         "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": a.max_batched_tokens}})
-    report = run_preflight(cfg)
-    assert report.ok, report.errors
-    dev = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
-    engine = Engine(cfg, report.plan, DPGroup.solo(), dev)
     freeze_startup_heap()                  # as the CLI's ranks do
     return engine
 

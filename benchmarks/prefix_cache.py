@@ -23,10 +23,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from specdp_cli.config import validate  # noqa: E402
-from specdp_cli.preflight import run_preflight  # noqa: E402
-from specdp_cli.runtime.dist import DPGroup  # noqa: E402
+import offline  # noqa: E402
+
 from specdp_cli.runtime.engine import Engine  # noqa: E402
 from specdp_cli.runtime.sampling import SamplingParams  # noqa: E402
 
@@ -34,18 +34,13 @@ from specdp_cli.runtime.sampling import SamplingParams  # noqa: E402
 def build(a, caching: bool) -> Engine:
     pair = os.path.abspath(a.pair)
     tok = os.path.join(pair, "tokenizer")
-    cfg = validate({"model": os.path.join(pair, "target"), "max_model_len": a.prefix + 128, "device": a.device,
-                    **({"tokenizer": tok} if os.path.isdir(tok) else {}),
-                    "dtype": "float32" if a.device == "cpu" else "bfloat16",
-                    "speculative": {"method": a.method, "model": os.path.join(pair, "draft"),
-                                    "num_speculative_tokens": 4},
-                    "scheduler": {"max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": 2048},
-                    "cache": {"enable_prefix_caching": caching,
-                              # on a GPU a fixed cache: the engine built before this one may still hold memory
-                              **({"num_blocks": 8192} if a.device != "cpu" else {})}})
-    report = run_preflight(cfg)
-    assert report.ok, report.errors
-    return Engine(cfg, report.plan, DPGroup.solo(), torch.device(a.device))
+    return offline.engine_from({
+        "model": os.path.join(pair, "target"), "max_model_len": a.prefix + 128, "device": a.device,
+        **({"tokenizer": tok} if os.path.isdir(tok) else {}), "dtype": "float32" if a.device == "cpu" else "bfloat16",
+        "speculative": {"method": a.method, "model": os.path.join(pair, "draft"), "num_speculative_tokens": 4},
+        "scheduler": {"max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": 2048},
+        # on a GPU a fixed cache: the engine built before this one may still hold memory
+        "cache": {"enable_prefix_caching": caching, **({"num_blocks": 8192} if a.device != "cpu" else {})}})
 
 
 def prompts(engine: Engine, a) -> list[list[int]]:

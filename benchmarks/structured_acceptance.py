@@ -11,19 +11,16 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from specdp_cli.config import validate  # noqa: E402
-from specdp_cli.preflight import run_preflight  # noqa: E402
+import offline  # noqa: E402
+
 from specdp_cli.request_params import check_sampling  # noqa: E402
-from specdp_cli.runtime.dist import DPGroup  # noqa: E402
-from specdp_cli.runtime.engine import Engine  # noqa: E402
-from specdp_cli.runtime.sampling import SamplingParams  # noqa: E402
 
 PAIR = os.path.join(ROOT, "demo", "pair")
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
@@ -48,31 +45,18 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     torch.set_num_threads(min(4, os.cpu_count() or 1))
-    cfg = validate({"model": os.path.join(PAIR, "target"), "max_model_len": 512, "device": a.device,
-                    "dtype": "float32" if a.device == "cpu" else "bfloat16",
-                    "speculative": {"method": "draft_model", "model": os.path.join(PAIR, "draft"),
-                                    "num_speculative_tokens": 4},
-                    "scheduler": {"max_num_seqs": a.prompts}})
-    report = run_preflight(cfg)
-    assert report.ok, report.errors
-    engine = Engine(cfg, report.plan, DPGroup.solo(), torch.device(a.device))
+    engine = offline.engine_from({"model": os.path.join(PAIR, "target"), "max_model_len": 512, "device": a.device,
+                                  "dtype": "float32" if a.device == "cpu" else "bfloat16",
+                                  "speculative": {"method": "draft_model", "model": os.path.join(PAIR, "draft"),
+                                                  "num_speculative_tokens": 4},
+                                  "scheduler": {"max_num_seqs": a.prompts}})
     lines = [json.loads(x)["prompt"] for x in open(os.path.join(ROOT, "demo", "prompts.jsonl"))]
     prompts = [engine.output.tokenizer.encode(lines[i % len(lines)]) for i in range(a.prompts)]
     rows = []
     for name, extra in CASES.items():
-        fields = check_sampling({"max_tokens": a.max_tokens, **extra}, {})
+        fields = check_sampling(extra, {})
         for spec in (True, False):
-            t0 = time.perf_counter()
-            for i, p in enumerate(prompts):
-                params = SamplingParams.from_dict(fields)
-                params.speculative = spec
-                engine.add_request(engine.make_request(i, p, params, None))
-            done = {}
-            while engine.has_work:
-                for out in engine.step():
-                    if out.finished:
-                        done[out.seq.req.id] = out.seq
-            s = time.perf_counter() - t0
+            done, s = offline.run(engine, prompts, a.max_tokens, {**fields, "speculative": spec})
             seqs = list(done.values())
             drafted = sum(q.stats.num_draft_tokens for q in seqs)
             accepted = sum(q.stats.num_accepted_tokens for q in seqs)

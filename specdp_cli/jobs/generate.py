@@ -53,6 +53,12 @@ def serve_requests(engine, dp, pool: WorkPool, writer: PartWriter, on_result=Non
     fingerprints = {}
     finished = []            # the last step's finished sequences: recorded while the next step's device work runs
 
+    def record(rec: dict) -> None:
+        writer.write(rec)
+        records.append(rec)
+        if on_result:
+            on_result(rec)
+
     def top_up() -> None:
         for r in pool.take(engine.free_slots):
             fingerprints[id_key(r.id)] = r.fingerprint
@@ -61,19 +67,14 @@ def serve_requests(engine, dp, pool: WorkPool, writer: PartWriter, on_result=Non
                                                        r.params.get("seed")))
             except RequestError as e:            # this line's error; the job goes on
                 r.error = f"line {r.line}: {e}"
-                rec = error_record(r)
-                writer.write(rec)
-                records.append(rec)
+                record(error_record(r))
         engine.drain_to_finish = pool.empty
 
     def record_finished() -> None:
         for seq in finished:
             rec = success_record(seq, engine.output.text(seq))
             rec["fingerprint"] = fingerprints[id_key(seq.req.id)]
-            writer.write(rec)
-            records.append(rec)
-            if on_result:
-                on_result(rec)
+            record(rec)
         finished.clear()
 
     while True:

@@ -141,8 +141,8 @@ class Engine:
                         "capture_s": t_captured - t_kv}
         self.scheduler = Scheduler(self.pool, cfg.scheduler.max_num_seqs, cfg.scheduler.max_num_batched_tokens, self.k,
                                    self.M, self.D, max_rows=self.row_sizes[-1], row_tokens=self.T_chunk,
-                                   lookahead=self.lookahead)
-        self.scheduler.reads_drafter_kv, self.scheduler.drafter_kv_upto = self.drafter.prefills, self.drafter.kv_upto
+                                   lookahead=self.lookahead, reads_drafter_kv=self.drafter.prefills,
+                                   drafter_kv_upto=self.drafter.kv_upto)
         self.launch = launch or {}
         self.ready_line = (f"rank {dp.rank} ready in {t_captured - (started_at or t_begin):.1f} s: "
                            + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in self.startup.items())

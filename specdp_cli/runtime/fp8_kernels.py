@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0                 # float8_e4m3fn's largest finite value
 GROUP = 128                     # activation group and weight block width along K
-_MIN_SCALE = 1e-12              # an all-zero group gets this scale (its values quantize to 0 either way)
+# in the kernels: 448 is float8_e4m3fn's largest finite value; an all-zero group gets scale 1e-12 (its values
+# quantize to 0 either way)
 
 
 @triton.jit

@@ -35,16 +35,12 @@ class LogitsAdjust:
 
     def apply(self, logits: torch.Tensor, drafts: torch.Tensor, n_drafts: torch.Tensor) -> torch.Tensor:
         """logits [R, W, V] of the verified positions (float32 out), drafts [R, W - 1], n_drafts [R]."""
-        x = logits.float()
-        raw = x
-        R, W, V = x.shape
-        if self.bias is not None:
-            x = x + self.bias[:R].unsqueeze(1)
+        raw = logits.float()
+        R, W, V = raw.shape
+        x = raw + self.bias[:R].unsqueeze(1) if self.bias is not None else raw.clone()     # changed in place below
         if self.ban is not None:
-            x = x.clone() if x is raw else x
             x[self.ban] = float("-inf")
         if self.pen_rows is not None:
-            x = x.clone() if x is raw else x
             x[self.pen_rows] = self._penalised(x[self.pen_rows], drafts[self.pen_rows], n_drafts[self.pen_rows])
         if self.grammar:
             allowed = self._grammar_mask(R, W, drafts, x.device)

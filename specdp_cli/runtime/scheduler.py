@@ -127,7 +127,9 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_batched_tokens: int, k: int,
-                 max_model_len: int, D: int, max_rows: int | None = None, row_tokens: int = 1, lookahead: int = 0):
+                 max_model_len: int, D: int, max_rows: int | None = None, row_tokens: int = 1, lookahead: int = 0,
+                 reads_drafter_kv: Callable[[Sequence], bool] = lambda s: False,
+                 drafter_kv_upto: Callable[[Sequence], float] = lambda s: math.inf):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -140,10 +142,9 @@ class Scheduler:
         self.lookahead = lookahead           # positions past a step's tokens its drafter writes (EAGLE: k - 1)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []      # admission order: the last is the newest
-        # prefix caching (the engine sets them from its drafter): whether a sequence will read a draft model's KV
-        # of its prompt, and up to which position a sequence's drafter KV is computed
-        self.reads_drafter_kv: Callable[[Sequence], bool] = lambda s: False
-        self.drafter_kv_upto: Callable[[Sequence], float] = lambda s: math.inf
+        # prefix caching (the engine's drafter says): whether a sequence will read a draft model's KV of its
+        # prompt, and up to which position a sequence's drafter KV is computed
+        self.reads_drafter_kv, self.drafter_kv_upto = reads_drafter_kv, drafter_kv_upto
 
     @property
     def prefill_steps(self) -> int:

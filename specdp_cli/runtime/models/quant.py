@@ -180,7 +180,7 @@ def cat_fp8(parts: list[FP8Weight], stack: bool = False) -> FP8Weight:
         return FP8Weight(torch.stack([p.weight for p in parts]).contiguous(),
                          torch.stack([p.scale for p in parts]).contiguous(), parts[0].rows, parts[0].dtype)
     rows = parts[0].rows
-    if any(p.rows != rows or p.weight.shape[-2] % rows for p in parts[:-1]) or any(p.rows != rows for p in parts):
+    if any(p.rows != rows for p in parts) or any(p.weight.shape[-2] % rows for p in parts[:-1]):
         parts, rows = [p.per_row() for p in parts], 1
     return FP8Weight(torch.cat([p.weight for p in parts], -2).contiguous(),
                      torch.cat([p.scale for p in parts], -2).contiguous(), rows, parts[0].dtype)
