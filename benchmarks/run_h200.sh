@@ -165,8 +165,20 @@ memory)
   tail -4 "$out/offline_memory.log"
   ;;
 serve)
-  python3 benchmarks/serve_bench.py --pair $P --work /tmp/servework --json "$out/serve.json" 2>&1 | tail -8
-  cp /tmp/servework/server.log "$out/" 2>/dev/null
+  # served vs offline (same config and prompts), then 1,500-token shared prefixes with caching on and off
+  # (PART=1 / PART=2 run one half each: a call's time box)
+  m=none,draft_model; [ -d $P/eagle ] && m=$m,eagle
+  if [ "${PART:-1}" = 1 ]; then
+    timeout 540 python3 benchmarks/serve_bench.py --pair $P --methods $m --work /tmp/sw1 --json "$out/serve_codepair.json" \
+      2>&1 | tail -5
+  fi
+  if [ "${PART:-2}" = 2 ]; then
+    timeout 300 python3 benchmarks/serve_bench.py --pair $P --methods draft_model --prefix 1500 --caching on,off \
+      --work /tmp/sw2 --json "$out/serve_prefix.json" 2>&1 | tail -4
+    widen && timeout 240 python3 benchmarks/serve_bench.py --pair $P --target $W/target --methods none,draft_model \
+      --concurrency 16 --requests 64 --label 8b --work /tmp/sw3 --json "$out/serve_8b.json" 2>&1 | tail -4
+  fi
+  tail -3 /tmp/sw*/server_*.log > "$out/server_logs.txt" 2>/dev/null
   ;;
 recheck)
   # after a change to the adaptive model or the rank's host loop, back-to-back calls (SPECDP_TRACE_K=1: the

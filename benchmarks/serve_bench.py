@@ -1,8 +1,20 @@
-"""`specdp serve` (dp = 2 by default) under `specdp bench serve` at several concurrencies.
+"""Served against offline: `specdp serve` under `specdp bench serve` (N requests, C streams), and the same
+engine config and prompts offline (`benchmarks/offline.py`, C sequences in the batch), per method.
 
-Usage: python benchmarks/serve_bench.py --pair PAIR_DIR [--dp 2] [--concurrency 1,8,32] [--max-tokens 128]
-       --work DIR --json OUT.json
+Two workloads:
+  - default: the pair's held-out prompts cut at 4 points (`workloads.cut_prompt_ids`), as offline.py's
+    `--requests N` takes them; each row has served and offline tok/s and their ratio;
+  - `--prefix P`: every request shares a P-token prefix (the held-out text, repeated) and has its own tail,
+    served with prefix caching on and off (`--caching on,off`): TTFT and throughput with and without it.
+Prompts go to the server as token ids, so both sides see the same tokens.
+
+Usage: python benchmarks/serve_bench.py --pair PAIR_DIR [--target DIR] [--methods none,draft_model,eagle]
+       [--requests 256] [--concurrency 32] [--max-tokens 128] [--dp 1] [--prefix 0] [--caching on]
+       [--dtype bfloat16]
+       [--no-offline] --work DIR --json OUT.json
 """
+from __future__ import annotations
+
 import argparse
 import json
 import os
@@ -14,59 +26,141 @@ import urllib.request
 
 import yaml
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from workloads import cut_prompt_ids, heldout  # noqa: E402
+
+
+def prefix_prompts(pair: str, prefix: int, n: int) -> list[list[int]]:
+    """A shared `prefix`-token prefix (the held-out prompts' text, repeated as needed), then a tail each."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(pair, "tokenizer"))
+    texts = heldout(pair)
+    ids: list[int] = tok("\n".join(texts))["input_ids"]
+    while len(ids) < prefix:
+        ids += ids
+    return [ids[:prefix] + tok.encode(f"\n# request {i}: {texts[i % len(texts)][:60]}", add_special_tokens=False)
+            for i in range(n)]
+
+
+def config(a, method: str, caching: bool) -> dict:
+    """The engine config offline.py builds for `method`, served."""
+    spec = {"method": method, "num_speculative_tokens": a.k}
+    if method != "none" and method != "ngram":
+        spec["model"] = os.path.join(a.pair, method if method.startswith("eagle") else "draft")
+    return {"model": a.target or os.path.join(a.pair, "target"), "tokenizer": os.path.join(a.pair, "tokenizer"),
+            "dtype": a.dtype, "max_model_len": a.max_model_len, "speculative": spec,
+            "parallel": {"data_parallel_size": a.dp},
+            "scheduler": {"max_num_seqs": a.concurrency, "max_num_batched_tokens": 16384},
+            "cache": {"enable_prefix_caching": caching},
+            "server": {"port": a.port, "model_name": "bench"}}
+
+
+def offline(a, method: str) -> float | None:
+    out = os.path.join(a.work, f"offline_{method}.json")
+    cmd = [sys.executable, os.path.join(HERE, "offline.py"), "--pair", a.pair, "--requests", str(a.requests),
+           "--batches", str(a.concurrency), "--methods", method, "--k", str(a.k), "--new", str(a.max_tokens),
+           "--max-model-len", str(a.max_model_len), "--dtype", a.dtype, "--json", out] + (["--target", a.target] if a.target else [])
+    with open(os.path.join(a.work, f"offline_{method}.log"), "w") as log:
+        if subprocess.run(cmd, stdout=log, stderr=log).returncode != 0:
+            print(f"offline {method} failed: see {log.name}")
+            return None
+    return json.load(open(out))["rows"][0]["tok_s"]
+
+
+def served(a, method: str, caching: bool, prompts_path: str) -> dict:
+    tag = f"{method}_{'on' if caching else 'off'}"
+    cfg_path = os.path.join(a.work, f"serve_{tag}.yaml")
+    with open(cfg_path, "w") as fh:
+        yaml.safe_dump(config(a, method, caching), fh)
+    log = open(os.path.join(a.work, f"server_{tag}.log"), "w")
+    server = subprocess.Popen([sys.executable, "-m", "specdp_cli", "serve", cfg_path], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{a.port}"
+    deadline = time.time() + 300
+    try:
+        while True:
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            if server.poll() is not None or time.time() > deadline:
+                raise SystemExit(f"server did not come up: see {log.name}")
+            time.sleep(0.5)
+        out = os.path.join(a.work, f"bench_{tag}.json")
+        bench = [sys.executable, "-m", "specdp_cli", "bench", "serve", "--base-url", url, "--dataset-path",
+                 prompts_path, "--max-concurrency", str(a.concurrency), "--max-tokens", str(a.max_tokens)]
+        # a warm-up round (first requests of each kind of step), then the measured one
+        subprocess.run(bench + ["--num-prompts", str(a.concurrency), "--result-filename", out + ".warm"],
+                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(bench + ["--num-prompts", str(a.requests), "--result-filename", out], check=True,
+                       stdout=subprocess.DEVNULL)
+        return json.load(open(out))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pair", required=True)
-    ap.add_argument("--dp", type=int, default=2)
-    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--target")
+    ap.add_argument("--methods", default="none,draft_model")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--prefix", type=int, default=0)
+    ap.add_argument("--caching", default="on")
+    ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--port", type=int, default=8321)
+    ap.add_argument("--label", default="")
     ap.add_argument("--work", required=True)
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
-    a.pair = os.path.abspath(a.pair)          # the configs written below live elsewhere
+    a.pair = os.path.abspath(a.pair)
+    a.target = os.path.abspath(a.target) if a.target else None
     os.makedirs(a.work, exist_ok=True)
-    cfg = {"model": os.path.join(a.pair, "target"), "tokenizer": os.path.join(a.pair, "tokenizer"),
-           "dtype": "bfloat16", "max_model_len": 2048,
-           "speculative": {"method": "draft_model", "model": os.path.join(a.pair, "draft"), "num_speculative_tokens": 4},
-           "parallel": {"data_parallel_size": a.dp}, "scheduler": {"max_num_seqs": 64},
-           "server": {"port": a.port, "model_name": "codepair"}}
-    cfg_path = os.path.join(a.work, "serve.yaml")
-    with open(cfg_path, "w") as fh:
-        yaml.safe_dump(cfg, fh)
-    log = open(os.path.join(a.work, "server.log"), "w")
-    server = subprocess.Popen([sys.executable, "-m", "specdp_cli", "serve", cfg_path], stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{a.port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                break
-        except OSError:
-            pass
-        if server.poll() is not None or time.time() > deadline:
-            sys.exit(f"server did not come up: see {log.name}")
-        time.sleep(0.5)
-    results = []
-    for c in (int(x) for x in a.concurrency.split(",")):
-        out = os.path.join(a.work, f"bench_c{c}.json")
-        subprocess.run([sys.executable, "-m", "specdp_cli", "bench", "serve", "--base-url", url, "--dataset-path",
-                        os.path.join(a.pair, "heldout_prompts.jsonl"), "--max-concurrency", str(c),
-                        "--num-prompts", str(max(16, 4 * c)), "--max-tokens", str(a.max_tokens),
-                        "--result-filename", out],
-                       check=True)
-        results.append(json.load(open(out)))
-    server.send_signal(signal.SIGTERM)
-    rc = server.wait(60)
+    prompts = (prefix_prompts(a.pair, a.prefix, a.requests) if a.prefix else
+               cut_prompt_ids(a.pair, 4, a.requests))
+    prompts_path = os.path.join(a.work, "prompts.jsonl")
+    with open(prompts_path, "w") as fh:
+        for p in prompts:
+            fh.write(json.dumps({"prompt": p}) + "\n")
+    rows = []
+    for method in a.methods.split(","):
+        off = None if a.no_offline or a.prefix else offline(a, method)
+        for caching in (c == "on" for c in a.caching.split(",")):
+            r = served(a, method, caching, prompts_path)
+            row = {"label": a.label, "method": method, "caching": caching, "dp": a.dp, "prefix": a.prefix,
+                   "served_tok_s": r["output_throughput"], "offline_tok_s": off,
+                   "served_over_offline": r["output_throughput"] / off if off else None,
+                   "ttft_ms": r["ttft_ms"], "itl_ms": r["itl_ms"], "tpot_ms": r["tpot_ms"],
+                   "acceptance_rate": r["acceptance_rate"], "completed": r["completed"], "failed": r["failed"],
+                   "output_tokens": r["total_output_tokens"]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    meta = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "requests": a.requests,
+            "concurrency": a.concurrency, "max_tokens": a.max_tokens}
     with open(a.json, "w") as fh:
-        json.dump({"meta": {"date": time.strftime("%Y-%m-%d"), "dp": a.dp, "server_exit": rc}, "rows": results}, fh, indent=1)
-    print(f"{'conc':>5}{'req/s':>8}{'out tok/s':>11}{'TTFT p50':>10}{'TPOT p50':>10}{'ITL p50':>9}{'accept':>8}")
-    for r in results:
-        print(f"{r['max_concurrency']:>5}{r['request_throughput']:>8.2f}{r['output_throughput']:>11.1f}"
-              f"{r['ttft_ms']['median']:>10.1f}{r['tpot_ms']['median']:>10.2f}{r['itl_ms']['median']:>9.2f}"
-              f"{(r['acceptance_rate'] or 0):>8.3f}")
-    print(f"server exit status after SIGTERM: {rc}")
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    print(f"{'method':<12}{'caching':>8}{'served tok/s':>13}{'offline':>9}{'ratio':>7}{'TTFT p50':>9}{'TTFT p99':>9}"
+          f"{'ITL p50':>8}{'ITL p99':>8}{'accept':>8}")
+    for r in rows:
+        off = f"{r['offline_tok_s']:.0f}" if r["offline_tok_s"] else "-"
+        ratio = f"{r['served_over_offline']:.2f}" if r["served_over_offline"] else "-"
+        acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
+        print(f"{r['method']:<12}{'on' if r['caching'] else 'off':>8}{r['served_tok_s']:>13.0f}{off:>9}{ratio:>7}"
+              f"{r['ttft_ms']['median']:>9.1f}{r['ttft_ms']['p99']:>9.1f}{r['itl_ms']['median']:>8.2f}"
+              f"{r['itl_ms']['p99']:>8.2f}{acc:>8}")
 
 
 if __name__ == "__main__":

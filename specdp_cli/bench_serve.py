@@ -66,7 +66,7 @@ class _Client:
             c.close()
 
 
-def _prompts(path: str | None) -> list[str]:
+def _prompts(path: str | None) -> list:
     if path is None:
         return BUILTIN_PROMPTS
     out = []
@@ -76,8 +76,11 @@ def _prompts(path: str | None) -> list[str]:
                 continue
             if path.endswith((".jsonl", ".json")):
                 obj = json.loads(line)
-                if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-                    out.append(obj["prompt"])
+                prompt = obj.get("prompt") if isinstance(obj, dict) else None
+                # a string, or token ids (as the completions API takes them: the server's tokens exactly)
+                if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                               and all(isinstance(t, int) for t in prompt)):
+                    out.append(prompt)
             else:
                 out.append(line.rstrip("\n"))
     if not out:
@@ -85,7 +88,7 @@ def _prompts(path: str | None) -> list[str]:
     return out
 
 
-def _one(client: _Client, model: str, prompt: str, max_tokens: int) -> dict:
+def _one(client: _Client, model: str, prompt, max_tokens: int) -> dict:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                        "stream": True, "stream_options": {"include_usage": True}})
     res = {"ok": False, "ttft": None, "latency": None, "itl": [], "output_tokens": 0, "prompt_tokens": 0, "error": None}

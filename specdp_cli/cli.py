@@ -266,7 +266,8 @@ def bench_serve(
     base_url: str = typer.Option("http://127.0.0.1:8000", "--base-url", "--url",
                                  help="Base URL of an OpenAI-compatible server."),
     dataset_path: Optional[Path] = typer.Option(None, "--dataset-path", "--input", "-i",
-                                                help="Prompts (.jsonl with \"prompt\", or text lines); default: a built-in set."),
+                                                help="Prompts (.jsonl with \"prompt\": a string or token ids; or "
+                                                     "text lines); default: a built-in set."),
     num_prompts: int = typer.Option(64, "--num-prompts", "--num-requests", min=1, help="Requests to send in all."),
     max_concurrency: Optional[int] = typer.Option(None, "--max-concurrency", "--concurrency", min=1,
                                                   help="Requests in flight at most (default: no limit)."),

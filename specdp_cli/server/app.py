@@ -141,7 +141,8 @@ async def _collect(frontend: Frontend, request: Request, infs: list[Inflight], r
     choices = []
     asked = req.params.get("logprobs") is not None
     for i, (inf, ev) in enumerate(zip(infs, events)):
-        text = ev.final_text or ""
+        text = tokenizer.decode(tokens[inf.id], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text = text[:ev.stop_text_end] if ev.stop_text_end is not None else text
         if req.chat:
             lp = chat_logprobs(tokenizer, tokens[inf.id], logprobs[inf.id]) if asked else None
             choices.append({"index": i, "message": {"role": "assistant", "content": text}, "logprobs": lp,
@@ -159,6 +160,23 @@ async def _collect(frontend: Frontend, request: Request, infs: list[Inflight], r
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
+
+
+def _merge(ev: Event, nxt: Event) -> Event:
+    """Two events of a stream as one (the later one's end, both tokens)."""
+    lp = None if ev.logprobs is None and nxt.logprobs is None else (ev.logprobs or []) + (nxt.logprobs or [])
+    return Event(ev.new_tokens + nxt.new_tokens, nxt.finish_reason, nxt.stop_text_end, nxt.stats, nxt.error,
+                 nxt.status, lp)
+
+
+async def _next_event(inf: Inflight) -> Event:
+    """The stream's next event, merged with every one queued behind it: when the frontend falls behind the
+    ranks, a chunk carries several steps' tokens instead of the chunks piling up (vLLM merges alike), so
+    a busy frontend costs inter-token latency, not throughput."""
+    ev = await inf.queue.get()
+    while ev.finish_reason is None and not inf.queue.empty():
+        ev = _merge(ev, inf.queue.get_nowait())
+    return ev
 
 
 async def _stream(frontend: Frontend, tokenizer, inf: Inflight, req: GenRequest):
@@ -186,6 +204,10 @@ async def _stream(frontend: Frontend, tokenizer, inf: Inflight, req: GenRequest)
             c = {"index": 0, "text": delta or "", "logprobs": lp, "finish_reason": finish}
         return {**base, "choices": [c]}
 
+    # the chunk of most events (text, no log-probabilities) as a template: only the text is encoded per chunk
+    head, tail = json.dumps(chunk("\0", None)).split(json.dumps("\0"))
+    head, tail = "data: " + head, tail + "\n\n"
+
     finished = False
     try:
         if req.chat:
@@ -193,7 +215,7 @@ async def _stream(frontend: Frontend, tokenizer, inf: Inflight, req: GenRequest)
         elif req.echo:                   # completions' echo: the prompt's text first
             yield _sse(chunk(req.echo, None))
         while True:
-            ev: Event = await inf.queue.get()
+            ev: Event = await _next_event(inf)
             frontend.note_tokens(inf, len(ev.new_tokens))
             if ev.finish_reason in ("error", "abort"):
                 finished = True
@@ -203,11 +225,13 @@ async def _stream(frontend: Frontend, tokenizer, inf: Inflight, req: GenRequest)
                 break
             if ev.finish_reason is None:
                 delta = text.add(ev.new_tokens)
-                if delta or (asked and ev.new_tokens):
+                if asked and ev.new_tokens:
                     yield _sse(chunk(delta, None, ev=ev))
+                elif delta:
+                    yield head + json.dumps(delta) + tail
                 continue
             finished = True
-            delta = text.finish(ev.final_text or "")      # everything not sent yet, stop string cut
+            delta = text.finish(ev.new_tokens, ev.stop_text_end)     # everything not sent yet, stop string cut
             frontend.release(inf, ev.finish_reason, ev.stats)
             if delta or (asked and ev.new_tokens):
                 yield _sse(chunk(delta, None, ev=ev))

@@ -20,7 +20,7 @@ log = logging.getLogger("specdp.server")
 class Event:
     new_tokens: list[int]
     finish_reason: str | None = None     # stop | length | abort | error
-    final_text: str | None = None
+    stop_text_end: int | None = None     # finished by a stop string: where it starts in the generated text
     stats: dict | None = None
     error: str | None = None
     status: int = 503                    # the HTTP status of an error: 503 a lost rank or an abort, 500 a failed request
@@ -44,17 +44,36 @@ class Inflight:
 class IncrementalText:
     """Text deltas for streaming: the decoded text minus a held-back tail that may still turn out to
     be (the start of) a stop string or an unfinished UTF-8 character, so what was sent is always a
-    prefix of the final text."""
+    prefix of the final text.
+
+    Decoding is incremental, as vLLM's detokenizer does it: each call decodes only a window of the
+    last few tokens (from `prefix` on) and keeps what it adds beyond the window's already-read part,
+    so a chunk costs the same at token 10 and at token 10,000. The window keeps a token's leading
+    space (SentencePiece) and a character split over tokens (byte-level BPE) right."""
 
     def __init__(self, tokenizer, stops: list[str]):
         self.tokenizer = tokenizer
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.tokens: list[int] = []
+        self.prefix = self.read = 0          # the window starts at `prefix`; tokens before `read` are in `text`
+        self.text = ""
         self.sent = 0
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def _advance(self, flush: bool = False) -> None:
+        window = self.tokens[self.prefix:]
+        before = self._decode(self.tokens[self.prefix:self.read]) if self.read > self.prefix else ""
+        after = self._decode(window)
+        if len(after) > len(before) and (flush or not after.endswith("\ufffd")):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(self.tokens)
 
     def add(self, tokens: list[int]) -> str:
         self.tokens += tokens
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        self._advance()
+        text = self.text
         safe = len(text) - self.hold
         while safe > self.sent and text[safe - 1] == "\ufffd":
             safe -= 1
@@ -63,9 +82,14 @@ class IncrementalText:
         out, self.sent = text[self.sent:safe], safe
         return out
 
-    def finish(self, final_text: str) -> str:
-        out = final_text[self.sent:]
-        self.sent = len(final_text)
+    def finish(self, tokens: list[int], stop_text_end: int | None) -> str:
+        """The last tokens' text and everything not sent yet, cut where a stop string begins (the rank's
+        `stop_text_end`)."""
+        self.tokens += tokens
+        self._advance(flush=True)
+        final = self.text if stop_text_end is None else self.text[:stop_text_end]
+        out = final[self.sent:]
+        self.sent = max(self.sent, len(final))
         return out
 
 
@@ -80,44 +104,32 @@ class Frontend:
         self.inflight: dict[str, Inflight] = {}
         self.rank_cost = [0] * world
         self.link: RankLink | None = None
-        self.loop: asyncio.AbstractEventLoop | None = None
         self.failed: str | None = None
         self.draining = False
 
-    # -- called from the link's threads ---------------------------------------------------------
-
-    def _call(self, fn, *args) -> None:
-        loop = self.loop
-        if loop is None:
-            return
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:          # the event loop has closed: the server is shutting down
-            pass
+    # -- on the event loop ----------------------------------------------------------------------
 
     def on_message(self, rank: int, msg) -> None:
         if msg[0] == "out":
             if len(msg) > 2:
                 self.metrics.rank_report(rank, *msg[2:])
-            self._call(self._dispatch, msg[1])
+            self._dispatch(msg[1])
 
     def on_lost(self, rank: int) -> None:
-        self._call(self.rank_lost, rank, f"rank {rank} stopped answering")
-
-    # -- on the event loop ----------------------------------------------------------------------
+        self.rank_lost(rank, f"rank {rank} stopped answering")
 
     def _dispatch(self, events) -> None:
-        """events: (request id, new tokens, finish reason or None, final text — for "error" the reason —,
-        stats, log-probabilities or None) from a rank's step."""
-        for rid, tokens, finish, text, stats, logprobs in events:
+        """events: (request id, new tokens, finish reason or None, where a stop string starts in the text (for
+        "error" the reason), stats, log-probabilities or None) from a rank's step."""
+        for rid, tokens, finish, end, stats, logprobs in events:
             inf = self.inflight.get(rid)
             if inf is None:
                 continue
             if finish == "error":          # the engine failed the request (its progress guard): a bug to report
-                log.error("request %s failed on rank %d: %s", rid, inf.rank, text)
-                inf.queue.put_nowait(Event(tokens, finish, error=text, status=500))
+                log.error("request %s failed on rank %d: %s", rid, inf.rank, end)
+                inf.queue.put_nowait(Event(tokens, finish, error=end, status=500))
             else:
-                inf.queue.put_nowait(Event(tokens, finish, text, stats, logprobs=logprobs))
+                inf.queue.put_nowait(Event(tokens, finish, end, stats, logprobs=logprobs))
 
     def rank_lost(self, rank: int, why: str) -> None:
         if self.draining and self.failed is None and not self.inflight:

@@ -2,13 +2,21 @@
 (`multiprocessing.connection`), pickled tuples both ways.
 
 frontend -> rank: ("add", id, prompt_ids, params, seed) | ("abort", id) | ("wake",) | ("shutdown",)
-rank -> frontend: ("hello", rank) | ("out", [(id, new_token_ids, finish_reason|None, final_text|None,
+rank -> frontend: ("hello", rank) | ("out", [(id, new_token_ids, finish_reason|None, stop_text_end|error|None,
                   stats|None, logprobs|None), ...], {k: steps run with k since the last "out"},
                   (running, waiting, kv_cache_usage, preemptions so far)) | ("bye", rank)
+
+The frontend reads the ranks' messages on its event loop (a reader callback per connection parses the
+connection's frames as they arrive), not on threads: a thread would need the GIL from the busy event
+loop for each message (up to the 5 ms switch interval) and a hop back to it. Tokens go to the frontend,
+which detokenizes; a rank sends only ids.
 """
 from __future__ import annotations
 
+import os
+import pickle
 import secrets
+import struct
 import threading
 from multiprocessing.connection import Connection, Listener
 
@@ -21,7 +29,33 @@ def link_address(spec: dict) -> tuple[tuple[str, int], bytes]:
     return (spec["host"], int(spec["port"])), bytes.fromhex(spec["authkey"])
 
 
+class Frames:
+    """multiprocessing.connection's framing, parsed from bytes as they arrive: a 4-byte big-endian size
+    (-1: an 8-byte size follows), then the pickled message."""
+
+    def __init__(self):
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        self.buf += data
+        out, at = [], 0
+        while len(self.buf) - at >= 4:
+            (n,), head = struct.unpack_from("!i", self.buf, at), 4
+            if n == -1:
+                if len(self.buf) - at < 12:
+                    break
+                (n,), head = struct.unpack_from("!Q", self.buf, at + 4), 12
+            if len(self.buf) - at < head + n:
+                break
+            out.append(pickle.loads(memoryview(self.buf)[at + head:at + head + n]))
+            at += head + n
+        del self.buf[:at]
+        return out
+
+
 class RankLink:
+    """on_message(rank, msg) and on_lost(rank) run on the event loop given to `attach`."""
+
     def __init__(self, world: int, spec: dict, on_message, on_lost):
         address, authkey = link_address(spec)
         self.listener = Listener(address, authkey=authkey)
@@ -30,7 +64,9 @@ class RankLink:
         self.on_message, self.on_lost = on_message, on_lost
         self.conns: dict[int, Connection] = {}
         self.up: set[int] = set()
-        self._send_locks = {r: threading.Lock() for r in range(world)}
+        self.loop = None
+        self._lock = threading.Lock()             # conns accepted vs the loop attached: each one watched once
+        self._watched: set[int] = set()
         self._accepted = threading.Event()
         threading.Thread(target=self._accept, daemon=True, name="specdp-accept").start()
 
@@ -45,22 +81,44 @@ class RankLink:
                 conn.close()
                 continue
             rank = hello[1]
-            self.conns[rank] = conn
-            self.up.add(rank)
-            threading.Thread(target=self._read, args=(rank, conn), daemon=True, name=f"specdp-rank{rank}").start()
+            with self._lock:
+                self.conns[rank] = conn
+                self.up.add(rank)
+                loop = self.loop
+            if loop is not None:
+                loop.call_soon_threadsafe(self._watch, rank)
         self._accepted.set()
 
-    def _read(self, rank: int, conn: Connection) -> None:
+    def attach(self, loop) -> None:
+        """Read the ranks' messages on `loop` (the running event loop) from now on."""
+        with self._lock:
+            self.loop = loop
+            ranks = list(self.conns)
+        for rank in ranks:
+            self._watch(rank)
+
+    def _watch(self, rank: int) -> None:
+        if rank in self._watched:
+            return
+        self._watched.add(rank)
+        fd, frames = self.conns[rank].fileno(), Frames()
+        self.loop.add_reader(fd, self._readable, rank, fd, frames)
+
+    def _readable(self, rank: int, fd: int, frames: Frames) -> None:
         try:
-            while True:
-                msg = conn.recv()
-                if msg[0] == "bye":
-                    break
-                self.on_message(rank, msg)
-        except (EOFError, OSError):
-            pass
-        self.up.discard(rank)
-        self.on_lost(rank)
+            data = os.read(fd, 1 << 20)       # readable: returns what has arrived, without waiting
+        except OSError:
+            data = b""
+        msgs = frames.feed(data) if data else []
+        for msg in msgs:
+            if msg[0] == "bye":
+                data = b""
+                break
+            self.on_message(rank, msg)
+        if not data:                          # the rank closed the link (or said bye)
+            self.loop.remove_reader(fd)
+            self.up.discard(rank)
+            self.on_lost(rank)
 
     def wait_connected(self, timeout: float) -> bool:
         return self._accepted.wait(timeout)
@@ -74,8 +132,7 @@ class RankLink:
         if conn is None or rank not in self.up:
             return False
         try:
-            with self._send_locks[rank]:
-                conn.send(msg)
+            conn.send(msg)        # from the event loop's thread (or after it ended): one sender at a time
             return True
         except (OSError, ValueError):
             return False

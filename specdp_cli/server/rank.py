@@ -37,9 +37,15 @@ def serve_rank(engine, dp, job: dict) -> None:
 
     threading.Thread(target=reader, daemon=True, name="specdp-link").start()
 
-    def send(msg) -> None:
+    pending = []              # the last step's message: sent while the next step runs on the device
+
+    def send(msg=None) -> None:
+        """Send msg after the pending step message (both in order); without msg, only the pending one."""
         with send_lock:
-            conn.send(msg)
+            if pending:
+                conn.send(pending.pop())
+            if msg is not None:
+                conn.send(msg)
 
     shutting_down = False
     active = False            # lockstep: stepping together until a step finds no work on any rank
@@ -50,6 +56,7 @@ def serve_rank(engine, dp, job: dict) -> None:
         if not active and not engine.has_work:
             if shutting_down:
                 break
+            send()
             dp.publish(engine.step_no, "waiting for requests")
             msgs = [inbox.get()]              # blocks: idle ranks do not spin and hold no collective
         else:
@@ -72,7 +79,7 @@ def serve_rank(engine, dp, job: dict) -> None:
             elif kind == "abort":
                 if engine.abort(msg[1]):
                     sent_state = _state(engine)
-                    send(("out", [(msg[1], [], "abort", "", None, None)], {}, sent_state))
+                    send(("out", [(msg[1], [], "abort", None, None, None)], {}, sent_state))
             elif kind == "shutdown":
                 shutting_down = True
         if shutting_down and not dp.lockstep:
@@ -80,20 +87,24 @@ def serve_rank(engine, dp, job: dict) -> None:
                 engine.abort(seq.req.id)
             break
         if not dp.lockstep and not engine.has_work:
+            active = False                    # wait for the next message (above), not spin
             continue
-        outs = engine.step(received)
+        outs = engine.step(received, while_device_runs=send)
         active = outs is not None
         if outs is None:
+            send()
             continue
+        # the frontend detokenizes (link.py): a finished request's text is its tokens', cut where a stop string starts
         events = [(o.seq.req.id, o.new_tokens, o.seq.finish_reason if o.finished else None,
-                   (o.seq.error or engine.output.text(o.seq)) if o.finished else None,
+                   (o.seq.error or o.seq.stop_text_end) if o.finished else None,
                    _stats(o.seq) if o.finished else None, o.logprobs) for o in outs if o.new_tokens or o.finished]
         state = _state(engine)
         if events or state != sent_state:
             used = engine.spec_len.used
             delta = {k: n - sent_k.get(k, 0) for k, n in used.items() if n != sent_k.get(k, 0)}
             sent_k, sent_state = dict(used), state
-            send(("out", events, delta, state))
+            send()            # the step before's, should no step have run since (a step sends it itself)
+            pending.append(("out", events, delta, state))
     send(("bye", dp.rank))
 
 

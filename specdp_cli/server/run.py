@@ -116,7 +116,7 @@ async def _serve(app, frontend, ranks: Ranks, cfg: Config, plan: Plan, console: 
 
     server = Server(uvicorn.Config(app, host=cfg.server.host, port=cfg.server.port, log_level="warning",
                                    lifespan="off", timeout_graceful_shutdown=5))
-    frontend.loop = asyncio.get_running_loop()
+    frontend.link.attach(asyncio.get_running_loop())       # the ranks' messages are read on this loop
     exit_code = {"code": 0}
     stop = asyncio.Event()
 

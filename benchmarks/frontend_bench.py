@@ -1,0 +1,188 @@
+"""The serving frontend's capacity: `specdp serve`'s HTTP frontend and rank link, with a rank whose
+steps cost (almost) nothing, under `specdp bench serve`.
+
+The rank process runs the real serving loop (`server/rank.py`) over a stand-in engine that gives every
+running request one token a step (`--step-ms` of sleep per step, 0 = as fast as the loop goes), so
+what is measured is everything but the model: HTTP, prompt tokenization, the frontend<->rank link,
+detokenization and streaming, and the load generator. It reports the served token rate, the rate the
+rank offered, the CPU the frontend process spent per token and the chunks per token the client read.
+
+Usage: python benchmarks/frontend_bench.py [--tokenizer DIR] [--streams 32] [--requests 256]
+       [--max-tokens 128] [--step-ms 0] [--json OUT.json]
+"""
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from types import SimpleNamespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+class InstantEngine:
+    """What serve_rank needs of an engine: each step gives every running request one token (a fixed
+    id), up to max_tokens, for at most `max_seqs` requests at a time."""
+
+    def __init__(self, max_seqs: int, step_s: float, token: int):
+        self.max_seqs, self.step_s, self.token = max_seqs, step_s, token
+        self.running, self.waiting = [], []
+        self.scheduler = SimpleNamespace(running=self.running, waiting=self.waiting)
+        self.pool = SimpleNamespace(num_free=1, num_blocks=1, queries=0, hits=0)
+        self.counters = SimpleNamespace(preemptions=0)
+        self.spec_len = SimpleNamespace(used={0: 0})
+        self.fail_stalled = False
+        self.step_no = 0
+        self.tokens = 0
+        self.first = self.last = None
+
+    def make_request(self, req_id, prompt_ids, params, seed):
+        return SimpleNamespace(id=req_id, left=params.max_tokens, n_prompt=len(prompt_ids), generated=[])
+
+    def add_request(self, req) -> None:
+        self.waiting.append(req)
+
+    def abort(self, req_id) -> bool:
+        for q in (self.running, self.waiting):
+            for r in q:
+                if r.id == req_id:
+                    q.remove(r)
+                    return True
+        return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def step(self, received: int = 0):
+        while self.waiting and len(self.running) < self.max_seqs:
+            self.running.append(self.waiting.pop(0))
+        if self.step_s:
+            time.sleep(self.step_s)
+        self.step_no += 1
+        self.spec_len.used[0] += 1
+        now = time.perf_counter()
+        self.first = self.first or now
+        self.last = now
+        outs = []
+        for r in list(self.running):
+            r.left -= 1
+            r.generated.append(self.token)
+            self.tokens += 1
+            done = r.left == 0
+            if done:
+                self.running.remove(r)
+            seq = SimpleNamespace(req=r, finish_reason="length" if done else None, error=None, stop_text_end=None,
+                                  num_prompt=r.n_prompt, generated=r.generated, preemptions=0,
+                                  stats=SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
+                                                        accepted_per_pos=[]))
+            outs.append(SimpleNamespace(seq=seq, new_tokens=[self.token], finished=done, logprobs=None))
+        return outs
+
+
+def rank_main(link: dict, max_seqs: int, step_s: float, token: int, result_q) -> None:
+    from specdp_cli.server.rank import serve_rank
+
+    engine = InstantEngine(max_seqs, step_s, token)
+    dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
+    serve_rank(engine, dp, {"link": link})
+    span = (engine.last - engine.first) if engine.first else 0.0
+    result_q.put({"rank_tokens": engine.tokens, "rank_steps": engine.step_no, "rank_span_s": span})
+
+
+def cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def children_cpu_seconds() -> float:
+    """CPU of the child processes waited for (the load generator; the rank is still running)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokenizer", default=os.path.join(ROOT, "demo", "pair", "target"))
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--step-ms", type=float, default=0.0)
+    ap.add_argument("--port", type=int, default=8391)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+
+    import uvicorn
+
+    from specdp_cli.config import SamplingConfig
+    from specdp_cli.modeldir import load_tokenizer
+    from specdp_cli.prompts import PromptEncoder
+    from specdp_cli.server.app import build_app
+    from specdp_cli.server.frontend import Frontend
+    from specdp_cli.server.link import RankLink, new_link_spec
+    from specdp_cli.server.metrics import Metrics
+
+    tokenizer = load_tokenizer(a.tokenizer)
+    token = tokenizer.encode(" x", add_special_tokens=False)[-1]       # a token that decodes to text
+    frontend = Frontend(1, Metrics("bench", 1, 4096), 10_000, a.streams)
+    link = RankLink(1, new_link_spec("127.0.0.1"), frontend.on_message, frontend.on_lost)
+    frontend.link = link
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    rank = ctx.Process(target=rank_main, args=(link.spec, a.streams, a.step_ms / 1000, token, results), daemon=True)
+    rank.start()
+    if not link.wait_connected(60):
+        sys.exit("the rank did not connect")
+    app = build_app(frontend, PromptEncoder(tokenizer), tokenizer, "bench", 4096, SamplingConfig(), None)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=a.port, log_level="warning", lifespan="off"))
+    measured = {}
+
+    async def serve() -> None:
+        link.attach(asyncio.get_running_loop())
+        task = asyncio.create_task(server.serve())
+        while not server.started:
+            await asyncio.sleep(0.05)
+        out = os.path.join(tempfile.mkdtemp(), "bench.json")
+        cmd = [sys.executable, "-m", "specdp_cli", "bench", "serve", "--url", f"http://127.0.0.1:{a.port}",
+               "--max-concurrency", str(a.streams), "--num-prompts", str(a.requests), "--max-tokens",
+               str(a.max_tokens), "--result-filename", out]
+        c0, t0, k0 = cpu_seconds(), time.perf_counter(), children_cpu_seconds()
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.DEVNULL, env={**os.environ,
+                                                                                          "PYTHONPATH": ROOT})
+        await proc.wait()
+        measured.update(frontend_cpu_s=cpu_seconds() - c0, wall_s=time.perf_counter() - t0,
+                        client_cpu_s=children_cpu_seconds() - k0)
+        measured["bench"] = json.load(open(out))
+        server.should_exit = True
+        await task
+
+    asyncio.run(serve())
+    link.send(0, ("shutdown",))
+    r = results.get(timeout=30)
+    rank.join(10)
+    b = measured["bench"]
+    tokens = b["total_output_tokens"]
+    res = {"streams": a.streams, "requests": a.requests, "max_tokens": a.max_tokens, "step_ms": a.step_ms,
+           "served_tok_s": b["output_throughput"], "rank_offered_tok_s": r["rank_tokens"] / max(r["rank_span_s"], 1e-9),
+           "frontend_cpu_us_per_token": 1e6 * measured["frontend_cpu_s"] / max(tokens, 1),
+           "client_cpu_us_per_token": 1e6 * measured["client_cpu_s"] / max(tokens, 1),
+           "ttft_ms_median": b["ttft_ms"]["median"], "itl_ms_median": b["itl_ms"]["median"],
+           "itl_ms_p99": b["itl_ms"]["p99"], "failed": b["failed"], "tokens": tokens}
+    print(f"{'streams':>8} {'served tok/s':>13} {'rank tok/s':>11} {'frontend us/tok':>16} {'client us/tok':>14} "
+          f"{'TTFT ms':>8} {'ITL p50':>8} {'ITL p99':>8}")
+    print(f"{a.streams:>8} {res['served_tok_s']:>13,.0f} {res['rank_offered_tok_s']:>11,.0f} "
+          f"{res['frontend_cpu_us_per_token']:>16.1f} {res['client_cpu_us_per_token']:>14.1f} "
+          f"{res['ttft_ms_median']:>8.1f} {res['itl_ms_median']:>8.2f} {res['itl_ms_p99']:>8.2f}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""A serving rank's loop (server/rank.py) over a stand-in engine: each step's message reaches the frontend (sent
+while the next step runs, or before the rank goes idle), and an idle rank waits on its inbox instead of spinning."""
+import threading
+from multiprocessing.connection import Listener
+from types import SimpleNamespace
+
+from specdp_cli.server.link import new_link_spec
+from specdp_cli.server.rank import serve_rank
+
+
+class OneTokenEngine:
+    """Each step gives every running request one token; counts how often the loop asks for work once idle."""
+
+    def __init__(self):
+        self.running, self.waiting = [], []
+        self.scheduler = SimpleNamespace(running=self.running, waiting=self.waiting)
+        self.pool = SimpleNamespace(num_free=1, num_blocks=1, queries=0, hits=0)
+        self.counters = SimpleNamespace(preemptions=0)
+        self.spec_len = SimpleNamespace(used={0: 0})
+        self.step_no, self.finished, self.idle_checks = 0, 0, 0
+
+    def make_request(self, req_id, prompt_ids, params, seed):
+        return SimpleNamespace(id=req_id, left=params.max_tokens, generated=[])
+
+    def add_request(self, req):
+        self.waiting.append(req)
+
+    @property
+    def has_work(self):
+        if not (self.running or self.waiting) and self.finished:
+            self.idle_checks += 1
+        return bool(self.running or self.waiting)
+
+    def step(self, received=0, while_device_runs=None):
+        self.running += self.waiting
+        self.waiting.clear()
+        if while_device_runs is not None:
+            while_device_runs()
+        self.step_no += 1
+        self.spec_len.used[0] += 1
+        outs = []
+        for r in list(self.running):
+            r.left -= 1
+            r.generated.append(7)
+            done = r.left == 0
+            if done:
+                self.running.remove(r)
+                self.finished += 1
+            seq = SimpleNamespace(req=r, finish_reason="length" if done else None, error=None, stop_text_end=None,
+                                  num_prompt=1, generated=r.generated, preemptions=0,
+                                  stats=SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
+                                                        accepted_per_pos=[]))
+            outs.append(SimpleNamespace(seq=seq, new_tokens=[7], finished=done, logprobs=None))
+        return outs
+
+
+def test_every_step_reaches_the_frontend_and_an_idle_rank_waits():
+    spec = new_link_spec("127.0.0.1")
+    listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(spec["authkey"]))
+    spec["port"] = listener.address[1]
+    engine = OneTokenEngine()
+    dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
+    rank = threading.Thread(target=serve_rank, args=(engine, dp, {"link": spec}), daemon=True)
+    rank.start()
+    conn = listener.accept()
+    assert conn.recv() == ("hello", 0)
+    params = {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
+    conn.send(("add", "r1", [1, 2, 3], params, None))
+    tokens, finish = [], None
+    while finish is None:
+        assert conn.poll(30), "a step's tokens never reached the frontend"
+        msg = conn.recv()
+        assert msg[0] == "out"
+        for rid, new, fin, *_ in msg[1]:
+            assert rid == "r1"
+            tokens += new
+            finish = fin
+    assert tokens == [7] * 5 and finish == "length"
+    conn.send(("shutdown",))
+    assert conn.poll(30) and conn.recv() == ("bye", 0)
+    rank.join(30)
+    assert not rank.is_alive()
+    # once idle, the loop asked for work a bounded number of times before it blocked (a spinning loop asks on and on)
+    assert engine.idle_checks <= 4, engine.idle_checks
