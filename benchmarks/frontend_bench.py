@@ -8,7 +8,7 @@ detokenization and streaming, and the load generator. It reports the served toke
 rank offered, the CPU the frontend process spent per token and the chunks per token the client read.
 
 Usage: python benchmarks/frontend_bench.py [--tokenizer DIR] [--streams 32] [--requests 256]
-       [--max-tokens 128] [--step-ms 0] [--json OUT.json]
+       [--max-tokens 128] [--step-ms 0] [--profile OUT.prof] [--json OUT.json]
 """
 import argparse
 import asyncio
@@ -60,11 +60,13 @@ class InstantEngine:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def step(self, received: int = 0):
+    def step(self, received: int = 0, while_device_runs=None):
         while self.waiting and len(self.running) < self.max_seqs:
             self.running.append(self.waiting.pop(0))
+        if while_device_runs is not None:
+            while_device_runs()
         if self.step_s:
-            time.sleep(self.step_s)
+            time.sleep(self.step_s)           # the device's time
         self.step_no += 1
         self.spec_len.used[0] += 1
         now = time.perf_counter()
@@ -115,6 +117,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--step-ms", type=float, default=0.0)
     ap.add_argument("--port", type=int, default=8391)
+    ap.add_argument("--profile", help="write cProfile's statistics of the frontend's event loop here")
     ap.add_argument("--json")
     a = ap.parse_args()
 
@@ -162,7 +165,16 @@ def main() -> None:
         server.should_exit = True
         await task
 
-    asyncio.run(serve())
+    if a.profile:                             # the frontend's own time (its event loop), by function
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(asyncio.run, serve())
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        prof.dump_stats(a.profile)
+    else:
+        asyncio.run(serve())
     link.send(0, ("shutdown",))
     r = results.get(timeout=30)
     rank.join(10)

@@ -7,18 +7,20 @@
   throughput: requests, output tokens and (prompt + output) tokens per second of the whole run
 
 Against a specdp server it also reads /metrics before and after, for the acceptance rate and the
-mean acceptance length of the run. Streams are read with the standard library (http.client), one
-thread per request in flight.
+mean acceptance length of the run. Requests go out on one asyncio event loop over keep-alive HTTP/1.1
+connections (the standard library's streams; as `vllm bench serve` uses aiohttp): the load generator's own
+cost stays small next to the server's, and no thread waits for the GIL between a token's arrival and its
+timestamp.
 """
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import random
+import ssl
 import statistics
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlparse
 
 from rich.console import Console
@@ -32,6 +34,9 @@ BUILTIN_PROMPTS = [
     "try:\n    import numpy as np\nexcept ImportError:\n", "async def fetch(session, url):\n",
     "with open(filename) as fh:\n    for line in fh:\n",
 ]
+
+
+REQUEST_TIMEOUT_S = 600
 
 
 class BenchError(Exception):
@@ -88,46 +93,104 @@ def _prompts(path: str | None) -> list:
     return out
 
 
-def _one(client: _Client, model: str, prompt, max_tokens: int) -> dict:
+class _Conn:
+    """One keep-alive HTTP/1.1 connection: a request, then its (chunked or sized) response, in order."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, client: _Client) -> "_Conn":
+        ctx = ssl.create_default_context() if client.https else None
+        return cls(*await asyncio.open_connection(client.host, client.port, ssl=ctx))
+
+    def close(self) -> None:
+        self.writer.close()
+
+    async def post(self, client: _Client, path: str, body: bytes) -> tuple[int, dict]:
+        head = [f"POST {path} HTTP/1.1", f"Host: {client.host}:{client.port}", f"Content-Length: {len(body)}"]
+        head += [f"{k}: {v}" for k, v in client.headers.items()]
+        self.writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        await self.writer.drain()
+        status_line = await self.reader.readline()
+        if not status_line:
+            raise ConnectionError("the server closed the connection")
+        status = int(status_line.split()[1])
+        headers = {}
+        while (line := await self.reader.readline()) not in (b"\r\n", b"\n", b""):
+            k, _, v = line.decode("latin-1").partition(":")
+            headers[k.strip().lower()] = v.strip()
+        return status, headers
+
+    async def body(self, headers: dict):
+        """The response body's pieces as they arrive (chunked transfer or Content-Length)."""
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while True:
+                size = int((await self.reader.readline()).split(b";")[0], 16)
+                if size == 0:
+                    await self.reader.readline()
+                    return
+                data = await self.reader.readexactly(size + 2)
+                yield data[:-2]
+        else:
+            yield await self.reader.readexactly(int(headers.get("content-length", 0)))
+
+
+async def _one(client: _Client, pool: list, model: str, prompt, max_tokens: int) -> dict:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                       "stream": True, "stream_options": {"include_usage": True}})
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
     res = {"ok": False, "ttft": None, "latency": None, "itl": [], "output_tokens": 0, "prompt_tokens": 0, "error": None}
-    c = client.conn()
+    conn = None
+    reusable = False
     t0 = time.perf_counter()
     try:
-        c.request("POST", client.base + "/v1/completions", body=body, headers=client.headers)
-        r = c.getresponse()
-        if r.status != 200:
-            res["error"] = f"HTTP {r.status}: {r.read()[:300].decode(errors='replace')}"
+        conn = pool.pop() if pool else await _Conn.open(client)
+        status, headers = await conn.post(client, client.base + "/v1/completions", body)
+        reusable = headers.get("connection", "").lower() != "close"
+        if status != 200:
+            text = b"".join([piece async for piece in conn.body(headers)])
+            res["error"] = f"HTTP {status}: {text[:300].decode(errors='replace')}"
             return res
-        last = None
-        for raw in r:
-            line = raw.decode(errors="replace").strip()
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            obj = json.loads(data)
-            if "error" in obj:
-                res["error"] = obj["error"].get("message")
-                return res
-            if obj.get("usage"):
-                res["output_tokens"] = obj["usage"]["completion_tokens"]
-                res["prompt_tokens"] = obj["usage"]["prompt_tokens"]
-            if any(ch.get("text") for ch in obj.get("choices", [])):
-                now = time.perf_counter()
-                if last is None:
-                    res["ttft"] = now - t0
-                else:
-                    res["itl"].append(now - last)
-                last = now
+        last, buf, done = None, b"", False
+        async for piece in conn.body(headers):
+            if done:
+                continue                     # read to the end of the response, so the connection can serve again
+            buf += piece
+            *events, buf = buf.split(b"\n\n")
+            for event in events:
+                line = event.decode(errors="replace").strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    res["error"] = obj["error"].get("message")
+                    done = True
+                    break
+                if obj.get("usage"):
+                    res["output_tokens"] = obj["usage"]["completion_tokens"]
+                    res["prompt_tokens"] = obj["usage"]["prompt_tokens"]
+                if any(ch.get("text") for ch in obj.get("choices", [])):
+                    now = time.perf_counter()
+                    if last is None:
+                        res["ttft"] = now - t0
+                    else:
+                        res["itl"].append(now - last)
+                    last = now
         res["latency"] = time.perf_counter() - t0
-        res["ok"] = True
-    except (OSError, http.client.HTTPException, ValueError) as e:
+        res["ok"] = res["error"] is None
+    except (OSError, ConnectionError, asyncio.IncompleteReadError, ValueError, IndexError) as e:
         res["error"] = f"{type(e).__name__}: {e}"
+        reusable = False
     finally:
-        c.close()
+        if conn is not None:
+            if reusable:
+                pool.append(conn)
+            else:
+                conn.close()
     return res
 
 
@@ -158,6 +221,34 @@ def _spec_counters(client: _Client) -> dict | None:
     return out
 
 
+async def _send_all(client: _Client, model: str, prompts: list, num_requests: int, max_tokens: int,
+                    concurrency: int | None, request_rate: float, seed: int) -> list[dict]:
+    """Request i at its arrival time (a Poisson process of request_rate; inf: all at once), at most
+    `concurrency` in flight, over a pool of idle keep-alive connections."""
+    limit = asyncio.Semaphore(concurrency or num_requests)
+    pool: list[_Conn] = []
+    rng = random.Random(seed)
+
+    async def task(i: int) -> dict:
+        async with limit:
+            try:
+                return await asyncio.wait_for(_one(client, pool, model, prompts[i % len(prompts)], max_tokens),
+                                              REQUEST_TIMEOUT_S)
+            except TimeoutError:
+                return {"ok": False, "ttft": None, "latency": None, "itl": [], "output_tokens": 0, "prompt_tokens": 0,
+                        "error": f"no answer within {REQUEST_TIMEOUT_S} s"}
+
+    tasks = []
+    for i in range(num_requests):
+        tasks.append(asyncio.create_task(task(i)))
+        if request_rate != float("inf") and i + 1 < num_requests:
+            await asyncio.sleep(rng.expovariate(request_rate))      # the arrival process itself
+    results = await asyncio.gather(*tasks)
+    for conn in pool:
+        conn.close()
+    return list(results)
+
+
 def run_bench(url: str, input_path: str | None, concurrency: int | None, num_requests: int, max_tokens: int,
               model: str | None, api_key: str | None, request_rate: float = float("inf"), seed: int = 0) -> dict:
     """Send num_requests requests as `vllm bench serve` does: arrivals a Poisson process of
@@ -176,24 +267,8 @@ def run_bench(url: str, input_path: str | None, concurrency: int | None, num_req
         model = data[0]["id"]
     prompts = _prompts(input_path)
     before = _spec_counters(client)
-    results: list[dict] = []
-    lock = threading.Lock()
-
-    def task(i: int) -> None:
-        r = _one(client, model, prompts[i % len(prompts)], max_tokens)
-        with lock:
-            results.append(r)
-
-    rng = random.Random(seed)
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=concurrency or num_requests) as pool:
-        futures = []
-        for i in range(num_requests):
-            futures.append(pool.submit(task, i))
-            if request_rate != float("inf") and i + 1 < num_requests:
-                time.sleep(rng.expovariate(request_rate))      # the arrival process itself
-        for f in futures:
-            f.result()
+    results = asyncio.run(_send_all(client, model, prompts, num_requests, max_tokens, concurrency, request_rate, seed))
     duration = time.perf_counter() - t0
     after = _spec_counters(client)
     ok = [r for r in results if r["ok"]]

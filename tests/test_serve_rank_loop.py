@@ -1,5 +1,5 @@
-"""A serving rank's loop (server/rank.py) over a stand-in engine: each step's message reaches the frontend (sent
-while the next step runs, or before the rank goes idle), and an idle rank waits on its inbox instead of spinning."""
+"""A serving rank's loop (server/rank.py) over a stand-in engine: each step's tokens reach the frontend, and an
+idle rank waits on its inbox instead of spinning."""
 import threading
 from multiprocessing.connection import Listener
 from types import SimpleNamespace

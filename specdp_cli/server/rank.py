@@ -37,15 +37,9 @@ def serve_rank(engine, dp, job: dict) -> None:
 
     threading.Thread(target=reader, daemon=True, name="specdp-link").start()
 
-    pending = []              # the last step's message: sent while the next step runs on the device
-
-    def send(msg=None) -> None:
-        """Send msg after the pending step message (both in order); without msg, only the pending one."""
+    def send(msg) -> None:
         with send_lock:
-            if pending:
-                conn.send(pending.pop())
-            if msg is not None:
-                conn.send(msg)
+            conn.send(msg)
 
     shutting_down = False
     active = False            # lockstep: stepping together until a step finds no work on any rank
@@ -56,7 +50,6 @@ def serve_rank(engine, dp, job: dict) -> None:
         if not active and not engine.has_work:
             if shutting_down:
                 break
-            send()
             dp.publish(engine.step_no, "waiting for requests")
             msgs = [inbox.get()]              # blocks: idle ranks do not spin and hold no collective
         else:
@@ -89,10 +82,9 @@ def serve_rank(engine, dp, job: dict) -> None:
         if not dp.lockstep and not engine.has_work:
             active = False                    # wait for the next message (above), not spin
             continue
-        outs = engine.step(received, while_device_runs=send)
+        outs = engine.step(received)
         active = outs is not None
         if outs is None:
-            send()
             continue
         # the frontend detokenizes (link.py): a finished request's text is its tokens', cut where a stop string starts
         events = [(o.seq.req.id, o.new_tokens, o.seq.finish_reason if o.finished else None,
@@ -103,8 +95,7 @@ def serve_rank(engine, dp, job: dict) -> None:
             used = engine.spec_len.used
             delta = {k: n - sent_k.get(k, 0) for k, n in used.items() if n != sent_k.get(k, 0)}
             sent_k, sent_state = dict(used), state
-            send()            # the step before's, should no step have run since (a step sends it itself)
-            pending.append(("out", events, delta, state))
+            send(("out", events, delta, state))      # at once: a request's first and last tokens wait for it
     send(("bye", dp.rank))
 
 
