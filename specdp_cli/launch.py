@@ -279,6 +279,11 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 pass
 
+    def who(self, proc: int) -> str:
+        """A process as messages name it: its rank, or under tensor parallelism its DP and TP rank."""
+        tp = max(1, self.cfg.parallel.tensor_parallel_size)
+        return f"rank {proc}" if tp == 1 else f"process {proc} (DP rank {proc // tp}, TP rank {proc % tp})"
+
     def failure_message(self) -> str:
         states = self.states()
         recs = {s.rank: s.exit for s in states if s.exit}
@@ -295,27 +300,27 @@ class Ranks:
                 state = self.states_when_ended.get(s.rank) if s.rank in self.states_when_ended else (
                     process_state(s.pid) if s.pid is not None else None)
                 if s.pid is None:
-                    lines.append(f"rank {s.rank} did not start (see the log below)")
+                    lines.append(f"{self.who(s.rank)} did not start (see the log below)")
                 elif state in ("T", "t"):
-                    lines.append(f"rank {s.rank} is unresponsive at {s.where}: its process {s.pid} is stopped "
+                    lines.append(f"{self.who(s.rank)} is unresponsive at {s.where}: its process {s.pid} is stopped "
                                  f"(SIGSTOP, a debugger?) and was ended")
                 elif state is not None and state not in ("Z", "X"):
-                    lines.append(f"rank {s.rank} is unresponsive at {s.where}: its process {s.pid} is alive but "
+                    lines.append(f"{self.who(s.rank)} is unresponsive at {s.where}: its process {s.pid} is alive but "
                                  f"stopped answering, and was ended")
                 else:
-                    lines.append(f"rank {s.rank} died during {s.where} without an exit record "
+                    lines.append(f"{self.who(s.rank)} died during {s.where} without an exit record "
                                  f"(killed by a signal, e.g. out of memory?)")
             elif rec["kind"] == "fault":
-                lines.append(f"rank {s.rank} exited with status {rec['code']} during {s.where} ({rec['message']})")
+                lines.append(f"{self.who(s.rank)} exited with status {rec['code']} during {s.where} ({rec['message']})")
             elif rec["kind"] in ("error", "graph-capture"):
-                lines.append(f"rank {s.rank} failed during {s.where}: {rec['message']}")
+                lines.append(f"{self.who(s.rank)} failed during {s.where}: {rec['message']}")
         culprits = bool(lines)
         for s in states:
             rec = s.exit
             if rec and rec["kind"] == "peer-lost":
-                lines.append(f"rank {s.rank} stopped: {rec['message']}")
+                lines.append(f"{self.who(s.rank)} stopped: {rec['message']}")
             elif rec and rec["kind"] == "terminated" and culprits:
-                lines.append(f"rank {s.rank} was stopped at {s.where}")
+                lines.append(f"{self.who(s.rank)} was stopped at {s.where}")
         if not lines:
             lines.append("the launcher failed before the ranks reported anything")
         return "\n".join(lines)
