@@ -272,3 +272,33 @@ def test_a_follower_that_decides_alone_is_named(tmp_path, models, fault, check):
         assert "TP rank 0 of DP rank 0: a collective of its TP group failed at step 3, step package" in err, err
         assert "TP rank 1 of DP rank 0: a collective of its TP group failed at step 2, target forward" in err, err
     assert secs < 60, secs
+
+
+def test_serve_at_tp2_equals_generate(tmp_path, models):
+    """`specdp serve` at dp 1 x tp 2: the leader serves, its follower runs each step's device work with it; greedy
+    completions and a seeded sampled one (the sampling values travel in the step package) equal what one process
+    generates."""
+    import openai
+    from typer.testing import CliRunner
+
+    from specdp_cli.cli import app
+    from test_serve import KEY, PROMPTS, Server, free_port, server_config
+
+    port = free_port()
+    cfg = server_config(tmp_path, models, port, parallel={"data_parallel_size": 1, "tensor_parallel_size": 2})
+    rows = [{"prompt": p, "max_tokens": 16} for p in PROMPTS] + [{"prompt": PROMPTS[0], "max_tokens": 12,
+                                                                  "temperature": 0.8, "seed": 5}]
+    res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(write_jsonl(tmp_path / "in.jsonl", rows)),
+                                   "--output", str(tmp_path / "o.jsonl"), "--set", "parallel.tensor_parallel_size=1"])
+    assert res.exit_code == 0, res.output
+    expected = [json.loads(x)["text"] for x in open(tmp_path / "o.jsonl")]
+    server = Server(cfg, port)
+    try:
+        assert len(server.ranks()) == 2
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        got = [client.completions.create(model="tiny", prompt=r["prompt"], max_tokens=r["max_tokens"],
+                                         temperature=r.get("temperature", 0), seed=r.get("seed")).choices[0].text
+               for r in rows]
+        assert got == expected
+    finally:
+        server.stop()
