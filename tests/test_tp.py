@@ -302,3 +302,29 @@ def test_serve_at_tp2_equals_generate(tmp_path, models):
         assert got == expected
     finally:
         server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_cuda_graphs_equal_eager_nccl(tmp_path, models):
+    """tp 2 over NCCL with the TP all-reduces captured in the CUDA graphs (each process reports its graphs): float32
+    tokens equal one GPU running eagerly, and the same job eagerly at tp 2."""
+    from dp_util import run_in_process, same_tokens
+
+    rows = [{"id": f"r{i}", "prompt": p, "max_tokens": n}
+            for i, (p, n) in enumerate(zip(prompts_of_lengths([30, 4, 9, 13], seed=17), [30, 3, 12, 25]))]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    room = {"num_blocks": 512}
+    ref = dp_config(tmp_path, models["target"], models["draft"], dp=1, M=M, D=D, device="cuda", cache=room,
+                    enforce_eager=True, name="ref.yaml")
+    run_in_process(ref, inp, tmp_path / "ref.jsonl")
+    for eager in (False, True):
+        cfg = dp_config(tmp_path, models["target"], models["draft"], dp=1, dp_sync="never", M=M, D=D, device="cuda",
+                        cache=room, timeout_s=60, enforce_eager=eager, parallel={"tensor_parallel_size": 2},
+                        name=f"tp{int(eager)}.yaml")
+        out = tmp_path / f"out{int(eager)}.jsonl"
+        r, _ = run_cli("generate", cfg, "--input", inp, "--output", out, "--summary-json", tmp_path / "s.json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(out)) == []
+        ranks = json.load(open(tmp_path / "s.json"))["ranks"]
+        assert (ranks[0]["graphs"] > 0) != eager, ranks
