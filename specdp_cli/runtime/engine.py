@@ -692,6 +692,8 @@ class Engine:
         drafts = probs = None
         if ctx.drafter_runs and not self.drafter.after_verify:
             drafts, probs = self.drafter.propose(ctx)
+            if drafts is not None and self.tp is not None and self.tp.check:
+                self._check_drafts(ctx.step, drafts)
         ctx.publish("target forward")
         n = inp.col(NDRAFT, R)
         t.set_rows(R, inp.target_ids(R, T), inp.col(START, R), inp.col(NREAL, R), inp.col(OUT, R))
@@ -706,6 +708,14 @@ class Engine:
         if ctx.drafter_runs and self.drafter.after_verify:
             proposed = self.drafter.propose_after(ctx, out, n_out)
         return out, n_out, proposed, token_logprobs(logits, out, ctx.logprobs) if ctx.logprobs >= 0 else None
+
+    def _check_drafts(self, step: int, drafts: torch.Tensor) -> None:
+        """check_collectives under tensor parallelism: the drafts that feed the target's forward are the same on
+        every process of the group (the replicated drafter computed them from identical inputs); eager steps only
+        (reading them back would break a CUDA graph's capture)."""
+        if drafts.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        self.tp.verify((f"drafts crc32={zlib.crc32(drafts.cpu().numpy().tobytes())}",), step, "drafts")
 
     @staticmethod
     def _to_host(out: torch.Tensor, n_out: torch.Tensor, proposed: torch.Tensor | None, n: int):
