@@ -120,7 +120,6 @@ def main(argv: list[str] | None = None) -> None:
                     requests = pickle.load(fh)
             summary = run_rank(engine, dp, job["output"], job["retry_errors"], requests, local_rank == 0,
                                pool_path=os.path.join(run_dir, "work_pool.claims") if dp.world > 1 else None)
-            engine.stop_followers()
             if summary is not None:
                 with open(os.path.join(run_dir, "summary.json"), "w") as fh:
                     json.dump(summary, fh)
@@ -128,7 +127,6 @@ def main(argv: list[str] | None = None) -> None:
             from .server.rank import serve_rank
 
             serve_rank(engine, dp, job)
-            engine.stop_followers()
         else:
             raise ValueError(f"unknown mode {job['mode']!r}")
         status.exit("ok", "", 0)
