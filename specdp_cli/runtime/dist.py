@@ -13,6 +13,11 @@ step before the first one runs, with no collective or host sync between forwards
 parallelism adds two collectives inside every MoE forward (`ep_all_gather`, `ep_reduce_scatter`),
 the same on every rank because the forwards' sizes were agreed.
 
+Tensor parallelism (`tensor_parallel_size` > 1): a DP rank is a group of processes (`TPGroup`); the DP
+collectives above run among the groups' first processes (the leaders) only, and each group has its own: the
+all-reduce of the row-parallel layers inside every forward, and the step package its leader sends before each
+step's device work (see TPGroup).
+
 `check_collectives` also compares a full descriptor (op, shape, dtype, step, phase) before every
 collective. Stepping collectives use `collective_timeout_s`; start-up and result collectives use
 a longer bound (loading a model is slow). A watchdog thread publishes a heartbeat in the rendezvous
