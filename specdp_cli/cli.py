@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 
 from .config import Config, ConfigError, UsageError, load_config
+from .plan import world_size
 from .preflight import Report, run_preflight, schema_failure
 from .report_view import print_report, report_json
 
@@ -196,7 +197,7 @@ def generate(
     from .jobs import JobFailed
 
     try:
-        with stop_signals(), early_ranks(cfg, launched=cfg.parallel.data_parallel_size > 1) as ranks:
+        with stop_signals(), early_ranks(cfg, launched=world_size(cfg.parallel) > 1) as ranks:
             from .jobs.run_generate import print_summary, run_generate    # imports torch: after the ranks start
 
             report = preflight_or_exit(cfg, quiet_ok=True)

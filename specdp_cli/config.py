@@ -90,6 +90,9 @@ def _check_ranges(ranges: list[list[int]], k_max: int) -> None:
 
 class ParallelConfig(_Strict):
     data_parallel_size: int = 1  # checked (>= 1, multiple of num_machines) by preflight, with a sentence
+    # vLLM's name: each DP rank is a group of this many processes (GPUs of one machine) holding the target's
+    # attention and MLP split by heads / columns; checked by preflight (heads, GPUs, family, method)
+    tensor_parallel_size: int = 1
     dp_sync: Literal["auto", "always", "never"] = "auto"
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     num_machines: int = Field(1, ge=1)

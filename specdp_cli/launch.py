@@ -26,7 +26,7 @@ from dataclasses import asdict
 import yaml
 
 from .config import Config
-from .plan import Plan, ranks_per_machine
+from .plan import Plan, processes_per_machine, world_size
 from .runtime.status import read_states
 
 GRACE_S = 10.0
@@ -78,7 +78,8 @@ class RunDir:
     def write_job(self, cfg: Config, plan: Plan, mode: str, ranks_started_at: float, **extra) -> None:
         """The job the ranks wait for; written whole (a rename), after any payload."""
         job = {"config": cfg.model_dump(), "plan": asdict(plan), "mode": mode,
-               "threads": threads_per_rank(plan.device, plan.ranks_per_machine), "parent_pid": os.getpid(),
+               "threads": threads_per_rank(plan.device, plan.ranks_per_machine * plan.tensor_parallel_size),
+               "parent_pid": os.getpid(),
                "started_at": process_start_time(), "ranks_started_at": ranks_started_at, **extra}
         with open(self.file("job.json.tmp"), "w") as fh:
             json.dump(job, fh)
@@ -120,7 +121,7 @@ def threads_per_rank(device: str, per_machine: int) -> int:
 
 def accelerate_command(cfg: Config, run_dir: RunDir, port: int, threads: int) -> list[str]:
     par = cfg.parallel
-    world = par.data_parallel_size
+    world = world_size(par)               # processes: dp x tp
     # every option is given, in a config file of our own too, so a default accelerate config in
     # the user's home cannot change how ranks start
     acc = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "MULTI_GPU", "mixed_precision": "no",
@@ -157,7 +158,7 @@ class Ranks:
         self.cfg = cfg
         self.run_dir = run_dir or RunDir()
         par = cfg.parallel
-        n = ranks_per_machine(cfg.parallel)
+        n = processes_per_machine(cfg.parallel)
         first = par.machine_rank * n
         self.local_ranks = range(first, first + n)
         self.proc: subprocess.Popen | None = None
@@ -174,7 +175,7 @@ class Ranks:
         each rank applies the job's thread count once it has it."""
         env = rank_env(self.cfg)
         threads = threads_per_rank(self.cfg.device if self.cfg.device != "auto" else "cpu", len(self.local_ranks))
-        if self.cfg.parallel.data_parallel_size == 1:
+        if world_size(self.cfg.parallel) == 1:
             # one rank needs no launcher (accelerate's --multi_gpu refuses a single process)
             cmd = [sys.executable, "-m", "specdp_cli.rank", self.run_dir.path]
             env.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "OMP_NUM_THREADS": str(threads)})
@@ -278,6 +279,11 @@ class Ranks:
             except subprocess.TimeoutExpired:
                 pass
 
+    def who(self, proc: int) -> str:
+        """A process as messages name it: its rank, or under tensor parallelism its DP and TP rank."""
+        tp = max(1, self.cfg.parallel.tensor_parallel_size)
+        return f"rank {proc}" if tp == 1 else f"process {proc} (DP rank {proc // tp}, TP rank {proc % tp})"
+
     def failure_message(self) -> str:
         states = self.states()
         recs = {s.rank: s.exit for s in states if s.exit}
@@ -294,27 +300,27 @@ class Ranks:
                 state = self.states_when_ended.get(s.rank) if s.rank in self.states_when_ended else (
                     process_state(s.pid) if s.pid is not None else None)
                 if s.pid is None:
-                    lines.append(f"rank {s.rank} did not start (see the log below)")
+                    lines.append(f"{self.who(s.rank)} did not start (see the log below)")
                 elif state in ("T", "t"):
-                    lines.append(f"rank {s.rank} is unresponsive at {s.where}: its process {s.pid} is stopped "
+                    lines.append(f"{self.who(s.rank)} is unresponsive at {s.where}: its process {s.pid} is stopped "
                                  f"(SIGSTOP, a debugger?) and was ended")
                 elif state is not None and state not in ("Z", "X"):
-                    lines.append(f"rank {s.rank} is unresponsive at {s.where}: its process {s.pid} is alive but "
+                    lines.append(f"{self.who(s.rank)} is unresponsive at {s.where}: its process {s.pid} is alive but "
                                  f"stopped answering, and was ended")
                 else:
-                    lines.append(f"rank {s.rank} died during {s.where} without an exit record "
+                    lines.append(f"{self.who(s.rank)} died during {s.where} without an exit record "
                                  f"(killed by a signal, e.g. out of memory?)")
             elif rec["kind"] == "fault":
-                lines.append(f"rank {s.rank} exited with status {rec['code']} during {s.where} ({rec['message']})")
+                lines.append(f"{self.who(s.rank)} exited with status {rec['code']} during {s.where} ({rec['message']})")
             elif rec["kind"] in ("error", "graph-capture"):
-                lines.append(f"rank {s.rank} failed during {s.where}: {rec['message']}")
+                lines.append(f"{self.who(s.rank)} failed during {s.where}: {rec['message']}")
         culprits = bool(lines)
         for s in states:
             rec = s.exit
             if rec and rec["kind"] == "peer-lost":
-                lines.append(f"rank {s.rank} stopped: {rec['message']}")
+                lines.append(f"{self.who(s.rank)} stopped: {rec['message']}")
             elif rec and rec["kind"] == "terminated" and culprits:
-                lines.append(f"rank {s.rank} was stopped at {s.where}")
+                lines.append(f"{self.who(s.rank)} was stopped at {s.where}")
         if not lines:
             lines.append("the launcher failed before the ranks reported anything")
         return "\n".join(lines)

@@ -165,6 +165,19 @@ class ModelDir:
             return experts_held if ".experts." in name else 1.0
         return sum(v * held(n) for n, v in sizes.items()) / total if total else 1.0
 
+    def tensor_parallel_shares(self, tp: int) -> tuple[float, float]:
+        """(the share of the weights' bytes, the share of the KV cache) one process of a TP group of `tp` holds
+        (models/tensor_parallel.py's split; 1.0, 1.0 without one, or when the model cannot be split)."""
+        from .runtime.models.tensor_parallel import held_fraction, refusal, shard_of
+
+        if tp <= 1 or self.is_moe or refusal(self.config, tp) or "intermediate_size" not in self.config:
+            return 1.0, 1.0
+        sizes = {n: (shape, _numel(shape)) for n, (_, shape) in self.tensor_headers.items()}
+        total = sum(n for _, n in sizes.values())
+        held = sum(n * held_fraction(name, shape, self.config, tp) for name, (shape, n) in sizes.items())
+        shard = shard_of(self.config, 0, tp)
+        return (held / total if total else 1.0 / tp), shard.local_kv_heads / shard.kv_heads
+
     def _loaded_bytes(self, name: str, shape, dtype: str, fp8: bool) -> float:
         """Bytes of one tensor as loaded: in `dtype`, or with `fp8` (FP8 weights kept FP8) a quantizable weight's
         one byte an element plus a float32 scale per 128 x 128 block (models/quant.py)."""

@@ -32,7 +32,9 @@ class Plan:
     policy: Optional[str] = None             # skip | dummy | None (method none)
     drafter_max_model_len: Optional[int] = None   # D
     no_draft_window: Optional[list[int]] = None   # [D - k + 1, M - 1], when not empty
-    ranks_per_machine: int = 1
+    ranks_per_machine: int = 1                    # DP ranks on each machine
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1                 # processes (GPUs) of each DP rank
     gpus: int = 0                                 # GPUs visible on this machine when resolved (device cuda / auto)
     model_name: str = ""
     num_blocks: Optional[int] = None              # KV blocks: cache.num_blocks, the CPU default, or None (a GPU sizes it)
@@ -72,8 +74,19 @@ def device_memory(device: str) -> Optional[tuple[int, int]]:
 # ------------------------------------------------------------------------------------------------------
 
 def ranks_per_machine(parallel: ParallelConfig) -> int:
-    """DP ranks on each machine (the launcher reads it before anything else is resolved)."""
+    """DP ranks on each machine."""
     return max(1, parallel.data_parallel_size // max(1, parallel.num_machines))
+
+
+def processes_per_machine(parallel: ParallelConfig) -> int:
+    """Processes on each machine: its DP ranks x tensor_parallel_size (the launcher reads it before anything
+    else is resolved)."""
+    return ranks_per_machine(parallel) * max(1, parallel.tensor_parallel_size)
+
+
+def world_size(parallel: ParallelConfig) -> int:
+    """Processes of the job: data_parallel_size x tensor_parallel_size."""
+    return parallel.data_parallel_size * max(1, parallel.tensor_parallel_size)
 
 
 def open_models(cfg: Config) -> tuple[ModelDir | None, ModelDir | None]:
@@ -121,7 +134,9 @@ def resolve(cfg: Config, dirs: tuple[ModelDir | None, ModelDir | None] | None = 
     return Plan(device=device, dtype=dtype, backend=par.backend if par.backend != "auto" else (
                     "nccl" if device == "cuda" else "gloo"),
                 dp_sync=dp_sync, policy=policy, drafter_max_model_len=D, no_draft_window=window,
-                ranks_per_machine=ranks_per_machine(par), gpus=gpus,
+                ranks_per_machine=ranks_per_machine(par), data_parallel_size=par.data_parallel_size,
+                tensor_parallel_size=max(1, par.tensor_parallel_size),
+                gpus=gpus,
                 model_name=cfg.server.model_name or (target.name if target else os.path.basename(cfg.model)),
                 num_blocks=memory["num_blocks"] if memory and memory["source"] != "gpu" else cfg.cache.num_blocks,
                 expert_parallel=expert_parallel, speculation=speculation(cfg), memory=memory)
@@ -151,8 +166,10 @@ def _memory(cfg: Config, device: str, dtype: str, expert_parallel: bool, target:
     fp8 = {"target": _fp8(target, cfg.quantization, device, dtype),
            "drafter": _fp8(drafter, cfg.speculative.quantization, device, dtype) if drafter else None}
     kept = {role: bool(q and q["loaded_as"] == "float8_e4m3fn") for role, q in fp8.items()}
-    weights = int(target.weight_bytes(dtype, kept["target"]) * target.loaded_share(mtp, experts_held))
-    per_token = target.kv_bytes_per_token(dtype)
+    # under tensor parallelism a process (GPU) holds its share of the target's attention, MLP and KV heads
+    tp_weights, tp_kv = target.tensor_parallel_shares(cfg.parallel.tensor_parallel_size)
+    weights = int(target.weight_bytes(dtype, kept["target"]) * target.loaded_share(mtp, experts_held) * tp_weights)
+    per_token = int(target.kv_bytes_per_token(dtype) * tp_kv)
     if drafter:
         weights += drafter.weight_bytes(dtype, kept["drafter"])
         per_token += drafter.kv_bytes_per_token(dtype)
@@ -170,6 +187,7 @@ def _memory(cfg: Config, device: str, dtype: str, expert_parallel: bool, target:
         budget = c.gpu_memory_utilization * total - (total - free) - weights - ACTIVATION_RESERVE
         blocks, source = max(0, int(budget // max(per_token * c.block_size, 1))), "gpu"
     return {"weight_bytes": weights, "kv_bytes_per_token": per_token, "block_size": c.block_size,
+            "tensor_parallel_size": max(1, cfg.parallel.tensor_parallel_size),
             "num_blocks": blocks, "source": source, "device_total": total, "sequence_blocks": per_seq,
             "weights_per_token": target.weights_per_token(dtype, kept["target"]), "quantization": fp8["target"],
             "drafter_quantization": fp8["drafter"]}

@@ -14,7 +14,7 @@ from typing import Optional
 from .config import Config
 from .methods import METHODS
 from .modeldir import (ModelDir, ModelDirError, UnsupportedModel, architecture_of, aux_layer_ids, eagle_layout,
-                       expert_split, has_tokenizer_files, load_tokenizer)
+                       expert_split, family_of, has_tokenizer_files, load_tokenizer)
 from .plan import Plan, resolve
 
 STATUS_ORDER = {"ok": 0, "warn": 1, "error": 2}
@@ -60,6 +60,12 @@ class Report:
             "speculation": p.speculation,
             "kv_cache": self.kv_cache,
             "weights_per_token": (p.memory or {}).get("weights_per_token"),
+            "layout": {"data_parallel_size": p.data_parallel_size, "tensor_parallel_size": p.tensor_parallel_size,
+                       "processes": p.data_parallel_size * p.tensor_parallel_size,
+                       "processes_per_machine": p.ranks_per_machine * p.tensor_parallel_size,
+                       "gpus_per_machine": p.gpus if p.device == "cuda" else None,
+                       "weight_bytes_per_gpu": (p.memory or {}).get("weight_bytes"),
+                       "kv_bytes_per_token_per_gpu": (p.memory or {}).get("kv_bytes_per_token")},
             "quantization": (p.memory or {}).get("quantization"),
             "checks": [asdict(c) for c in self.checks],
             "errors": list(self.errors),
@@ -244,19 +250,28 @@ def _supported(role: str, md: ModelDir) -> tuple[str, str]:
 def _parallel(cfg: Config, plan: Plan, target: ModelDir | None) -> list[tuple[str, str]]:
     par = cfg.parallel
     out: list[tuple[str, str]] = []
-    dp, machines = par.data_parallel_size, par.num_machines
+    dp, machines, tp = par.data_parallel_size, par.num_machines, par.tensor_parallel_size
     if dp < 1:
         out.append(("error", f"data_parallel_size must be >= 1 (got {dp})."))
     elif dp % machines:
         out.append(("error", f"data_parallel_size ({dp}) must be a multiple of num_machines ({machines}): "
                              f"every machine runs the same number of ranks."))
+    if tp < 1:
+        out.append(("error", f"tensor_parallel_size must be >= 1 (got {tp})."))
+        tp = 1
+    per_machine = plan.ranks_per_machine * tp
     gpus = plan.gpus
     if plan.device == "cuda":
         if gpus == 0:
             out.append(("error", "device is cuda but no GPU is visible (check CUDA_VISIBLE_DEVICES, or set device: cpu)."))
-        elif plan.ranks_per_machine > gpus:
-            out.append(("error", f"{plan.ranks_per_machine} ranks per machine need {plan.ranks_per_machine} GPUs, "
-                                 f"but {gpus} are visible: lower data_parallel_size or raise num_machines."))
+        elif tp > 1 and gpus % tp:
+            out.append(("error", f"tensor_parallel_size {tp} does not divide the {gpus} GPUs of a machine: a DP rank's "
+                                 f"TP group takes {tp} GPUs of one machine; choose a divisor of {gpus}."))
+        elif per_machine > gpus:
+            what = "ranks" if tp == 1 else f"processes ({plan.ranks_per_machine} DP ranks x tensor_parallel_size {tp})"
+            out.append(("error", f"{per_machine} {what} per machine need {per_machine} GPUs, but {gpus} are visible: "
+                                 f"lower data_parallel_size{' or tensor_parallel_size' if tp > 1 else ''} or raise "
+                                 f"num_machines."))
     if plan.backend == "nccl" and plan.device != "cuda":
         out.append(("error", "backend nccl needs device cuda; use backend gloo (or auto) on CPU."))
     moe = bool(target and target.is_moe)
@@ -270,9 +285,58 @@ def _parallel(cfg: Config, plan: Plan, target: ModelDir | None) -> list[tuple[st
                                 "lockstep (dp_sync: always); fine only while experts are not sharded across ranks."))
     if par.enable_expert_parallel:
         out += _expert_parallel(cfg, target, moe)
-    out.insert(0, ("ok", f"{dp} rank(s) on {machines} machine(s), {plan.ranks_per_machine} per machine, "
+    if tp > 1:
+        out += _tensor_parallel(cfg, target, tp)
+    layout = (f"{dp} rank(s)" if tp == 1 else
+              f"layout {dp} x {tp}: {dp} DP rank(s) of {tp} tensor-parallel processes ({dp * tp} processes)")
+    out.insert(0, ("ok", f"{layout} on {machines} machine(s), {per_machine} per machine, "
                          f"device {plan.device}, backend {plan.backend}, dtype {plan.dtype}; "
                          f"dp_sync {plan.dp_sync} ({why})."))
+    return out
+
+
+TP_METHODS = ("none", "ngram", "draft_model")
+
+
+def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tuple[str, str]]:
+    """parallel.tensor_parallel_size > 1: what this step of tensor parallelism runs (dense decoders split by heads
+    and MLP columns, a replicated drafter) and the target's shape allows."""
+    from .runtime.models.registry import families
+    from .runtime.models.tensor_parallel import refusal
+
+    out: list[tuple[str, str]] = []
+    method = cfg.speculative.method
+    if method not in TP_METHODS:
+        out.append(("error", f"tensor_parallel_size {tp} with speculative.method {method} is not supported yet "
+                             f"(supported: {', '.join(TP_METHODS)}, with the drafter replicated on every process): "
+                             f"set tensor_parallel_size: 1 or another method."))
+    if cfg.quantization or cfg.speculative.quantization or (target is not None and target.quantization is not None):
+        out.append(("error", f"tensor_parallel_size {tp} with FP8 weights is not supported yet: set "
+                             f"tensor_parallel_size: 1, or use a high-precision checkpoint without quantization."))
+    if target is None:
+        return out
+    supported = sorted(a for a, f in families().items() if f.tensor_parallel)
+    try:
+        fam = family_of(target.config)
+    except UnsupportedModel:
+        return out                           # the files check says why
+    if not fam.tensor_parallel:
+        out.append(("error", f"tensor_parallel_size {tp}: the target's {fam.architecture} cannot be split over a "
+                             f"TP group yet (supported: {', '.join(supported)}; mixture-of-experts and latent "
+                             f"attention come later): set tensor_parallel_size: 1."))
+        return out
+    why = refusal(target.config, tp)
+    if why:
+        out.append(("error", why))
+        return out
+    H = int(target.get("num_attention_heads"))
+    KV = int(target.get("num_key_value_heads") or H)
+    kv = (f"its {KV} KV heads {KV // tp} per process" if tp <= KV else
+          f"its {KV} KV head(s) replicated: each process holds the one its query heads read ({tp // KV} copies each)")
+    drafter = " The drafter is replicated on every process." if METHODS[method].forward else ""
+    out.append(("ok", f"tensor parallel: the target's {H} query heads split {H // tp} per process, {kv}; MLP columns "
+                      f"split; embedding and LM head replicated; every decision is made by each TP group's first "
+                      f"process and sent to the others each step.{drafter}"))
     return out
 
 
@@ -463,8 +527,11 @@ def _memory(cfg: Config, plan: Plan, report: Report) -> list[tuple[str, str]]:
     tokens = blocks * bs
     seqs = blocks // per_seq
     report.kv_cache = {"block_size": bs, "num_blocks": blocks, "tokens": tokens, "sequences": seqs}
-    numbers = (f"weights {_fmt_bytes(weights)}{with_mtp}{' per rank (experts split)' if plan.expert_parallel else ''}; "
-               f"KV cache {blocks} blocks of {bs} tokens = {tokens} tokens "
+    tp = m.get("tensor_parallel_size", 1)
+    per = (" per rank (experts split)" if plan.expert_parallel else
+           f" per GPU (tensor_parallel_size {tp}: attention and MLP split)" if tp > 1 else "")
+    numbers = (f"weights {_fmt_bytes(weights)}{with_mtp}{per}; "
+               f"KV cache{' per GPU' if tp > 1 else ''} {blocks} blocks of {bs} tokens = {tokens} tokens "
                f"({_fmt_bytes(per_token)} per token{with_mtp}, {_fmt_bytes(tokens * per_token)}; from {how}): "
                f"{seqs} sequences of max_model_len {M} at once; prefix caching "
                f"{'on' if cfg.cache.enable_prefix_caching else 'off'}")

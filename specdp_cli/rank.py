@@ -87,11 +87,12 @@ def main(argv: list[str] | None = None) -> None:
         plan = Plan(**job["plan"])
         device = rank_device(plan, local_rank, int(job["threads"]))
         status.set(0, "joining the process group")
+        tp = cfg.parallel.tensor_parallel_size
         if world == 1:
             dp = DPGroup.solo(status)
         else:
             dp = DPGroup.from_env(plan.backend, plan.lockstep, cfg.parallel.collective_timeout_s,
-                                  cfg.parallel.check_collectives, device, status)
+                                  cfg.parallel.check_collectives, device, status, tp_size=tp)
         dp.start_watchdog(job.get("parent_pid"))
         launch = launch_phases(job["started_at"], job["ranks_started_at"], process_start_time(), imported_at,
                                job_at, time.time())
@@ -101,14 +102,16 @@ def main(argv: list[str] | None = None) -> None:
             status.exit("fault", message, exit_code)
             os._exit(exit_code)
 
-        engine = build_engine(cfg, plan, dp, device, Faults.from_env(world), on_fault_exit=fault_exit,
+        engine = build_engine(cfg, plan, dp, device, Faults.from_env(dp.world, tp), on_fault_exit=fault_exit,
                               started_at=job["started_at"], launch=launch)
         print(engine.ready_line, file=sys.stderr, flush=True)
         ready = os.path.join(run_dir, f"rank{rank}.ready")        # for the command's own output (ranks.ready_lines)
         with open(ready + ".tmp", "w") as fh:
             fh.write(engine.ready_line)
         os.replace(ready + ".tmp", ready)
-        if job["mode"] == "generate":
+        if not dp.leader:
+            engine.follow()            # a TP follower: its leader's device work, step by step, until it says stop
+        elif job["mode"] == "generate":
             from .jobs.generate import run_rank
 
             requests = None
@@ -116,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
                 with open(os.path.join(run_dir, "payload.pkl"), "rb") as fh:
                     requests = pickle.load(fh)
             summary = run_rank(engine, dp, job["output"], job["retry_errors"], requests, local_rank == 0,
-                               pool_path=os.path.join(run_dir, "work_pool.claims") if world > 1 else None)
+                               pool_path=os.path.join(run_dir, "work_pool.claims") if dp.world > 1 else None)
             if summary is not None:
                 with open(os.path.join(run_dir, "summary.json"), "w") as fh:
                     json.dump(summary, fh)

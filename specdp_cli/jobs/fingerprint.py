@@ -45,6 +45,8 @@ def job_parts(cfg: Config, plan: Plan) -> dict[str, str]:
     decoding = {"method": spec.method, "dtype": plan.dtype, "device": plan.device,
                 "max_model_len": cfg.max_model_len, "seed": cfg.seed, "enforce_eager": cfg.enforce_eager,
                 "chat_template": cfg.chat_template}
+    if cfg.parallel.tensor_parallel_size > 1:     # split sums round differently (bf16); left out at 1: old jobs resume
+        decoding["tensor_parallel_size"] = cfg.parallel.tensor_parallel_size
     meth = METHODS[spec.method]
     if meth.drafts:
         decoding["k"] = spec.num_speculative_tokens

@@ -124,6 +124,7 @@ def run_rank(engine, dp, output: str, retry_errors: bool, requests: list[JobRequ
     finally:
         writer.close()
         pool.close()
+    engine.stop_followers()      # tensor parallelism: the followers' part is over; they leave before the last waits
     if not dp.lockstep:
         dp.wait_for_all("waiting for the other ranks to finish")
     report = {**engine.counters.report(dp.rank, pool.taken), "startup": engine.startup, "launch": engine.launch,

@@ -15,7 +15,7 @@ from rich.table import Table
 from ..config import Config
 from ..launch import Ranks, Terminated, launch_phases, process_start_time, threads_per_rank
 from ..modeldir import load_tokenizer
-from ..plan import Plan
+from ..plan import Plan, world_size
 from ..prompts import PromptEncoder
 from ..runtime.faults import FaultSpecError, Faults
 from . import JobFailed
@@ -105,9 +105,9 @@ def run_generate(cfg: Config, plan: Plan, input_path: str | None, output: str, r
                  err: Console, ranks: Ranks | None = None, overwrite: bool = False) -> dict | None:
     """Run the job, in this process for one rank, else in `ranks` (started, waiting for the job);
     returns the summary (on machine 0), raises JobFailed with a sentence."""
-    world = cfg.parallel.data_parallel_size
+    world = world_size(cfg.parallel)         # processes: dp x tp
     try:
-        faults = Faults.from_env(world)
+        faults = Faults.from_env(cfg.parallel.data_parallel_size, cfg.parallel.tensor_parallel_size)
     except FaultSpecError as e:
         raise JobFailed(str(e)) from None
     leader = cfg.parallel.machine_rank == 0

@@ -13,6 +13,11 @@ step before the first one runs, with no collective or host sync between forwards
 parallelism adds two collectives inside every MoE forward (`ep_all_gather`, `ep_reduce_scatter`),
 the same on every rank because the forwards' sizes were agreed.
 
+Tensor parallelism (`tensor_parallel_size` > 1): a DP rank is a group of processes (`TPGroup`); the DP
+collectives above run among the groups' first processes (the leaders) only, and each group has its own: the
+all-reduce of the row-parallel layers inside every forward, and the step package its leader sends before each
+step's device work (see TPGroup).
+
 `check_collectives` also compares a full descriptor (op, shape, dtype, step, phase) before every
 collective. Stepping collectives use `collective_timeout_s`; start-up and result collectives use
 a longer bound (loading a model is slow). A watchdog thread publishes a heartbeat in the rendezvous
@@ -35,6 +40,7 @@ from .local_exchange import LocalExchange
 from .status import StatusBoard, where
 
 START_TIMEOUT_S = 1800.0
+WAIT_S = 30 * 86400.0        # a TP follower waiting for its leader's next step (a server idles): the watchdog's business
 
 
 class OutOfStepError(RuntimeError):
@@ -51,8 +57,16 @@ def _tag(step: int, what: str) -> int:
 
 class DPGroup:
     def __init__(self, rank: int = 0, world: int = 1, lockstep: bool = False, status: StatusBoard | None = None,
-                 timeout_s: float = 120.0, check: bool = False, device: torch.device | None = None):
+                 timeout_s: float = 120.0, check: bool = False, device: torch.device | None = None,
+                 proc: int | None = None, procs: int | None = None):
+        """rank, world: the DP rank and size; proc, procs: this process's global rank and the processes of the
+        job (dp x tp; the same as rank, world without tensor parallelism)."""
         self.rank, self.world = rank, world
+        self.proc = rank if proc is None else proc
+        self.procs = world if procs is None else procs
+        self.object_group = None          # the start-up and result collectives' group (None: every process)
+        self.tp: TPGroup | None = None    # this DP rank's TP group (tensor parallelism)
+        self.leader = True                # the TP group's first process: the one that runs the DP rank's work
         self.lockstep = lockstep and world > 1
         self.status = status or StatusBoard(None, rank)
         self.timeout_s = timeout_s
@@ -73,22 +87,43 @@ class DPGroup:
 
     @classmethod
     def from_env(cls, backend: str, lockstep: bool, timeout_s: float, check: bool,
-                 device: torch.device, status: StatusBoard) -> "DPGroup":
+                 device: torch.device, status: StatusBoard, tp_size: int = 1) -> "DPGroup":
         """Join the process group that `accelerate launch` describes in RANK / WORLD_SIZE / MASTER_*
-        (accelerate's own PartialState misreports the rank on CPU)."""
+        (accelerate's own PartialState misreports the rank on CPU). With tensor parallelism (tp_size > 1)
+        process p is TP rank p % tp_size of DP rank p // tp_size; the DP collectives run among the TP groups'
+        first processes (the leaders), and each TP group gets its own (`TPGroup`)."""
         import torch.distributed as dist
 
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        proc, procs = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         kw = {"device_id": device} if backend == "nccl" else {}
-        dist.init_process_group(backend=backend, rank=rank, world_size=world,
+        dist.init_process_group(backend=backend, rank=proc, world_size=procs,
                                 timeout=datetime.timedelta(seconds=START_TIMEOUT_S), **kw)
-        g = cls(rank, world, lockstep, status, timeout_s, check, device if backend == "nccl" else torch.device("cpu"))
-        g.step_group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-        if g.lockstep and int(os.environ.get("LOCAL_WORLD_SIZE", 0)) == world and LocalExchange.available():
+        comm = device if backend == "nccl" else torch.device("cpu")
+        rank, world = proc // tp_size, procs // tp_size
+        g = cls(rank, world, lockstep, status, timeout_s, check, comm, proc=proc, procs=procs)
+        stepping = datetime.timedelta(seconds=timeout_s)
+        if tp_size == 1:
+            g.step_group = dist.new_group(backend=backend, timeout=stepping)
+        else:
+            # every process creates every group, in the same order (torch.distributed's rule)
+            leaders = list(range(0, procs, tp_size))
+            g.step_group = dist.new_group(leaders, backend=backend, timeout=stepping)
+            g.object_group = dist.new_group(leaders, backend=backend,
+                                            timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+            for d in range(world):
+                members = list(range(d * tp_size, (d + 1) * tp_size))
+                groups = (dist.new_group(members, backend=backend, timeout=stepping),
+                          dist.new_group(members, backend="gloo", timeout=datetime.timedelta(seconds=WAIT_S)),
+                          dist.new_group(members, backend="gloo", timeout=stepping))
+                if d == rank:
+                    g.tp = TPGroup(proc % tp_size, tp_size, rank, members[0], groups, timeout_s, check, comm)
+            g.leader = g.tp.rank == 0
+        if (g.lockstep and g.leader and int(os.environ.get("LOCAL_WORLD_SIZE", 0)) == procs
+                and LocalExchange.available()):
             box = [secrets.token_hex(8) if rank == 0 else None]       # a name no other job shares
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=0, group=g.object_group)
             g.local = LocalExchange(rank, world, box[0], timeout_s)
-            dist.barrier()                                            # every rank bound before the first send
+            dist.barrier(group=g.object_group)                        # every rank bound before the first send
         return g
 
     @property
@@ -99,15 +134,15 @@ class DPGroup:
         return "the process group" if self.lockstep else "none (dp_sync never)"
 
     def start_watchdog(self, parent_pid: int | None) -> None:
-        """Heartbeat + liveness checks in a daemon thread (see module docstring)."""
-        if self.world == 1 and not parent_pid:
+        """Heartbeat + liveness checks in a daemon thread (see module docstring), over every process."""
+        if self.procs == 1 and not parent_pid:
             return
         self._watchdog = threading.Thread(target=self._watch, args=(parent_pid,), daemon=True, name="specdp-watchdog")
         self._watchdog.start()
 
     def _watch(self, parent_pid: int | None) -> None:
         store = None
-        if self.world > 1:
+        if self.procs > 1:
             import torch.distributed as dist
             store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                   timeout=datetime.timedelta(seconds=30))
@@ -118,10 +153,10 @@ class DPGroup:
             if store is None:
                 continue
             try:
-                store.add(f"specdp/hb/{self.rank}", 1)
+                store.add(f"specdp/hb/{self.proc}", 1)
                 now = time.monotonic()
-                for r in range(self.world):
-                    if r == self.rank or store.check([f"specdp/exited/{r}"]):
+                for r in range(self.procs):
+                    if r == self.proc or store.check([f"specdp/exited/{r}"]):
                         continue
                     beat = store.add(f"specdp/hb/{r}", 0)
                     last = seen.get(r)
@@ -143,11 +178,11 @@ class DPGroup:
         self._stop.set()
         if self.local is not None:
             self.local.close()
-        if self.world > 1 and ok:
+        if self.procs > 1 and ok:
             import torch.distributed as dist
             try:
                 store = dist.distributed_c10d._get_default_store()
-                store.set(f"specdp/exited/{self.rank}", "1")
+                store.set(f"specdp/exited/{self.proc}", "1")
             except Exception:  # noqa: BLE001 - best effort at shutdown
                 pass
         # No destroy_process_group: the rank process ends right after this (os._exit) with nothing in
@@ -158,6 +193,8 @@ class DPGroup:
     def publish(self, step: int, what: str) -> None:
         self._at = (step, what)
         self.status.set(step, what)
+        if self.tp is not None:
+            self.tp._at = self._at
 
     # -- expert parallelism: inside a MoE layer's forward (the step group; graph-capturable on NCCL) --
 
@@ -272,7 +309,7 @@ class DPGroup:
         self.publish(0, what)
         box = [obj if self.rank == 0 else None]
         self._check(("broadcast_object", "-", (1,), "object", 0, what))
-        self._run(lambda: dist.broadcast_object_list(box, src=0), 0, what)
+        self._run(lambda: dist.broadcast_object_list(box, src=0, group=self.object_group), 0, what)
         return box[0]
 
     def gather_objects(self, obj: Any, what: str) -> list[Any] | None:
@@ -283,7 +320,7 @@ class DPGroup:
         self.publish(0, what)
         out: list[Any] | None = [None] * self.world if self.rank == 0 else None
         self._check(("gather_object", "-", (1,), "object", 0, what))
-        self._run(lambda: dist.gather_object(obj, out, dst=0), 0, what)
+        self._run(lambda: dist.gather_object(obj, out, dst=0, group=self.object_group), 0, what)
         return out
 
     def scatter_objects(self, objs: list[Any] | None, what: str) -> Any:
@@ -295,7 +332,8 @@ class DPGroup:
         self.publish(0, what)
         box: list[Any] = [None]
         self._check(("scatter_object", "-", (1,), "object", 0, what))
-        self._run(lambda: dist.scatter_object_list(box, objs if self.rank == 0 else None, src=0), 0, what)
+        self._run(lambda: dist.scatter_object_list(box, objs if self.rank == 0 else None, src=0,
+                                                   group=self.object_group), 0, what)
         return box[0]
 
     def wait_for_all(self, what: str) -> None:
@@ -323,3 +361,129 @@ def alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
+
+
+class TPGroup:
+    """The processes of one DP rank under tensor parallelism (consecutive global ranks on one machine): the door
+    for their collectives. `rank` is the TP rank (0: the leader, which alone schedules, syncs with the other DP
+    ranks and keeps the books), `world` the TP size.
+
+    Three process groups: the device group (NCCL on GPUs, gloo on CPU) carries the all-reduces of the row-parallel
+    layers inside every forward (`all_reduce`: a plain collective, so it is captured in the CUDA graphs); the
+    package group (gloo, host memory) carries each step's package from the leader to the followers (`share_header`,
+    `share_tensor`: what the step's device work reads, see engine.Engine.follow); the check group (gloo) the
+    descriptors `check_collectives` compares. A follower waits for its leader's next package without a time
+    limit (a server idles; a dead peer is the watchdog's business); the leader, whose followers are waiting for it,
+    sends with `collective_timeout_s`. The header carries `tag` and `-tag` of the package count, so a process that
+    missed or repeated a package is named at once (as the DP step sync does)."""
+
+    def __init__(self, rank: int, world: int, dp_rank: int, leader_proc: int, groups: tuple, timeout_s: float,
+                 check: bool, device: torch.device):
+        self.rank, self.world, self.dp_rank, self.leader_proc = rank, world, dp_rank, leader_proc
+        self.device_group, self.package_group, self.check_group = groups
+        self.timeout_s = timeout_s
+        self.check = check
+        self.comm_device = device
+        self.packages = 0                      # packages shared so far (the next one's tag)
+        self.collectives = 0
+        self._at: tuple[int, str] = (0, "start-up")
+
+    def name(self, rank: int | None = None) -> str:
+        return f"TP rank {self.rank if rank is None else rank} of DP rank {self.dp_rank}"
+
+    # -- inside a forward --------------------------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the TP group, in place (the row-parallel layers' partial sums)."""
+        if self.world == 1:
+            return x
+        import torch.distributed as dist
+
+        self._check(("all_reduce", "sum", tuple(x.shape), str(x.dtype)), *self._at)
+        self._run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.device_group), *self._at)
+        return x
+
+    # -- start-up ------------------------------------------------------------------------------------
+
+    def agree_min(self, n: int, what: str) -> int:
+        """The smallest of every process's n (e.g. KV blocks: each process measured its own memory)."""
+        import torch.distributed as dist
+
+        v = torch.tensor([n], dtype=torch.long)
+        self._run(lambda: dist.all_reduce(v, op=dist.ReduceOp.MIN, group=self.package_group), 0, what)
+        return int(v.item())
+
+    # -- step packages: leader -> followers (host memory) -----------------------------------------------
+
+    def share_header(self, fields: list[int] | None, width: int, step: int = 0) -> list[int] | None:
+        """The leader's `fields` (width integers >= 0) reach every process (followers pass None) in one MAX
+        all-reduce that also checks every process is at the same package."""
+        import torch.distributed as dist
+
+        self.packages += 1
+        what = "step package"
+        tag = _tag(self.packages, what)
+        vec = torch.zeros(width + 2, dtype=torch.long)
+        if fields is not None:
+            vec[:width] = torch.tensor(fields, dtype=torch.long)
+        vec[width], vec[width + 1] = tag, -tag
+        self._run(lambda: self._wait(dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.package_group,
+                                                     async_op=True)), step, what)
+        v = vec.tolist()
+        if v[width] != -v[width + 1]:
+            self._out_of_step(step, what)
+        return v[:width]
+
+    def share_tensor(self, t: torch.Tensor, step: int, what: str = "step package") -> torch.Tensor:
+        """The leader's host tensor t into every follower's t (of the same shape and dtype)."""
+        import torch.distributed as dist
+
+        self._run(lambda: self._wait(dist.broadcast(t, src=self.leader_proc, group=self.package_group,
+                                                    async_op=True)), step, what)
+        return t
+
+    def verify(self, fields: tuple, step: int, what: str) -> None:
+        """check_collectives: every process of the group applies the same step package (its sizes and flags)."""
+        self._check(("package",) + tuple(fields), step, what)
+
+    def _wait(self, work) -> None:
+        """A follower waits as long as its leader takes (the group's own limit); the leader, for whom the
+        followers are waiting, `collective_timeout_s`."""
+        if self.rank == 0:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        else:
+            work.wait()
+
+    def _out_of_step(self, step: int, what: str) -> None:
+        import torch.distributed as dist
+
+        places: list[Any] = [None] * self.world
+        self._run(lambda: dist.all_gather_object(places, (step, what, self.packages), group=self.package_group),
+                  step, what)
+        listing = "; ".join(f"{self.name(r)} at {where(s, w)} (package {n})" for r, (s, w, n) in enumerate(places))
+        raise OutOfStepError(f"the TP processes of DP rank {self.dp_rank} are out of step (they are at different "
+                             f"step packages): {listing}")
+
+    def _check(self, desc: tuple, step: int, what: str) -> None:
+        if not self.check or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return
+        import torch.distributed as dist
+
+        descs: list[Any] = [None] * self.world
+        self._run(lambda: dist.all_gather_object(descs, (desc, step, what), group=self.check_group), step, what)
+        if any(d != descs[0] for d in descs):
+            listing = "; ".join(f"{self.name(r)}: {' '.join(map(str, d))} at {where(s, w)}"
+                                for r, (d, s, w) in enumerate(descs))
+            raise OutOfStepError(f"collective mismatch in the TP group of DP rank {self.dp_rank} "
+                                 f"(check_collectives): {listing}")
+
+    def _run(self, fn, step: int, what: str):
+        self.collectives += 1
+        try:
+            return fn()
+        except (OutOfStepError, PeerLostError):
+            raise
+        except Exception as e:  # noqa: BLE001 - gloo/NCCL report a lost peer or a timeout this way
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise PeerLostError(f"{self.name()}: a collective of its TP group failed at {where(step, what)}: "
+                                f"{first[:300]}") from None

@@ -47,11 +47,13 @@ from .models.loader import load_head, load_model
 from .model_runner import ModelRunner, capture_sizes, pad_rows
 from .output import OutputProcessor
 from .progress import NoProgressError, ProgressGuard, StalledPeerError, describe_stall
-from .sampling import SamplingParams, row_tensors, verify
+from .sampling import SamplingParams, row_tensors, row_values, rows_on, verify
 from .scheduler import Request, Scheduler, Sequence, SpecStats
 from .spec_length import SpecLength
 from .structured import GrammarCompiler
 from .step_inputs import FIRST, NDRAFT, NREAL, OUT, START, RowSpec, StepInputs
+from . import step_package
+from .step_package import StepPackage
 from .step_types import (WIDE_CHUNKS, WIDE_DRAFTER, DeviceResult, ScheduledStep, StepContext, StepOutput, StepSizes,
                          StepSync)
 
@@ -110,6 +112,7 @@ class Engine:
         the CUDA graphs: each phase timed for the start-up report."""
         t_begin = time.time()
         self.cfg, self.plan, self.dp, self.device = cfg, plan, dp, device
+        self.tp = dp.tp             # tensor parallelism: this DP rank's TP group (dist.TPGroup), else None
         self.faults = faults or Faults()
         self.on_fault_exit = on_fault_exit or _exit_process
         meth = METHODS[cfg.speculative.method]
@@ -127,6 +130,8 @@ class Engine:
         self.vocab = target.vocab_size                  # the target's logits (a padded vocabulary: past the tokenizer)
         self.grammars = GrammarCompiler(self.output.tokenizer, self.vocab, self.output.eos)
         num_blocks = self._num_blocks(models)
+        if self.tp is not None:         # each process sized its own: the leader's block ids must fit every one
+            num_blocks = self.tp.agree_min(num_blocks, "sizing the KV cache")
         for m in models:
             allocate_kv(m, num_blocks, cfg.cache.block_size)
         self.pool = self.counters.pool = BlockPool(num_blocks, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
@@ -144,7 +149,8 @@ class Engine:
                                    lookahead=self.lookahead, reads_drafter_kv=self.drafter.prefills,
                                    drafter_kv_upto=self.drafter.kv_upto)
         self.launch = launch or {}
-        self.ready_line = (f"rank {dp.rank} ready in {t_captured - (started_at or t_begin):.1f} s: "
+        who = f"rank {dp.rank}" + (f" (TP rank {self.tp.rank} of {self.tp.world})" if self.tp is not None else "")
+        self.ready_line = (f"{who} ready in {t_captured - (started_at or t_begin):.1f} s: "
                            + ", ".join(f"{k[:-2]} {v:.2f} s" for k, v in self.startup.items())
                            + (" (launch: " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in self.launch.items()) + ")"
                               if self.launch else "")
@@ -171,7 +177,7 @@ class Engine:
         positions = self.M + self.k + self.lookahead + 2
         ep = self.dp if plan.expert_parallel else None
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-        target = load_model(cfg.model, dtype, device, positions, ep=ep, quantization=cfg.quantization)
+        target = load_model(cfg.model, dtype, device, positions, ep=ep, quantization=cfg.quantization, tp=self.tp)
         draft = (load_model(spec.model, dtype, device, positions, quantization=spec.quantization)
                  if meth.separate_lm else None)
         head = (load_head(spec.method, cfg.model if meth.in_target else spec.model, target, dtype, device, positions,
@@ -229,7 +235,10 @@ class Engine:
         if self.device.type != "cuda" or self.cfg.enforce_eager:
             return
         self.graph_pool = torch.cuda.graph_pool_handle()
-        self.capture_mode = "thread_local" if self.plan.expert_parallel else "global"
+        # collectives inside the graphs (expert or tensor parallelism): the process group's watchdog thread
+        # queries CUDA events meanwhile, so the capture is thread-local
+        collectives = self.plan.expert_parallel or self.tp is not None
+        self.capture_mode = "thread_local" if collectives else "global"
         try:
             with torch.no_grad():
                 self.graphs = sum(r.capture({T: self.row_sizes if T == self.T_chunk else self.decode_sizes
@@ -237,11 +246,12 @@ class Engine:
                                   for r in self.runners)
                 self._capture_steps()
         except RuntimeError as e:
-            if not self.plan.expert_parallel:
+            if not collectives:
                 raise
-            raise CaptureError(f"capturing expert parallelism's collectives in CUDA graphs failed on rank "
+            what = "expert parallelism's" if self.plan.expert_parallel else "tensor parallelism's"
+            raise CaptureError(f"capturing {what} collectives in CUDA graphs failed on rank "
                                f"{self.dp.rank} ({str(e).splitlines()[0][:300]}); set enforce_eager: true to run "
-                               f"the experts' exchanges eagerly") from None
+                               f"them eagerly") from None
         self.graphs += len(self.step_graphs)
 
     @torch.no_grad()
@@ -318,6 +328,9 @@ class Engine:
         """Raises RequestError when the request's grammar cannot be followed with this tokenizer."""
         params.seed = seed if seed is not None else request_seed(self.cfg.seed, req_id)
         grammar = None
+        if params.structured_outputs and self.tp is not None:
+            raise RequestError("structured output is not supported with tensor_parallel_size > 1 yet (a grammar's "
+                               "state lives in the TP group's leader); run this request at tensor_parallel_size 1")
         if params.structured_outputs:
             try:
                 grammar = self.grammars.grammar(params.structured_outputs)
@@ -475,13 +488,14 @@ class Engine:
         # rows drawing tokens whose request asks for log-probabilities or changed logits (most steps: none)
         special = [(i, r) for i, r in enumerate(rows) if r.seq.req.special and (i < n_decode or r.done)]
         asked = [r.seq.req.params.logprobs for _, r in special if r.seq.req.params.logprobs is not None]
-        ctx = StepContext(step, rows, sizes, self.inputs,
-                          row_tensors([r.seq.req.params for r in rows], self.device, pad_to=sizes.R_pad),
-                          lambda what: self.dp.publish(step, what), graphs=not self.cfg.enforce_eager,
-                          drafter_runs=drafter_runs,
-                          adjust=logits_process.build(special, sizes.R_pad, self.vocab, self.output.eos, self.device)
-                          if special else None,
-                          logprobs=max(asked, default=-1))
+        pkg = StepPackage(step, sizes, drafter_runs, max(asked, default=-1),
+                          row_values([r.seq.req.params for r in rows], pad_to=sizes.R_pad),
+                          logits_process.build(special, sizes.R_pad, self.vocab, self.output.eos, self.device)
+                          if special else None)
+        if self.tp is not None:        # the followers run this step's device work with the leader
+            step_package.send(self.tp, pkg, self.inputs)
+            self.tp.verify(pkg.decision(), step, "step package")
+        ctx = self._context(pkg, rows)
         out, n_out, proposed, logprobs = self._run_device_step(ctx)
         if while_device_runs is not None:
             while_device_runs()
@@ -498,6 +512,40 @@ class Engine:
             self.counters.padding_steps += 1          # some forward of the step ran over padding rows only
         self.drafter.after_step(ctx)
         return DeviceResult(table, out.shape[1], proposed is not None, logprobs)
+
+    def _context(self, pkg: StepPackage, rows: list[RowSpec]) -> StepContext:
+        """What the step's device work reads, from its package (a TP follower's: no rows of its own)."""
+        step = pkg.step
+        return StepContext(step, rows, pkg.sizes, self.inputs, rows_on(*pkg.sampling, self.device),
+                           lambda what: self.dp.publish(step, what), graphs=not self.cfg.enforce_eager,
+                           drafter_runs=pkg.drafter_runs, adjust=pkg.adjust, logprobs=pkg.logprobs)
+
+    @torch.no_grad()
+    def follow(self) -> None:
+        """A TP follower's loop, until its leader says stop: each step's package (step_package.py) staged as
+        the leader staged it, then the very device work the leader runs (`_run_device_step`: the same forwards,
+        so the same collectives). Its results stay here: the leader keeps the books."""
+        pkg = None
+        while True:
+            self.dp.publish(self.step_no, "waiting for the next step package")
+            if pkg is not None and self.faults.skips_package(self.dp.proc, self.tp.packages + 1):
+                self.tp.packages += 1          # fault injection: this package is missed, the last one run again
+            else:
+                pkg = step_package.receive(self.tp, self.inputs, self.device, self.step_no)
+                if pkg is None:
+                    return
+                pkg = self.faults.alter_package(self.dp.proc, self.tp.packages, pkg)
+            self.step_no = pkg.step
+            self.tp.verify(pkg.decision(), pkg.step, "step package")
+            self._run_device_step(self._context(pkg, []))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)     # the host rows are refilled for the next step
+            self.counters.steps += 1
+
+    def stop_followers(self) -> None:
+        """The leader's last word to its TP followers (their `follow` returns)."""
+        if self.tp is not None:
+            step_package.stop(self.tp, self.step_no)
 
     def _update(self, sched: ScheduledStep, sizes: StepSizes, result: DeviceResult) -> list[StepOutput]:
         """Bookkeeping: accepted tokens, stops and frees, the adaptive k's measurements, the progress guard."""
@@ -644,6 +692,8 @@ class Engine:
         drafts = probs = None
         if ctx.drafter_runs and not self.drafter.after_verify:
             drafts, probs = self.drafter.propose(ctx)
+            if drafts is not None and self.tp is not None and self.tp.check:
+                self._check_drafts(ctx.step, drafts)
         ctx.publish("target forward")
         n = inp.col(NDRAFT, R)
         t.set_rows(R, inp.target_ids(R, T), inp.col(START, R), inp.col(NREAL, R), inp.col(OUT, R))
@@ -658,6 +708,14 @@ class Engine:
         if ctx.drafter_runs and self.drafter.after_verify:
             proposed = self.drafter.propose_after(ctx, out, n_out)
         return out, n_out, proposed, token_logprobs(logits, out, ctx.logprobs) if ctx.logprobs >= 0 else None
+
+    def _check_drafts(self, step: int, drafts: torch.Tensor) -> None:
+        """check_collectives under tensor parallelism: the drafts that feed the target's forward are the same on
+        every process of the group (the replicated drafter computed them from identical inputs); eager steps only
+        (reading them back would break a CUDA graph's capture)."""
+        if drafts.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        self.tp.verify((f"drafts crc32={zlib.crc32(drafts.cpu().numpy().tobytes())}",), step, "drafts")
 
     @staticmethod
     def _to_host(out: torch.Tensor, n_out: torch.Tensor, proposed: torch.Tensor | None, n: int):

@@ -92,6 +92,18 @@ class LogitsAdjust:
         for _, grammar, _ in self.grammar:
             grammar.end_drafting()
 
+    def to(self, device) -> "LogitsAdjust":
+        """A copy on `device` (a TP leader sends it to its followers; a grammar's matcher cannot travel: under
+        tensor parallelism structured output is refused with the request)."""
+        if self.grammar:
+            raise RuntimeError("internal error: a grammar's logits adjustment cannot be sent to TP followers")
+
+        def moved(t):
+            return None if t is None else t.to(device)
+        return LogitsAdjust(moved(self.bias), None if self.ban is None else tuple(moved(t) for t in self.ban),
+                            moved(self.pen_rows), moved(self.counts), moved(self.prompt_seen), moved(self.penalties),
+                            [], self.V)
+
 
 def build(rows: list, R: int, V: int, eos: set[int], device) -> LogitsAdjust | None:
     """rows: (row index, RowSpec) of the step's rows that draw tokens and whose request asks for more than

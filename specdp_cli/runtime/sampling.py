@@ -63,15 +63,30 @@ def _host_flags(params: list[SamplingParams]) -> dict:
 def row_tensors(params: list[SamplingParams], device, pad_to: int = 0) -> dict:
     """Per-row sampling settings as device tensors (one host-to-device copy; none at all when every
     row is greedy), plus the host flags. Rows past len(params), up to `pad_to`, are greedy padding."""
-    rows = _host_flags(params)
-    if rows["all_greedy"]:
-        return rows
+    return rows_on(*row_values(params, pad_to), device)
+
+
+def row_values(params: list[SamplingParams], pad_to: int = 0) -> tuple[dict, tuple | None]:
+    """`row_tensors`' sources on the host: (the host flags, (integers [pad_to, 3] int64, numbers [pad_to, 3]
+    float64) or None when every row is greedy). A TP leader sends them to its followers."""
+    flags = _host_flags(params)
+    if flags["all_greedy"]:
+        return flags, None
     # integers (top_k, seed: any int64) in one int64 tensor, numbers in one float64 tensor
     pad = pad_to - len(params)
     ints = torch.tensor([[int(p.greedy), min(p.top_k, 2 ** 31), p.seed] for p in params] + [[1, 0, 0]] * pad,
-                        dtype=torch.long).to(device)
+                        dtype=torch.long)
     nums = torch.tensor([[max(p.temperature, 1e-5), p.top_p, p.min_p] for p in params] + [[1.0, 1.0, 0.0]] * pad,
-                        dtype=torch.float64).to(device)
+                        dtype=torch.float64)
+    return flags, (ints, nums)
+
+
+def rows_on(flags: dict, values: tuple | None, device) -> dict:
+    """`row_values` as the sampler reads them: the flags and the per-row tensors on `device`."""
+    rows = dict(flags)
+    if values is None:
+        return rows
+    ints, nums = values[0].to(device), values[1].to(device)
     rows.update(greedy=ints[:, 0] > 0, temperature=nums[:, 0].float(), top_p=nums[:, 1].float(),
                 min_p=nums[:, 2].float(), top_k=ints[:, 1], seed=ints[:, 2])
     return rows

@@ -69,8 +69,29 @@ class StepInputs:
             nb = max(map(len, blocks))
             if nb:
                 bt[:n, :nb] = _padded(blocks, nb)
+        self.send(R_pad)
+
+    def send(self, R_pad: int) -> None:
+        """The first R_pad staged rows and their block table to the device."""
         self.dev[:R_pad].copy_(self.host[:R_pad], non_blocking=True)
         self.block_table[:R_pad].copy_(self.bt_host[:R_pad], non_blocking=True)
+
+    @property
+    def width(self) -> int:
+        """Integers a staged row takes with its block table (`staged`)."""
+        return self.host.shape[1] + self.bt_host.shape[1]
+
+    def staged(self, R: int) -> torch.Tensor:
+        """The first R staged rows with their block table, one int64 [R, width] host tensor (what a TP leader
+        sends its followers)."""
+        return torch.cat([self.host[:R], self.bt_host[:R].long()], 1)
+
+    def stage_received(self, block: torch.Tensor, R: int) -> None:
+        """Stage R rows a TP leader sent (`staged`) and send them to the device, as `stage` does."""
+        c = self.host.shape[1]
+        self.host[:R].copy_(block[:, :c])
+        self.bt_host[:R].copy_(block[:, c:])
+        self.send(R)
 
     def col(self, c: int, R: int) -> torch.Tensor:
         return self.dev[:R, self.ints + c]

@@ -96,6 +96,7 @@ def serve_rank(engine, dp, job: dict) -> None:
             delta = {k: n - sent_k.get(k, 0) for k, n in used.items() if n != sent_k.get(k, 0)}
             sent_k, sent_state = dict(used), state
             send(("out", events, delta, state))      # at once: a request's first and last tokens wait for it
+    engine.stop_followers()      # tensor parallelism: the followers' loops end
     send(("bye", dp.rank))
 
 

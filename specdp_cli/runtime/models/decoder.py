@@ -74,6 +74,13 @@ class CausalLM:
         # last layer, before the final norm), written side by side into aux_buf [tokens, len(aux) * hidden]
         self.aux_layers: tuple[int, ...] = ()
         self.aux_buf: torch.Tensor | None = None
+        self.tp = None                                      # the TP group when split (`split`)
+
+    def split(self, shard, tp) -> None:
+        """This process holds `shard` of the attention and MLP weights (models/tensor_parallel.py): its query
+        and KV heads (so its KV cache holds only those), and partial sums of o_proj / down_proj, all-reduced
+        over `tp` (dist.TPGroup)."""
+        self.H, self.KV, self.tp = shard.local_heads, shard.local_kv_heads, tp
 
     @property
     def num_layers(self) -> int:
@@ -125,12 +132,20 @@ class CausalLM:
             if at == layer:
                 self.aux_buf[:stream.shape[0], j * h:(j + 1) * h].copy_(stream)
 
-    @staticmethod
-    def _mlp(layer: Layer, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         if layer.moe is not None:
             return layer.moe(h)
-        return ops.linear(ops.act_and_mul(ops.linear(h, layer.gate_up, layer.gate_up_bias), layer.act), layer.down,
-                          layer.down_bias)
+        return self._row_parallel(ops.act_and_mul(ops.linear(h, layer.gate_up, layer.gate_up_bias), layer.act),
+                                  layer.down, layer.down_bias)
+
+    def _row_parallel(self, x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ w^T + bias; split over a TP group, x and w hold this process's columns: the partial sums are
+        all-reduced (a plain collective, captured in the CUDA graphs) before the bias joins once."""
+        if self.tp is None:
+            return ops.linear(x, w, bias)
+        y = ops.linear(x, w)
+        self.tp.all_reduce(y)
+        return y if bias is None else y + bias
 
     def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
         N = h.shape[0]
@@ -147,7 +162,7 @@ class CausalLM:
         ops.rope_and_store(qkv, cos, sin, meta, k_cache, v_cache, H, KV, D)
         q = qkv[:, :H * D].view(N, H, D)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window, layer.sinks)
-        return ops.linear(out.reshape(N, -1), layer.o, layer.o_bias)
+        return self._row_parallel(out.reshape(N, -1), layer.o, layer.o_bias)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head)

@@ -17,4 +17,4 @@ def build_layer(c, i: int, get, path: str, ep=None):
 
 
 FAMILIES = [Family("LlamaForCausalLM", "llama", build_layer, fields=("hidden_act", "head_dim"),
-                   refuse=refuse_activation)]
+                   refuse=refuse_activation, tensor_parallel=True)]

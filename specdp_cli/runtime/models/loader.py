@@ -9,19 +9,26 @@ from .decoder import CausalLM
 from .quant import fp8_load, quantization_of
 from .registry import UnsupportedModel, family_of
 from .rotary import rotary_tables, sliding_layer_tables
+from .tensor_parallel import shard_of
 from .weights import rank_experts, read_weights, weight_getter, weights_of
 
 
 def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int, ep=None,
-               quantization: str | None = None) -> CausalLM:
+               quantization: str | None = None, tp=None) -> CausalLM:
     """Load a supported Hugging Face causal LM directory as specdp's decoder. `ep`: the DP group over
     which a mixture-of-experts model's routed experts are split (each rank reads only its own).
-    `quantization` "fp8": quantize a high-precision checkpoint's linear layers at load (models/quant.py)."""
+    `quantization` "fp8": quantize a high-precision checkpoint's linear layers at load (models/quant.py).
+    `tp`: the TP group (dist.TPGroup) over which attention and MLP are split (models/tensor_parallel.py)."""
     md = ModelDir.open(path, "model")
     fam = family_of(md.config)
     c = load_config(path, md.config, fam)
     experts = rank_experts(fam.num_experts(md.config), ep)
-    w = read_weights(md.weight_files, device, weights_of(range(c.num_hidden_layers), experts))
+    shard = None
+    if tp is not None and tp.world > 1:
+        if not fam.tensor_parallel:
+            raise UnsupportedModel(f"{path}: {fam.architecture} cannot be split over a TP group yet")
+        shard = shard_of(md.config, tp.rank, tp.world)
+    w = read_weights(md.weight_files, device, weights_of(range(c.num_hidden_layers), experts), shard)
     quant = quantization_of(md.config)
     fp8 = fp8_load(quant, quantization, device, dtype, fam.model_type)
     get = weight_getter(w, "model." if "model.embed_tokens.weight" in w else "", path, dtype, quant, fp8)
@@ -44,6 +51,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
                 layer.rope = local
     model = (fam.model_class or CausalLM)(c, layers, embed, norm, lm_head, cos.to(device), sin.to(device))
     model.fp8_load = fp8                     # the MTP layer in the same checkpoint loads the same way
+    if shard is not None:
+        model.split(shard, tp)
     return model
 
 

@@ -13,4 +13,4 @@ def build_layer(c, i: int, get, path: str, ep=None):
 
 
 FAMILIES = [Family("MistralForCausalLM", "mistral", build_layer, fields=("hidden_act", "head_dim", "sliding_window"),
-                   refuse=refuse_activation)]
+                   refuse=refuse_activation, tensor_parallel=True)]

@@ -12,4 +12,4 @@ def build_layer(c, i: int, get, path: str, ep=None):
 
 
 FAMILIES = [Family("Qwen2ForCausalLM", "qwen2", build_layer, fields=("hidden_act", "layer_types", "sliding_window"),
-                   refuse=refuse_activation)]
+                   refuse=refuse_activation, tensor_parallel=True)]

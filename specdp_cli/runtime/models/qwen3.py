@@ -12,4 +12,5 @@ def build_layer(c, i: int, get, path: str, ep=None):
 
 
 FAMILIES = [Family("Qwen3ForCausalLM", "qwen3", build_layer,
-                   fields=("hidden_act", "head_dim", "layer_types", "sliding_window"), refuse=refuse_activation)]
+                   fields=("hidden_act", "head_dim", "layer_types", "sliding_window"), refuse=refuse_activation,
+                   tensor_parallel=True)]

@@ -44,6 +44,7 @@ class Family:
     model_class: type | None = None        # its forward (None: decoder.CausalLM, a pre-norm decoder)
     refuse: Callable[[dict], str | None] | None = None     # why a config cannot run (None: it can)
     load_mtp: Callable | None = None       # (path, target, dtype, device, ep) -> its MTP layer as a drafter
+    tensor_parallel: bool = False          # loads split over a TP group (models/tensor_parallel.py's split)
 
     def num_experts(self, config: dict) -> int:
         n = next((config[k] for k in self.experts_keys if k in config), 0)

@@ -14,8 +14,10 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.")      # routed experts only: ".shared
 
 
 def read_weights(files: list[str], device: torch.device,
-                 wanted: Callable[[str], bool] = lambda name: True) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors whose names are `wanted` (the others are never read from a safetensors file)."""
+                 wanted: Callable[[str], bool] = lambda name: True, shard=None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors whose names are `wanted` (the others are never read from a safetensors file).
+    `shard` (tensor parallelism: models/tensor_parallel.Shard): of a split tensor only this process's slice is
+    read."""
     out: dict[str, torch.Tensor] = {}
     for f in files:
         if f.endswith(".safetensors"):
@@ -24,9 +26,18 @@ def read_weights(files: list[str], device: torch.device,
             with safe_open(f, framework="pt", device=str(device)) as fh:
                 for name in fh.keys():
                     if wanted(name):
-                        out[name] = fh.get_tensor(name)
+                        cut = shard.cut(name) if shard is not None else None
+                        if cut is None:
+                            out[name] = fh.get_tensor(name)
+                        else:
+                            part = fh.get_slice(name)
+                            t = part[cut[1]] if cut[0] == 0 else part[:, cut[1]]
+                            out[name] = t.to(device).contiguous()
         else:
-            out.update((k, v) for k, v in torch.load(f, map_location=device, weights_only=True).items() if wanted(k))
+            for k, v in torch.load(f, map_location=device, weights_only=True).items():
+                if wanted(k):
+                    cut = shard.cut(k) if shard is not None else None
+                    out[k] = v if cut is None else v.narrow(cut[0], cut[1].start, cut[1].stop - cut[1].start).contiguous()
     return out
 
 

@@ -1,0 +1,330 @@
+"""Tensor parallelism (parallel.tensor_parallel_size): the column/row split of the dense decoder equals the whole
+model (in-process, each TP process a thread), a step's package travels whole from leader to follower, preflight
+refuses what this step does not run, and real gloo processes (dp x tp) give transformers' greedy tokens; a follower
+that decides on its own is named (TP rank, phase) instead of hanging."""
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+
+import pytest
+import torch
+
+from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, write_jsonl
+from engine_util import hf_reference, load_cpu, prefill_logits, prompts_of_lengths
+from helpers import make_model_dir
+
+pytestmark = pytest.mark.timeout(HARD_TIMEOUT_S * 2)
+
+
+class ThreadGroup:
+    """A TP group whose processes are threads of this one: `all_reduce` sums every thread's tensor in rank order
+    (so every thread gets the same sum), as the real group's all-reduce does."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.parts: list = [None] * world
+        self.barrier = threading.Barrier(world, timeout=60)
+
+    def member(self, rank: int):
+        group = self
+
+        class Member:
+            world = group.world
+
+            def __init__(self):
+                self.rank = rank
+
+            def all_reduce(self, x):
+                group.parts[self.rank] = x.clone()
+                group.barrier.wait()
+                total = group.parts[0]
+                for p in group.parts[1:]:
+                    total = total + p
+                group.barrier.wait()
+                x.copy_(total)
+                return x
+        return Member()
+
+
+def split_logits(target, ids: torch.Tensor, tp: int) -> list[torch.Tensor]:
+    """Each TP process's logits of one prefill of `ids`, the model split over `tp` threads."""
+    group = ThreadGroup(tp)
+    out: list = [None] * tp
+    errors: list = []
+
+    def run(rank: int) -> None:
+        try:
+            model = load_cpu(target, tp=group.member(rank))
+            out[rank] = (model, prefill_logits(model, ids))
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def gqa_target(tmp_path_factory, models):
+    """A Qwen2 target (q/k/v biases) with 4 query heads over 2 KV heads."""
+    root = tmp_path_factory.mktemp("tp")
+    return make_model_dir(root / "qwen2", models["tokenizer"], family="qwen2", layers=2, heads=4, kv_heads=2, seed=5)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_split_decoder_equals_whole(models, gqa_target, tp):
+    """Column-parallel q/k/v and gate/up, row-parallel o and down with the all-reduce: the same logits as the
+    unsplit model — KV heads split (tp 2 of 2 KV heads) or replicated (tp 4: each process holds the KV head its
+    one query head reads) — for Llama (no biases) and Qwen2 (q/k/v biases, split with their rows)."""
+    ids = torch.tensor(prompts_of_lengths([21], seed=3)[0])
+    for target in (models["target"], gqa_target):
+        whole = prefill_logits(load_cpu(target), ids)
+        for rank, (model, logits) in enumerate(split_logits(target, ids, tp)):
+            assert model.H == 4 // tp and model.KV == max(1, 2 // tp)
+            assert model.layers[0].qkv.shape[0] == (model.H + 2 * model.KV) * model.D
+            assert model.layers[0].down.shape[1] == 128 // tp
+            torch.testing.assert_close(logits, whole, rtol=1e-5, atol=1e-5, msg=f"{target.name} tp {tp} rank {rank}")
+
+
+class ThreadPackages:
+    """The package side of a TP group of two threads: the leader's header and tensors reach the follower."""
+
+    def __init__(self):
+        self.box: list = [None]
+        self.barrier = threading.Barrier(2, timeout=60)
+        self.packages = 0
+
+    def member(self, rank: int):
+        group = self
+
+        class Member:
+            def share_header(self, fields, width, step=0):
+                return self._share(fields)
+
+            def share_tensor(self, t, step, what=""):
+                got = self._share(t if rank == 0 else None)
+                if rank:
+                    t.copy_(got)
+                return t
+
+            def _share(self, value):
+                if rank == 0:
+                    group.box[0] = value
+                group.barrier.wait()
+                got = group.box[0]
+                group.barrier.wait()
+                return got
+        return Member()
+
+
+def test_step_package_reaches_the_follower_whole(models):
+    """A step's package (sizes, staged rows and block table, sampling values, a logits adjustment) is staged on the
+    follower exactly as the leader staged it; `stop` ends the follower's loop."""
+    from specdp_cli.request_params import SamplingParams
+    from specdp_cli.runtime import logits_process, step_package
+    from specdp_cli.runtime.step_inputs import StepInputs
+    from specdp_cli.runtime.step_types import StepSizes
+
+    cpu = torch.device("cpu")
+    leader, follower = StepInputs(8, 16, 5, cpu), StepInputs(8, 16, 5, cpu)
+    leader.host[:4] = torch.arange(4 * leader.host.shape[1]).view(4, -1) - 7       # negative values travel too
+    leader.bt_host[:4] = torch.arange(20, dtype=torch.int32).view(4, 5)
+    leader.send(4)
+    params = [SamplingParams(temperature=0.7, top_k=5, seed=11), SamplingParams(), SamplingParams(temperature=1.3)]
+    adjust = logits_process.LogitsAdjust(torch.randn(4, 9), None, None, None, None, None, [], 9)
+    pkg = step_package.StepPackage(7, StepSizes(4, 3, 4, 16, 16, k=3), True, 2,
+                                   __import__("specdp_cli.runtime.sampling", fromlist=["x"]).row_values(params, 4),
+                                   adjust)
+    group = ThreadPackages()
+    got: list = []
+    t = threading.Thread(target=lambda: got.extend([step_package.receive(group.member(1), follower, cpu, 6),
+                                                    step_package.receive(group.member(1), follower, cpu, 7)]))
+    t.start()
+    step_package.send(group.member(0), pkg, leader)
+    step_package.stop(group.member(0), 7)
+    t.join()
+    first, second = got
+    assert second is None
+    assert first.decision() == pkg.decision() and first.step == 7
+    assert torch.equal(follower.dev[:4], leader.dev[:4]) and torch.equal(follower.block_table[:4], leader.block_table[:4])
+    for a, b in zip(first.sampling[1], pkg.sampling[1]):
+        assert torch.equal(a, b)
+    assert first.sampling[0] == pkg.sampling[0]
+    assert torch.equal(first.adjust.bias, adjust.bias)
+
+
+def validate(cfg_path, *args):
+    from typer.testing import CliRunner
+
+    from specdp_cli.cli import app
+
+    res = CliRunner().invoke(app, ["validate", "config", str(cfg_path), "--json", *args])
+    return res.exit_code, (json.loads(res.stdout) if res.stdout.strip().startswith("{") else None)
+
+
+def parallel_check(out) -> dict:
+    return next(c for c in out["checks"] if c["name"] == "parallel")
+
+
+def test_validate_shows_the_layout_and_refuses_what_this_step_does_not_run(tmp_path, models, monkeypatch):
+    from specdp_cli import plan as plan_module
+
+    def cfg(tp, **extra):
+        return dp_config(tmp_path, models["target"], models["draft"], dp=2, M=64, D=40, name=f"c{next(n)}.yaml",
+                         parallel={"tensor_parallel_size": tp}, **extra)
+    n = itertools.count()
+
+    code, out = validate(cfg(2))
+    assert code == 0, out["errors"]
+    whole = validate(cfg(1))[1]["layout"]
+    lay = out["layout"]
+    assert (lay["data_parallel_size"], lay["tensor_parallel_size"], lay["processes"]) == (2, 2, 4)
+    assert whole["weight_bytes_per_gpu"] > lay["weight_bytes_per_gpu"] > whole["weight_bytes_per_gpu"] / 2
+    assert lay["kv_bytes_per_token_per_gpu"] < whole["kv_bytes_per_token_per_gpu"]
+    assert "layout 2 x 2" in parallel_check(out)["detail"] and "split 2 per process" in parallel_check(out)["detail"]
+    # tp 4 over 2 KV heads: replicated
+    code, out = validate(cfg(4))
+    assert code == 0 and "replicated" in parallel_check(out)["detail"]
+    # refused, each with a sentence naming tensor_parallel_size
+    for bad, words in ((cfg(3), "does not divide the target's 4 attention heads"),
+                       (cfg(2, method="mtp"), "speculative.method mtp is not supported yet"),
+                       (cfg(2, quantization="fp8"), "FP8")):
+        code, out = validate(bad)
+        assert code == 1 and any("tensor_parallel_size" in e and words in e for e in out["errors"]), out["errors"]
+    monkeypatch.setattr(plan_module, "cuda_device_count", lambda: 3)
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: (80 << 30, 80 << 30))
+    code, out = validate(cfg(2, device="cuda", dtype="bfloat16"))
+    assert code == 1 and "does not divide the 3 GPUs" in parallel_check(out)["detail"]
+
+
+def test_generate_refuses_a_tp_that_does_not_divide_the_heads(tmp_path, models):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "def", "max_tokens": 2}])
+    cfg = dp_config(tmp_path, models["target"], models["draft"], dp=1, parallel={"tensor_parallel_size": 3})
+    from typer.testing import CliRunner
+
+    from specdp_cli.cli import app
+
+    res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(inp), "--output", str(tmp_path / "out.jsonl")])
+    assert res.exit_code == 1 and "tensor_parallel_size 3 does not divide" in res.output, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+M, D, K = 64, 40, 3          # no-draft window [38, 63]
+
+
+@pytest.fixture(scope="module")
+def copy_draft(tmp_path_factory, models):
+    """A draft model that is the target itself: every draft is accepted (the random one accepts none)."""
+    return make_model_dir(tmp_path_factory.mktemp("tp_draft") / "draft", models["tokenizer"], copy_of=models["target"])
+
+
+@pytest.mark.parametrize("dp,dp_sync,draft", [(1, "never", "copy"), (2, "always", "random")])
+def test_tp2_generate_equals_transformers(tmp_path, models, copy_draft, dp, dp_sync, draft):
+    """dp x tp 2 processes (gloo): greedy float32 tokens equal transformers' greedy generate, with sequences that
+    cross the drafter's limit (D = 40 < M = 64: lengths 38..63 draft nothing); at dp 2 in lockstep with every
+    collective checked (check_collectives: the TP all-reduces and each step package too)."""
+    lengths, max_tokens = [30, 4, 9, 13, 20, 33], [30, 3, 12, 25, 40, 20]
+    prompts = prompts_of_lengths(lengths, seed=17)
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
+                                              for i, (p, n) in enumerate(zip(prompts, max_tokens))])
+    cfg = dp_config(tmp_path, models["target"], copy_draft if draft == "copy" else models["draft"], dp=dp,
+                    dp_sync=dp_sync, k=K, M=M, D=D, check=dp == 2, parallel={"tensor_parallel_size": 2})
+    r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
+                      "--summary-json", tmp_path / "s.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = read_out(tmp_path / "out.jsonl")
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        ref = hf_reference(models["target"], p, min(n, M - len(p)))
+        assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
+    assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(prompts))
+    summary = json.load(open(tmp_path / "s.json"))
+    assert [x["rank"] for x in summary["ranks"]] == list(range(dp))          # per DP rank
+    assert sum(x["requests"] for x in summary["ranks"]) == len(prompts)
+    if draft == "copy":
+        assert summary["num_accepted_tokens"] > 0
+    assert "TP rank 1 of 2" in r.stdout + r.stderr                          # every process's ready line
+
+
+@pytest.mark.parametrize("fault,check", [("tp-alter:1:3", True), ("tp-skip:1:3", False)])
+def test_a_follower_that_decides_alone_is_named(tmp_path, models, fault, check):
+    """tp-alter: a follower drafts nothing where its leader drafts (vLLM #49027's disagreement), caught at once by
+    check_collectives comparing the step package; tp-skip: a follower misses a step package, so the two sides
+    wait in different collectives until the collective timeout names each (TP rank, phase) — never a hang."""
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p, "max_tokens": 20}
+                                              for p in prompts_of_lengths([13, 20], seed=17)])
+    timeout = 5
+    cfg = dp_config(tmp_path, models["target"], models["draft"], dp=1, k=3, M=64, timeout_s=timeout, check=check,
+                    parallel={"tensor_parallel_size": 2})
+    r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", env={"SPECDP_FAULT": fault})
+    err = r.stdout + r.stderr
+    assert r.returncode == 1, err
+    if check:
+        assert "collective mismatch in the TP group of DP rank 0" in err and "at step 3, step package" in err, err
+        assert "TP rank 1 of DP rank 0: package R_pad=2 K=0" in err and "TP rank 0 of DP rank 0: package R_pad=2 K=3" in err
+    else:
+        assert "TP rank 0 of DP rank 0: a collective of its TP group failed at step 3, step package" in err, err
+        assert "TP rank 1 of DP rank 0: a collective of its TP group failed at step 2, target forward" in err, err
+    assert secs < 60, secs
+
+
+def test_serve_at_tp2_equals_generate(tmp_path, models):
+    """`specdp serve` at dp 1 x tp 2: the leader serves, its follower runs each step's device work with it; greedy
+    completions and a seeded sampled one (the sampling values travel in the step package) equal what one process
+    generates."""
+    import openai
+    from typer.testing import CliRunner
+
+    from specdp_cli.cli import app
+    from test_serve import KEY, PROMPTS, Server, free_port, server_config
+
+    port = free_port()
+    cfg = server_config(tmp_path, models, port, parallel={"data_parallel_size": 1, "tensor_parallel_size": 2})
+    rows = [{"prompt": p, "max_tokens": 16} for p in PROMPTS] + [{"prompt": PROMPTS[0], "max_tokens": 12,
+                                                                  "temperature": 0.8, "seed": 5}]
+    res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(write_jsonl(tmp_path / "in.jsonl", rows)),
+                                   "--output", str(tmp_path / "o.jsonl"), "--set", "parallel.tensor_parallel_size=1"])
+    assert res.exit_code == 0, res.output
+    expected = [json.loads(x)["text"] for x in open(tmp_path / "o.jsonl")]
+    server = Server(cfg, port)
+    try:
+        assert len(server.ranks()) == 2
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        got = [client.completions.create(model="tiny", prompt=r["prompt"], max_tokens=r["max_tokens"],
+                                         temperature=r.get("temperature", 0), seed=r.get("seed")).choices[0].text
+               for r in rows]
+        assert got == expected
+    finally:
+        server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_cuda_graphs_equal_eager_nccl(tmp_path, models):
+    """tp 2 over NCCL with the TP all-reduces captured in the CUDA graphs (each process reports its graphs): float32
+    tokens equal one GPU running eagerly, and the same job eagerly at tp 2."""
+    from dp_util import run_in_process, same_tokens
+
+    rows = [{"id": f"r{i}", "prompt": p, "max_tokens": n}
+            for i, (p, n) in enumerate(zip(prompts_of_lengths([30, 4, 9, 13], seed=17), [30, 3, 12, 25]))]
+    inp = write_jsonl(tmp_path / "in.jsonl", rows)
+    room = {"num_blocks": 512}
+    ref = dp_config(tmp_path, models["target"], models["draft"], dp=1, M=M, D=D, device="cuda", cache=room,
+                    enforce_eager=True, name="ref.yaml")
+    run_in_process(ref, inp, tmp_path / "ref.jsonl")
+    for eager in (False, True):
+        cfg = dp_config(tmp_path, models["target"], models["draft"], dp=1, dp_sync="never", M=M, D=D, device="cuda",
+                        cache=room, timeout_s=60, enforce_eager=eager, parallel={"tensor_parallel_size": 2},
+                        name=f"tp{int(eager)}.yaml")
+        out = tmp_path / f"out{int(eager)}.jsonl"
+        r, _ = run_cli("generate", cfg, "--input", inp, "--output", out, "--summary-json", tmp_path / "s.json")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert same_tokens(read_out(tmp_path / "ref.jsonl"), read_out(out)) == []
+        ranks = json.load(open(tmp_path / "s.json"))["ranks"]
+        assert (ranks[0]["graphs"] > 0) != eager, ranks
