@@ -42,6 +42,9 @@ class InstantEngine:
         self.tokens = 0
         self.first = self.last = None
 
+    def stop_followers(self):          # tensor parallelism: none here
+        pass
+
     def make_request(self, req_id, prompt_ids, params, seed):
         return SimpleNamespace(id=req_id, left=params.max_tokens, n_prompt=len(prompt_ids), generated=[])
 

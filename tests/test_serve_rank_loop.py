@@ -19,6 +19,9 @@ class OneTokenEngine:
         self.spec_len = SimpleNamespace(used={0: 0})
         self.step_no, self.finished, self.idle_checks = 0, 0, 0
 
+    def stop_followers(self):          # tensor parallelism: none here
+        pass
+
     def make_request(self, req_id, prompt_ids, params, seed):
         return SimpleNamespace(id=req_id, left=params.max_tokens, generated=[])
 
