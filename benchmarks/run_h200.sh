@@ -166,15 +166,19 @@ memory)
   ;;
 serve)
   # served vs offline (same config and prompts), then 1,500-token shared prefixes with caching on and off
-  # (PART=1 / PART=2 run one half each: a call's time box)
+  # (PART=1 / 2 / 3 run one part each: a call's time box)
   m=none,draft_model; [ -d $P/eagle ] && m=$m,eagle
   if [ "${PART:-1}" = 1 ]; then
     timeout 540 python3 benchmarks/serve_bench.py --pair $P --methods $m --work /tmp/sw1 --json "$out/serve_codepair.json" \
       2>&1 | tail -5
   fi
-  if [ "${PART:-2}" = 2 ]; then
-    timeout 300 python3 benchmarks/serve_bench.py --pair $P --methods draft_model --prefix 1500 --caching on,off \
-      --work /tmp/sw2 --json "$out/serve_prefix.json" 2>&1 | tail -4
+  if [ "${PART:-2}" = 2 ]; then      # 128 and 32 new tokens a request (decode-bound, prefill-bound)
+    for n in 128 32; do
+      timeout 240 python3 benchmarks/serve_bench.py --pair $P --methods draft_model --prefix 1500 --caching on,off \
+        --max-tokens $n --label prefix$n --work /tmp/sw2_$n --json "$out/serve_prefix_$n.json" 2>&1 | tail -3
+    done
+  fi
+  if [ "${PART:-3}" = 3 ]; then
     widen && timeout 240 python3 benchmarks/serve_bench.py --pair $P --target $W/target --methods none,draft_model \
       --concurrency 16 --requests 64 --label 8b --work /tmp/sw3 --json "$out/serve_8b.json" 2>&1 | tail -4
   fi

@@ -62,7 +62,8 @@ def offline(a, method: str) -> float | None:
     out = os.path.join(a.work, f"offline_{method}.json")
     cmd = [sys.executable, os.path.join(HERE, "offline.py"), "--pair", a.pair, "--requests", str(a.requests),
            "--batches", str(a.concurrency), "--methods", method, "--k", str(a.k), "--new", str(a.max_tokens),
-           "--max-model-len", str(a.max_model_len), "--dtype", a.dtype, "--json", out] + (["--target", a.target] if a.target else [])
+           "--max-model-len", str(a.max_model_len), "--dtype", a.dtype, "--json", out]
+    cmd += ["--target", a.target] if a.target else []
     with open(os.path.join(a.work, f"offline_{method}.log"), "w") as log:
         if subprocess.run(cmd, stdout=log, stderr=log).returncode != 0:
             print(f"offline {method} failed: see {log.name}")
@@ -145,6 +146,7 @@ def main() -> None:
                    "served_over_offline": r["output_throughput"] / off if off else None,
                    "ttft_ms": r["ttft_ms"], "itl_ms": r["itl_ms"], "tpot_ms": r["tpot_ms"],
                    "acceptance_rate": r["acceptance_rate"], "completed": r["completed"], "failed": r["failed"],
+                   "server_queue_ms": r.get("server_queue_ms"), "server_prefill_ms": r.get("server_prefill_ms"),
                    "output_tokens": r["total_output_tokens"]}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -153,14 +155,14 @@ def main() -> None:
     with open(a.json, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     print(f"{'method':<12}{'caching':>8}{'served tok/s':>13}{'offline':>9}{'ratio':>7}{'TTFT p50':>9}{'TTFT p99':>9}"
-          f"{'ITL p50':>8}{'ITL p99':>8}{'accept':>8}")
+          f"{'ITL p50':>8}{'ITL p99':>8}{'accept':>8}{'queue':>7}{'prefill':>8}")
     for r in rows:
         off = f"{r['offline_tok_s']:.0f}" if r["offline_tok_s"] else "-"
         ratio = f"{r['served_over_offline']:.2f}" if r["served_over_offline"] else "-"
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
         print(f"{r['method']:<12}{'on' if r['caching'] else 'off':>8}{r['served_tok_s']:>13.0f}{off:>9}{ratio:>7}"
               f"{r['ttft_ms']['median']:>9.1f}{r['ttft_ms']['p99']:>9.1f}{r['itl_ms']['median']:>8.2f}"
-              f"{r['itl_ms']['p99']:>8.2f}{acc:>8}")
+              f"{r['itl_ms']['p99']:>8.2f}{acc:>8}{r['server_queue_ms'] or 0:>7.1f}{r['server_prefill_ms'] or 0:>8.1f}")
 
 
 if __name__ == "__main__":

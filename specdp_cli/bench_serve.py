@@ -7,8 +7,9 @@
   throughput: requests, output tokens and (prompt + output) tokens per second of the whole run
 
 Against a specdp server it also reads /metrics before and after, for the acceptance rate and the
-mean acceptance length of the run. Requests go out on one asyncio event loop over keep-alive HTTP/1.1
-connections (the standard library's streams; as `vllm bench serve` uses aiohttp): the load generator's own
+mean acceptance length of the run, and the ranks' mean queue, prefill and decode times of a request (what
+of TTFT the engine took; the rest is HTTP, the frontend and the link). Requests go out on one asyncio
+event loop over keep-alive HTTP/1.1 connections (the standard library's streams; as `vllm bench serve` uses aiohttp): the load generator's own
 cost stays small next to the server's, and no thread waits for the GIL between a token's arrival and its
 timestamp.
 """
@@ -202,7 +203,17 @@ def _stats_ms(values: list[float]) -> dict:
     return {"mean": 1000 * statistics.fmean(v), "median": 1000 * statistics.median(v), "p99": 1000 * p99}
 
 
-def _spec_counters(client: _Client) -> dict | None:
+SPEC_COUNTERS = {"drafts": "specdp:spec_decode_num_drafts_total",
+                 "draft_tokens": "specdp:spec_decode_num_draft_tokens_total",
+                 "accepted": "specdp:spec_decode_num_accepted_tokens_total"}
+# the ranks' side of a request's time (summed over requests; with _count, a mean)
+PHASES = {"queue": "specdp:request_queue_time_seconds", "prefill": "specdp:request_prefill_time_seconds",
+          "decode": "specdp:request_decode_time_seconds"}
+
+
+def _server_counters(client: _Client) -> dict | None:
+    """A specdp server's spec-decode counters and request phase sums and counts, summed over its ranks (None
+    for another server)."""
     try:
         status, text = client.get("/metrics")
     except OSError:
@@ -210,10 +221,10 @@ def _spec_counters(client: _Client) -> dict | None:
     if status != 200:
         return None
     m = parse_prometheus(text)
-    keys = {"drafts": "specdp:spec_decode_num_drafts_total", "draft_tokens": "specdp:spec_decode_num_draft_tokens_total",
-            "accepted": "specdp:spec_decode_num_accepted_tokens_total"}
+    wanted = {**SPEC_COUNTERS, **{f"{k}_sum": v + "_sum" for k, v in PHASES.items()},
+              **{f"{k}_count": v + "_count" for k, v in PHASES.items()}}
     out = {}
-    for name, metric in keys.items():
+    for name, metric in wanted.items():
         vals = [v for k, v in m.items() if k.split("{")[0] == metric]
         if not vals:
             return None
@@ -266,11 +277,11 @@ def run_bench(url: str, input_path: str | None, concurrency: int | None, num_req
             raise BenchError("the server lists no model")
         model = data[0]["id"]
     prompts = _prompts(input_path)
-    before = _spec_counters(client)
+    before = _server_counters(client)
     t0 = time.perf_counter()
     results = asyncio.run(_send_all(client, model, prompts, num_requests, max_tokens, concurrency, request_rate, seed))
     duration = time.perf_counter() - t0
-    after = _spec_counters(client)
+    after = _server_counters(client)
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["output_tokens"] for r in ok)
     in_tokens = sum(r["prompt_tokens"] for r in ok)
@@ -286,6 +297,7 @@ def run_bench(url: str, input_path: str | None, concurrency: int | None, num_req
         "ttft_ms": _stats_ms([r["ttft"] for r in ok if r["ttft"] is not None]),
         "tpot_ms": _stats_ms(tpot), "itl_ms": _stats_ms([x for r in ok for x in r["itl"]]),
         "acceptance_rate": None, "mean_acceptance_length": None,
+        "server_queue_ms": None, "server_prefill_ms": None, "server_decode_ms": None,
         "errors": sorted({r["error"] for r in results if r["error"]})[:5],
     }
     if before and after:
@@ -294,6 +306,9 @@ def run_bench(url: str, input_path: str | None, concurrency: int | None, num_req
             res["acceptance_rate"] = d["accepted"] / d["draft_tokens"]
         if d["drafts"] > 0:
             res["mean_acceptance_length"] = 1 + d["accepted"] / d["drafts"]
+        for k in PHASES:
+            if d[f"{k}_count"] > 0:
+                res[f"server_{k}_ms"] = 1000 * d[f"{k}_sum"] / d[f"{k}_count"]
     return res
 
 
@@ -316,7 +331,10 @@ def print_results(res: dict, console: Console) -> None:
         for stat in ("mean", "median", "p99"):
             rows.append((f"{stat} {name} (ms)", f(res[key][stat])))
     rows += [("acceptance rate", f(res["acceptance_rate"], "{:.3f}")),
-             ("mean acceptance length", f(res["mean_acceptance_length"], "{:.3f}"))]
+             ("mean acceptance length", f(res["mean_acceptance_length"], "{:.3f}")),
+             ("server: mean queue time (ms)", f(res["server_queue_ms"])),
+             ("server: mean prefill time (ms)", f(res["server_prefill_ms"])),
+             ("server: mean decode time (ms)", f(res["server_decode_ms"]))]
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)

@@ -376,7 +376,9 @@ PER_RANK = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc
             "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count", "request_prompt_tokens_count",
             "request_generation_tokens_count", "request_time_per_output_token_seconds_count",
             "num_preemptions_total", "spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
-            "spec_decode_num_accepted_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total")
+            "spec_decode_num_accepted_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+            "request_queue_time_seconds_count", "request_prefill_time_seconds_count",
+            "request_decode_time_seconds_count", "request_inference_time_seconds_count")
 
 
 def test_metrics_are_vllms_per_rank(server, client):
@@ -389,7 +391,8 @@ def test_metrics_are_vllms_per_rank(server, client):
         ranks = {s["engine"] for s in series if s["name"] == f"specdp:{name}" and s["model_name"] == "tiny"}
         assert ranks == {"0", "1"}, name
     for name, n, top in (("time_to_first_token_seconds", 22, 2560.0), ("inter_token_latency_seconds", 19, 80.0),
-                         ("e2e_request_latency_seconds", 21, 7680.0), ("request_prompt_tokens", 6, 50.0)):
+                         ("e2e_request_latency_seconds", 21, 7680.0), ("request_prompt_tokens", 6, 50.0),
+                         ("request_queue_time_seconds", 21, 7680.0)):
         assert f"# TYPE specdp:{name} histogram" in text
         les = {s["le"] for s in series if s["name"] == f"specdp:{name}_bucket" and s["engine"] == "1"}
         assert len(les) == n + 1 and max(float(le) for le in les - {"+Inf"}) == top, name   # vLLM's buckets
@@ -419,6 +422,12 @@ def test_metrics_are_vllms_per_rank(server, client):
     assert delta("request_generation_tokens_sum")[rank] == 16
     assert delta("time_to_first_token_seconds_count") == delta("e2e_request_latency_seconds_count") == served
     assert delta("inter_token_latency_seconds_count")[rank] >= 1
+    # the rank's phases of the request: queue + prefill + decode within its end-to-end latency, prefill before TTFT
+    phase = {p: delta(f"request_{p}_time_seconds_sum")[rank] for p in ("queue", "prefill", "decode", "inference")}
+    assert phase["prefill"] > 0 and phase["decode"] > 0
+    assert abs(phase["inference"] - phase["prefill"] - phase["decode"]) < 1e-6
+    assert phase["queue"] + phase["prefill"] <= delta("time_to_first_token_seconds_sum")[rank]
+    assert sum(phase[p] for p in ("queue", "prefill", "decode")) <= delta("e2e_request_latency_seconds_sum")[rank]
     assert delta("spec_decode_num_draft_tokens_total")[rank] > 0
     assert sum(delta("generation_tokens_total")) == 16
     # the ranks' own report after the request finished: nothing running or waiting, its KV blocks freed

@@ -50,6 +50,7 @@ class OneTokenEngine:
                 self.running.remove(r)
                 self.finished += 1
             seq = SimpleNamespace(req=r, finish_reason="length" if done else None, error=None, stop_text_end=None,
+                                  arrived_t=0.0, scheduled_t=0.0, first_token_t=0.0,
                                   num_prompt=1, generated=r.generated, preemptions=0,
                                   stats=SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
                                                         accepted_per_pos=[]))

@@ -15,8 +15,8 @@ from specdp_cli.server.frontend import IncrementalText
 from specdp_cli.server.link import Frames
 
 DEMO = Path(__file__).resolve().parent.parent / "demo" / "pair" / "target"
-TEXTS = ["def héllo(x):\n    return x + 1  # naïve café", "中文字符 and emoji 🙂🙃 mixed\tin", "  leading spaces, stop here. ok",
-         "a b c d e f g"]
+TEXTS = ["def héllo(x):\n    return x + 1  # naïve café", "中文字符 and emoji 🙂🙃 mixed\tin",
+         "  leading spaces, stop here. ok", "a b c d e f g"]
 
 
 def metaspace_tokenizer():

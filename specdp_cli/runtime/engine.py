@@ -747,6 +747,8 @@ class Engine:
         self.scheduler.commit(s)
         emitted = self.output.append(s, new)
         self.counters.generated_tokens += len(emitted)
+        if emitted and s.first_token_t is None:
+            s.first_token_t = time.monotonic()
         grammar = s.req.grammar
         if grammar is not None and s.finish_reason != "error" and not grammar.accept(emitted):
             s.finish_reason, s.error = "error", f"structured output: {grammar.error}"

@@ -21,6 +21,7 @@ holds), so some sequence gains a token within the steps its prefill takes (`prog
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -91,6 +92,11 @@ class Sequence:
         self.block_hashes: list[bytes] = []    # prefix caching: the chained hashes of its full blocks so far
         self.cached_tokens = 0                 # prompt tokens its last admission found in the prefix cache
         self.committed_blocks = 0              # of its blocks, those registered in the prefix cache
+        # the request's phases on this rank (time.monotonic): arrived, first scheduled, first token (vLLM's queue,
+        # prefill and decode times)
+        self.arrived_t = time.monotonic()
+        self.scheduled_t: float | None = None
+        self.first_token_t: float | None = None
 
     @property
     def L(self) -> int:
@@ -170,6 +176,8 @@ class Scheduler:
             self.waiting.popleft()
             self.pool.take(hit)
             seq.blocks = hit + self.pool.allocate(need)
+            if seq.scheduled_t is None:
+                seq.scheduled_t = time.monotonic()
             if self.pool.prefix_caching:
                 seq.cached_tokens = seq.target_len = seq.draft_len = len(hit) * self.pool.block_size
                 seq.committed_blocks = len(hit)

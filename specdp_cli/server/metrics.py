@@ -81,6 +81,14 @@ class Metrics:
                              ITL_BUCKETS)
         self.tpot = histogram("request_time_per_output_token_seconds",
                               "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("request_prefill_time_seconds",
+                                      "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("request_decode_time_seconds",
+                                     "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              REQUEST_LATENCY_BUCKETS)
         # speculative decoding: acceptance rate = accepted_tokens / draft_tokens, mean acceptance length
@@ -142,6 +150,10 @@ class Metrics:
         self.request_generation[rank].observe(stats["completion_tokens"] if stats else inf.n_tokens)
         if not stats:
             return
+        self.queue_time[rank].observe(stats["queue_s"])
+        self.prefill_time[rank].observe(stats["prefill_s"])
+        self.decode_time[rank].observe(stats["decode_s"])
+        self.inference_time[rank].observe(stats["prefill_s"] + stats["decode_s"])
         self.drafts[rank].inc(stats["num_drafts"])
         self.draft_tokens[rank].inc(stats["num_draft_tokens"])
         self.accepted_tokens[rank].inc(stats["num_accepted_tokens"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from multiprocessing.connection import Client
 
 from ..runtime.engine import RequestError
@@ -109,7 +110,11 @@ def _state(engine) -> tuple[int, int, float, int, int, int]:
 
 
 def _stats(seq) -> dict:
-    s = seq.stats
+    s, now = seq.stats, time.monotonic()
+    scheduled = seq.scheduled_t or now
+    first = seq.first_token_t or now
     return {"prompt_tokens": seq.num_prompt, "completion_tokens": len(seq.generated), "num_drafts": s.num_drafts,
             "num_draft_tokens": s.num_draft_tokens, "num_accepted_tokens": s.num_accepted_tokens,
-            "accepted_per_pos": list(s.accepted_per_pos), "preemptions": seq.preemptions}
+            "accepted_per_pos": list(s.accepted_per_pos), "preemptions": seq.preemptions,
+            # on this rank: waiting to be scheduled, then to the first token, then to the end (vLLM's phases)
+            "queue_s": scheduled - seq.arrived_t, "prefill_s": first - scheduled, "decode_s": now - first}
