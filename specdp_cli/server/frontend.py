@@ -19,7 +19,7 @@ log = logging.getLogger("specdp.server")
 @dataclass
 class Event:
     new_tokens: list[int]
-    finish_reason: str | None = None     # stop | length | abort | error
+    finish_reason: str | None = None     # stop | length | abort | error | disconnect (the client left: app.py)
     stop_text_end: int | None = None     # finished by a stop string: where it starts in the generated text
     stats: dict | None = None
     error: str | None = None

@@ -107,7 +107,7 @@ class Metrics:
             model_name).set(world)
         self._seen = [(0, 0, 0)] * world       # each rank's preemptions, prefix queries and hits counted so far
 
-    # -- from the ranks' messages (the link's threads) -------------------------------------------
+    # -- from the ranks' messages (read on the event loop) -----------------------------------------
 
     def rank_report(self, rank: int, steps_by_k: dict[int, int], state: tuple | None = None) -> None:
         """A rank's "out" message: steps per k since its last one, and its scheduler's state after the
