@@ -63,11 +63,9 @@ class InstantEngine:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def step(self, received: int = 0, while_device_runs=None):
+    def step(self, received: int = 0):
         while self.waiting and len(self.running) < self.max_seqs:
             self.running.append(self.waiting.pop(0))
-        if while_device_runs is not None:
-            while_device_runs()
         if self.step_s:
             time.sleep(self.step_s)           # the device's time
         self.step_no += 1

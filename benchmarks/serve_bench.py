@@ -28,6 +28,9 @@ import yaml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from specdp_cli.methods import METHODS  # noqa: E402
 
 from workloads import cut_prompt_ids, heldout  # noqa: E402
 
@@ -48,7 +51,7 @@ def prefix_prompts(pair: str, prefix: int, n: int) -> list[list[int]]:
 def config(a, method: str, caching: bool) -> dict:
     """The engine config offline.py builds for `method`, served."""
     spec = {"method": method, "num_speculative_tokens": a.k}
-    if method != "none" and method != "ngram":
+    if METHODS[method].loads:
         spec["model"] = os.path.join(a.pair, method if method.startswith("eagle") else "draft")
     return {"model": a.target or os.path.join(a.pair, "target"), "tokenizer": os.path.join(a.pair, "tokenizer"),
             "dtype": a.dtype, "max_model_len": a.max_model_len, "speculative": spec,

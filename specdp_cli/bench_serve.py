@@ -137,10 +137,16 @@ class _Conn:
             yield await self.reader.readexactly(int(headers.get("content-length", 0)))
 
 
+def _result(error: str | None = None) -> dict:
+    """One request's record, before anything arrived (or failed with `error`)."""
+    return {"ok": False, "ttft": None, "latency": None, "itl": [], "output_tokens": 0, "prompt_tokens": 0,
+            "error": error}
+
+
 async def _one(client: _Client, pool: list, model: str, prompt, max_tokens: int) -> dict:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                        "stream": True, "stream_options": {"include_usage": True}}).encode()
-    res = {"ok": False, "ttft": None, "latency": None, "itl": [], "output_tokens": 0, "prompt_tokens": 0, "error": None}
+    res = _result()
     conn = None
     reusable = False
     t0 = time.perf_counter()
@@ -246,8 +252,7 @@ async def _send_all(client: _Client, model: str, prompts: list, num_requests: in
                 return await asyncio.wait_for(_one(client, pool, model, prompts[i % len(prompts)], max_tokens),
                                               REQUEST_TIMEOUT_S)
             except TimeoutError:
-                return {"ok": False, "ttft": None, "latency": None, "itl": [], "output_tokens": 0, "prompt_tokens": 0,
-                        "error": f"no answer within {REQUEST_TIMEOUT_S} s"}
+                return _result(f"no answer within {REQUEST_TIMEOUT_S} s")
 
     tasks = []
     for i in range(num_requests):

@@ -34,11 +34,9 @@ class OneTokenEngine:
             self.idle_checks += 1
         return bool(self.running or self.waiting)
 
-    def step(self, received=0, while_device_runs=None):
+    def step(self, received=0):
         self.running += self.waiting
         self.waiting.clear()
-        if while_device_runs is not None:
-            while_device_runs()
         self.step_no += 1
         self.spec_len.used[0] += 1
         outs = []

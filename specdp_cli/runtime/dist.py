@@ -55,6 +55,18 @@ def _tag(step: int, what: str) -> int:
     return (zlib.crc32(f"{step}|{what}".encode()) & 0x3FFFFFFF) + 1
 
 
+def _guarded(fn, failed: str):
+    """fn(), a collective: a lost peer or a timeout (gloo and NCCL raise plain errors) becomes PeerLostError,
+    `failed` and the error's first line."""
+    try:
+        return fn()
+    except (OutOfStepError, PeerLostError):
+        raise
+    except Exception as e:  # noqa: BLE001 - gloo/NCCL report a lost peer or a timeout this way
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise PeerLostError(f"{failed}: {first[:300]}") from None
+
+
 class DPGroup:
     def __init__(self, rank: int = 0, world: int = 1, lockstep: bool = False, status: StatusBoard | None = None,
                  timeout_s: float = 120.0, check: bool = False, device: torch.device | None = None,
@@ -291,13 +303,7 @@ class DPGroup:
 
     def _run(self, fn, step: int, what: str):
         self.collectives += 1
-        try:
-            return fn()
-        except (OutOfStepError, PeerLostError):
-            raise
-        except Exception as e:  # noqa: BLE001 - gloo/NCCL report a lost peer or a timeout this way
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise PeerLostError(f"a collective failed at {where(step, what)}: {first[:300]}") from None
+        return _guarded(fn, f"a collective failed at {where(step, what)}")
 
     # -- start-up and result collectives (long timeout, default group) ----------------------------
 
@@ -479,11 +485,4 @@ class TPGroup:
 
     def _run(self, fn, step: int, what: str):
         self.collectives += 1
-        try:
-            return fn()
-        except (OutOfStepError, PeerLostError):
-            raise
-        except Exception as e:  # noqa: BLE001 - gloo/NCCL report a lost peer or a timeout this way
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise PeerLostError(f"{self.name()}: a collective of its TP group failed at {where(step, what)}: "
-                                f"{first[:300]}") from None
+        return _guarded(fn, f"{self.name()}: a collective of its TP group failed at {where(step, what)}")
