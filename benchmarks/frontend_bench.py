@@ -186,7 +186,8 @@ def main() -> None:
            "served_tok_s": b["output_throughput"], "rank_offered_tok_s": r["rank_tokens"] / max(r["rank_span_s"], 1e-9),
            "frontend_cpu_us_per_token": 1e6 * measured["frontend_cpu_s"] / max(tokens, 1),
            "client_cpu_us_per_token": 1e6 * measured["client_cpu_s"] / max(tokens, 1),
-           "ttft_ms_median": b["ttft_ms"]["median"], "itl_ms_median": b["itl_ms"]["median"],
+           "ttft_ms_median": b["ttft_ms"]["median"], "ttft_ms_mean": b["ttft_ms"]["mean"],
+           "server_ttft_ms_mean": b.get("server_ttft_ms"), "itl_ms_median": b["itl_ms"]["median"],
            "itl_ms_p99": b["itl_ms"]["p99"], "failed": b["failed"], "tokens": tokens}
     print(f"{'streams':>8} {'served tok/s':>13} {'rank tok/s':>11} {'frontend us/tok':>16} {'client us/tok':>14} "
           f"{'TTFT ms':>8} {'ITL p50':>8} {'ITL p99':>8}")

@@ -166,16 +166,18 @@ memory)
   ;;
 serve)
   # served vs offline (same config and prompts), then 1,500-token shared prefixes with caching on and off
-  # (PART=1 / 2 / 3 run one part each: a call's time box)
+  # (PART=1 / 2 / 3 run one part each: a call's time box; WORKERS=1,2: each count of load-generating
+  # processes measured on the same server)
   m=none,draft_model; [ -d $P/eagle ] && m=$m,eagle
   if [ "${PART:-1}" = 1 ]; then
-    timeout 540 python3 benchmarks/serve_bench.py --pair $P --methods $m --work /tmp/sw1 --json "$out/serve_codepair.json" \
-      2>&1 | tail -5
+    timeout 540 python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers ${WORKERS:-1} --work /tmp/sw1 \
+      --json "$out/serve_codepair.json" \
+      2>&1 | tail -8
   fi
   if [ "${PART:-2}" = 2 ]; then      # 128 and 32 new tokens a request (decode-bound, prefill-bound)
     for n in 128 32; do
       timeout 240 python3 benchmarks/serve_bench.py --pair $P --methods draft_model --prefix 1500 --caching on,off \
-        --max-tokens $n --label prefix$n --work /tmp/sw2_$n --json "$out/serve_prefix_$n.json" 2>&1 | tail -3
+        --client-workers ${WORKERS:-1} --max-tokens $n --label prefix$n --work /tmp/sw2_$n --json "$out/serve_prefix_$n.json" 2>&1 | tail -5
     done
   fi
   if [ "${PART:-3}" = 3 ]; then

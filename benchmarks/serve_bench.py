@@ -10,7 +10,7 @@ Prompts go to the server as token ids, so both sides see the same tokens.
 
 Usage: python benchmarks/serve_bench.py --pair PAIR_DIR [--target DIR] [--methods none,draft_model,eagle]
        [--requests 256] [--concurrency 32] [--max-tokens 128] [--dp 1] [--prefix 0] [--caching on]
-       [--dtype bfloat16]
+       [--dtype bfloat16] [--client-workers 1,2]
        [--no-offline] --work DIR --json OUT.json
 """
 from __future__ import annotations
@@ -74,7 +74,8 @@ def offline(a, method: str) -> float | None:
     return json.load(open(out))["rows"][0]["tok_s"]
 
 
-def served(a, method: str, caching: bool, prompts_path: str) -> dict:
+def served(a, method: str, caching: bool, prompts_path: str) -> dict[int, dict]:
+    """The bench results of one server (method, caching) for each --client-workers count."""
     tag = f"{method}_{'on' if caching else 'off'}"
     cfg_path = os.path.join(a.work, f"serve_{tag}.yaml")
     with open(cfg_path, "w") as fh:
@@ -93,15 +94,18 @@ def served(a, method: str, caching: bool, prompts_path: str) -> dict:
             if server.poll() is not None or time.time() > deadline:
                 raise SystemExit(f"server did not come up: see {log.name}")
             time.sleep(0.5)
-        out = os.path.join(a.work, f"bench_{tag}.json")
         bench = [sys.executable, "-m", "specdp_cli", "bench", "serve", "--base-url", url, "--dataset-path",
                  prompts_path, "--max-concurrency", str(a.concurrency), "--max-tokens", str(a.max_tokens)]
-        # a warm-up round (first requests of each kind of step), then the measured one
-        subprocess.run(bench + ["--num-prompts", str(a.concurrency), "--result-filename", out + ".warm"],
-                       check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(bench + ["--num-prompts", str(a.requests), "--result-filename", out], check=True,
-                       stdout=subprocess.DEVNULL)
-        return json.load(open(out))
+        # a warm-up round (first requests of each kind of step), then the measured ones
+        subprocess.run(bench + ["--num-prompts", str(a.concurrency), "--result-filename",
+                                os.path.join(a.work, f"bench_{tag}.warm.json")], check=True, stdout=subprocess.DEVNULL)
+        results = {}
+        for workers in a.client_workers:
+            out = os.path.join(a.work, f"bench_{tag}_w{workers}.json")
+            subprocess.run(bench + ["--num-prompts", str(a.requests), "--num-workers", str(workers),
+                                    "--result-filename", out], check=True, stdout=subprocess.DEVNULL)
+            results[workers] = json.load(open(out))
+        return results
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -124,6 +128,8 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--prefix", type=int, default=0)
     ap.add_argument("--caching", default="on")
+    ap.add_argument("--client-workers", default="1",
+                    help="load-generating processes of `bench serve`, a list: each count measured on the same server")
     ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--label", default="")
@@ -131,6 +137,7 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     a.pair = os.path.abspath(a.pair)
+    a.client_workers = [int(w) for w in a.client_workers.split(",")]
     a.target = os.path.abspath(a.target) if a.target else None
     os.makedirs(a.work, exist_ok=True)
     prompts = (prefix_prompts(a.pair, a.prefix, a.requests) if a.prefix else
@@ -143,29 +150,31 @@ def main() -> None:
     for method in a.methods.split(","):
         off = None if a.no_offline or a.prefix else offline(a, method)
         for caching in (c == "on" for c in a.caching.split(",")):
-            r = served(a, method, caching, prompts_path)
-            row = {"label": a.label, "method": method, "caching": caching, "dp": a.dp, "prefix": a.prefix,
-                   "served_tok_s": r["output_throughput"], "offline_tok_s": off,
-                   "served_over_offline": r["output_throughput"] / off if off else None,
-                   "ttft_ms": r["ttft_ms"], "itl_ms": r["itl_ms"], "tpot_ms": r["tpot_ms"],
-                   "acceptance_rate": r["acceptance_rate"], "completed": r["completed"], "failed": r["failed"],
-                   "server_queue_ms": r.get("server_queue_ms"), "server_prefill_ms": r.get("server_prefill_ms"),
-                   "output_tokens": r["total_output_tokens"]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for workers, r in served(a, method, caching, prompts_path).items():
+                row = {"label": a.label, "method": method, "caching": caching, "dp": a.dp, "prefix": a.prefix,
+                       "client_workers": workers,
+                       "served_tok_s": r["output_throughput"], "offline_tok_s": off,
+                       "served_over_offline": r["output_throughput"] / off if off else None,
+                       "ttft_ms": r["ttft_ms"], "itl_ms": r["itl_ms"], "tpot_ms": r["tpot_ms"],
+                       "acceptance_rate": r["acceptance_rate"], "completed": r["completed"], "failed": r["failed"],
+                       "server_queue_ms": r.get("server_queue_ms"), "server_prefill_ms": r.get("server_prefill_ms"),
+                       "server_ttft_ms": r.get("server_ttft_ms"), "output_tokens": r["total_output_tokens"]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "requests": a.requests,
             "concurrency": a.concurrency, "max_tokens": a.max_tokens}
     with open(a.json, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-    print(f"{'method':<12}{'caching':>8}{'served tok/s':>13}{'offline':>9}{'ratio':>7}{'TTFT p50':>9}{'TTFT p99':>9}"
-          f"{'ITL p50':>8}{'ITL p99':>8}{'accept':>8}{'queue':>7}{'prefill':>8}")
+    print(f"{'method':<12}{'caching':>8}{'clients':>8}{'served tok/s':>13}{'offline':>9}{'ratio':>7}{'TTFT p50':>9}{'TTFT p99':>9}"
+          f"{'ITL p50':>8}{'ITL p99':>8}{'accept':>8}{'queue':>7}{'prefill':>8}{'srv TTFT':>9}")
     for r in rows:
         off = f"{r['offline_tok_s']:.0f}" if r["offline_tok_s"] else "-"
         ratio = f"{r['served_over_offline']:.2f}" if r["served_over_offline"] else "-"
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
-        print(f"{r['method']:<12}{'on' if r['caching'] else 'off':>8}{r['served_tok_s']:>13.0f}{off:>9}{ratio:>7}"
+        print(f"{r['method']:<12}{'on' if r['caching'] else 'off':>8}{r['client_workers']:>8}{r['served_tok_s']:>13.0f}{off:>9}{ratio:>7}"
               f"{r['ttft_ms']['median']:>9.1f}{r['ttft_ms']['p99']:>9.1f}{r['itl_ms']['median']:>8.2f}"
-              f"{r['itl_ms']['p99']:>8.2f}{acc:>8}{r['server_queue_ms'] or 0:>7.1f}{r['server_prefill_ms'] or 0:>8.1f}")
+              f"{r['itl_ms']['p99']:>8.2f}{acc:>8}{r['server_queue_ms'] or 0:>7.1f}{r['server_prefill_ms'] or 0:>8.1f}"
+              f"{r['server_ttft_ms'] or 0:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import queue
 import random
 import ssl
 import statistics
@@ -214,7 +215,9 @@ SPEC_COUNTERS = {"drafts": "specdp:spec_decode_num_drafts_total",
                  "accepted": "specdp:spec_decode_num_accepted_tokens_total"}
 # the ranks' side of a request's time (summed over requests; with _count, a mean)
 PHASES = {"queue": "specdp:request_queue_time_seconds", "prefill": "specdp:request_prefill_time_seconds",
-          "decode": "specdp:request_decode_time_seconds"}
+          "decode": "specdp:request_decode_time_seconds",
+          # the frontend's: from a request's arrival (its body parsed) to its handler taking the first token
+          "ttft": "specdp:time_to_first_token_seconds"}
 
 
 def _server_counters(client: _Client) -> dict | None:
@@ -238,11 +241,12 @@ def _server_counters(client: _Client) -> dict | None:
     return out
 
 
-async def _send_all(client: _Client, model: str, prompts: list, num_requests: int, max_tokens: int,
+async def _send_all(client: _Client, model: str, prompts: list, indices: list[int], max_tokens: int,
                     concurrency: int | None, request_rate: float, seed: int) -> list[dict]:
-    """Request i at its arrival time (a Poisson process of request_rate; inf: all at once), at most
-    `concurrency` in flight, over a pool of idle keep-alive connections."""
-    limit = asyncio.Semaphore(concurrency or num_requests)
+    """Requests `indices` (request i takes prompt i) at their arrival times (a Poisson process of
+    request_rate; inf: all at once), at most `concurrency` in flight, over a pool of idle keep-alive
+    connections."""
+    limit = asyncio.Semaphore(concurrency or len(indices))
     pool: list[_Conn] = []
     rng = random.Random(seed)
 
@@ -255,9 +259,9 @@ async def _send_all(client: _Client, model: str, prompts: list, num_requests: in
                 return _result(f"no answer within {REQUEST_TIMEOUT_S} s")
 
     tasks = []
-    for i in range(num_requests):
+    for n, i in enumerate(indices):
         tasks.append(asyncio.create_task(task(i)))
-        if request_rate != float("inf") and i + 1 < num_requests:
+        if request_rate != float("inf") and n + 1 < len(indices):
             await asyncio.sleep(rng.expovariate(request_rate))      # the arrival process itself
     results = await asyncio.gather(*tasks)
     for conn in pool:
@@ -265,10 +269,64 @@ async def _send_all(client: _Client, model: str, prompts: list, num_requests: in
     return list(results)
 
 
+def _worker(client: _Client, model: str, prompts: list, indices: list[int], max_tokens: int,
+            concurrency: int | None, request_rate: float, seed: int, go, out) -> None:
+    """One load-generating process of --num-workers: its share of the requests, streams and rate."""
+    go.wait()
+    t0 = time.perf_counter()          # CLOCK_MONOTONIC: comparable between the processes
+    results = asyncio.run(_send_all(client, model, prompts, indices, max_tokens, concurrency, request_rate, seed))
+    out.put((t0, time.perf_counter(), results))
+
+
+def _send_in_processes(client: _Client, model: str, prompts: list, num_requests: int, max_tokens: int,
+                       concurrency: int | None, request_rate: float, seed: int, workers: int) -> tuple[list, float]:
+    """The requests over `workers` processes (each its own event loop): request i in process i % workers,
+    the streams and the arrival rate split evenly. Returns the results and the run's duration (first
+    start to last end)."""
+    if workers == 1:
+        t0 = time.perf_counter()
+        results = asyncio.run(_send_all(client, model, prompts, list(range(num_requests)), max_tokens, concurrency,
+                                        request_rate, seed))
+        return results, time.perf_counter() - t0
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    go, out = ctx.Event(), ctx.Queue()
+    procs = []
+    for w in range(workers):
+        share = None if concurrency is None else concurrency // workers + (w < concurrency % workers)
+        procs.append(ctx.Process(target=_worker, daemon=True, args=(
+            client, model, prompts, list(range(w, num_requests, workers)), max_tokens, share,
+            request_rate / workers, seed + w, go, out)))
+    for p in procs:
+        p.start()
+    go.set()
+    parts = []
+    while len(parts) < workers:
+        try:
+            parts.append(out.get(timeout=1.0))
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if failed:
+                for p in procs:
+                    p.kill()
+                raise BenchError(f"a load-generating process failed (exit status {failed[0]})") from None
+    for p in procs:
+        p.join()
+    results = [r for _, _, rs in parts for r in rs]
+    return results, max(end for _, end, _ in parts) - min(start for start, _, _ in parts)
+
+
 def run_bench(url: str, input_path: str | None, concurrency: int | None, num_requests: int, max_tokens: int,
-              model: str | None, api_key: str | None, request_rate: float = float("inf"), seed: int = 0) -> dict:
+              model: str | None, api_key: str | None, request_rate: float = float("inf"), seed: int = 0,
+              workers: int = 1) -> dict:
     """Send num_requests requests as `vllm bench serve` does: arrivals a Poisson process of
-    `request_rate` per second (inf: all at once), at most `concurrency` in flight (None: no limit)."""
+    `request_rate` per second (inf: all at once), at most `concurrency` in flight (None: no limit),
+    from `workers` processes (more than one when a single load generator would be the bottleneck)."""
+    if concurrency is not None and workers > concurrency:
+        raise BenchError(f"--num-workers {workers} is more than --max-concurrency {concurrency}: each worker "
+                         f"needs at least one stream")
+    workers = min(workers, num_requests)
     client = _Client(url, api_key)
     try:
         status, text = client.get("/v1/models")
@@ -283,9 +341,8 @@ def run_bench(url: str, input_path: str | None, concurrency: int | None, num_req
         model = data[0]["id"]
     prompts = _prompts(input_path)
     before = _server_counters(client)
-    t0 = time.perf_counter()
-    results = asyncio.run(_send_all(client, model, prompts, num_requests, max_tokens, concurrency, request_rate, seed))
-    duration = time.perf_counter() - t0
+    results, duration = _send_in_processes(client, model, prompts, num_requests, max_tokens, concurrency,
+                                           request_rate, seed, workers)
     after = _server_counters(client)
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["output_tokens"] for r in ok)
@@ -294,6 +351,7 @@ def run_bench(url: str, input_path: str | None, concurrency: int | None, num_req
             if r["ttft"] is not None and r["output_tokens"] > 1]
     res = {
         "url": url, "model": model, "max_concurrency": concurrency, "request_rate": request_rate,
+        "num_workers": workers,
         "num_prompts": num_requests, "max_tokens": max_tokens,
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
@@ -302,7 +360,7 @@ def run_bench(url: str, input_path: str | None, concurrency: int | None, num_req
         "ttft_ms": _stats_ms([r["ttft"] for r in ok if r["ttft"] is not None]),
         "tpot_ms": _stats_ms(tpot), "itl_ms": _stats_ms([x for r in ok for x in r["itl"]]),
         "acceptance_rate": None, "mean_acceptance_length": None,
-        "server_queue_ms": None, "server_prefill_ms": None, "server_decode_ms": None,
+        "server_queue_ms": None, "server_prefill_ms": None, "server_decode_ms": None, "server_ttft_ms": None,
         "errors": sorted({r["error"] for r in results if r["error"]})[:5],
     }
     if before and after:
@@ -339,7 +397,8 @@ def print_results(res: dict, console: Console) -> None:
              ("mean acceptance length", f(res["mean_acceptance_length"], "{:.3f}")),
              ("server: mean queue time (ms)", f(res["server_queue_ms"])),
              ("server: mean prefill time (ms)", f(res["server_prefill_ms"])),
-             ("server: mean decode time (ms)", f(res["server_decode_ms"]))]
+             ("server: mean decode time (ms)", f(res["server_decode_ms"])),
+             ("server: mean TTFT in the frontend (ms)", f(res["server_ttft_ms"]))]
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)

@@ -278,6 +278,9 @@ def bench_serve(
     model: Optional[str] = typer.Option(None, "--model", help="Model name (default: the server's first)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="SPECDP_API_KEY", help="Bearer token."),
     seed: int = typer.Option(0, "--seed", help="Seed of the arrival times."),
+    num_workers: int = typer.Option(1, "--num-workers", min=1,
+                                    help="Load-generating processes (the streams and the rate split between them): "
+                                         "more than one when one process's event loop cannot keep up."),
     save_result: bool = typer.Option(False, "--save-result", help="Write the results as JSON (see --result-filename)."),
     result_filename: Optional[Path] = typer.Option(None, "--result-filename", "--json",
                                                    help="Where --save-result writes (implies it); default: "
@@ -299,7 +302,7 @@ def bench_serve(
 
     try:
         res = run_bench(base_url, str(dataset_path) if dataset_path else None, max_concurrency, num_prompts,
-                        max_tokens, model, api_key, request_rate, seed)
+                        max_tokens, model, api_key, request_rate, seed, num_workers)
     except BenchError as e:
         stderr.print("[bold red]bench failed[/]: ", end="")
         stderr.print(str(e), markup=False)

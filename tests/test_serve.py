@@ -501,10 +501,16 @@ def test_bench_serve(server, tmp_path):
     data = json.load(open(out))
     assert data["completed"] == 8 and data["failed"] == 0 and data["ttft_ms"]["median"] > 0
     assert data["acceptance_rate"] is not None and data["request_rate"] == 50 and data["max_concurrency"] == 4
-    old = tmp_path / "old.json"
+    assert data["server_ttft_ms"] > 0 and data["server_prefill_ms"] > 0      # the server's side of TTFT
+    old = tmp_path / "old.json"          # and two load-generating processes, their requests and times merged
     res = CliRunner().invoke(app, ["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "2",
-                                   "--num-requests", "2", "--max-tokens", "4", "--api-key", KEY, "--json", str(old)])
-    assert res.exit_code == 0 and json.load(open(old))["completed"] == 2
+                                   "--num-requests", "3", "--max-tokens", "4", "--api-key", KEY, "--json", str(old),
+                                   "--num-workers", "2"])
+    data = json.load(open(old))
+    assert res.exit_code == 0 and data["completed"] == 3 and data["num_workers"] == 2 and data["duration_s"] > 0
+    res = CliRunner().invoke(app, ["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "2",
+                                   "--num-workers", "3", "--api-key", KEY])
+    assert res.exit_code == 1 and "--num-workers 3 is more than --max-concurrency 2" in res.output
 
 
 def test_sigterm_drains_and_exits_0(server, client):

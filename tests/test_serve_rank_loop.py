@@ -1,10 +1,12 @@
 """A serving rank's loop (server/rank.py) over a stand-in engine: each step's tokens reach the frontend, and an
 idle rank waits on its inbox instead of spinning."""
+import os
+import socket
 import threading
 from multiprocessing.connection import Listener
 from types import SimpleNamespace
 
-from specdp_cli.server.link import new_link_spec
+from specdp_cli.server.link import RankLink, new_link_spec
 from specdp_cli.server.rank import serve_rank
 
 
@@ -84,3 +86,53 @@ def test_every_step_reaches_the_frontend_and_an_idle_rank_waits():
     assert not rank.is_alive()
     # once idle, the loop asked for work a bounded number of times before it blocked (a spinning loop asks on and on)
     assert engine.idle_checks <= 4, engine.idle_checks
+
+
+def _nodelay(fd: int) -> int:
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+    finally:
+        sock.close()
+
+
+def _socket_fd_at(address) -> int | None:
+    """This process's socket whose local address is `address` (the link's other end, here in a thread)."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue                           # not a socket
+        try:
+            if sock.family == socket.AF_INET and sock.getsockname() == address:
+                return int(name)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return None
+
+
+def test_both_ends_of_the_link_send_at_once():
+    """TCP_NODELAY on the frontend's and the rank's side: with Nagle's algorithm a step's message sent while
+    the previous one is unacknowledged waited for the peer's delayed ACK, up to 40 ms."""
+    link = RankLink(1, new_link_spec("127.0.0.1"), lambda *a: None, lambda *a: None)
+    engine = OneTokenEngine()
+    dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
+    rank = threading.Thread(target=serve_rank, args=(engine, dp, {"link": link.spec}), daemon=True)
+    rank.start()
+    try:
+        assert link.wait_connected(30), "the rank did not connect"
+        frontend_fd = link.conns[0].fileno()
+        assert _nodelay(frontend_fd) == 1
+        peer = socket.socket(fileno=os.dup(frontend_fd))
+        rank_address = peer.getpeername()
+        peer.close()
+        rank_fd = _socket_fd_at(rank_address)
+        assert rank_fd is not None, "the rank's end of the link was not found"
+        assert _nodelay(rank_fd) == 1
+    finally:
+        link.send(0, ("shutdown",))
+        rank.join(30)
+        link.close()
+    assert not rank.is_alive()

@@ -18,13 +18,14 @@ from multiprocessing.connection import Client
 
 from ..runtime.engine import RequestError
 from ..runtime.sampling import SamplingParams
-from .link import link_address
+from .link import link_address, no_delay
 
 
 def serve_rank(engine, dp, job: dict) -> None:
     engine.fail_stalled = True        # a stall fails its requests (a 500 each); the server goes on
     address, authkey = link_address(job["link"])
     conn = Client(address, authkey=authkey)
+    no_delay(conn)
     conn.send(("hello", dp.rank))
     inbox: queue.Queue = queue.Queue()
     send_lock = threading.Lock()
