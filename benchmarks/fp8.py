@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--decode-modes", default="quantize",
-                    help="fp8 rows per decode activation mode of fp8_kernels (quantize, fused, weight_only)")
+                    help="fp8 rows per decode activation mode of fp8_kernels (quantize, fused, weight_only, gemv)")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()

@@ -2,7 +2,8 @@
 block scales, where this torch and GPU run it) and against bf16 F.linear, at decode and prefill row counts, on
 the 8B shape's (Llama-3-8B) and the Qwen3-30B-A3B shape's dense projections. Each time is triton.testing.do_bench's
 median (activation quantization included: what a layer pays); GB/s counts the weight bytes read once.
-With --sweep, decode tiles (BLOCK_N x split K x stages) at M = 1 and 16.
+With --sweep, the GEMV's tiles (BLOCK_N x groups a step x warps / stages) at M = 1, 4, 16 and the GEMM's decode
+tiles (BLOCK_N x split K) at M = 1 and 16.
 
 Usage: python benchmarks/fp8_gemm.py [--rows 1,16,64,256,2048] [--sweep] --json OUT.json
 """
@@ -64,6 +65,7 @@ def main() -> None:
                  "triton_ms": bench(lambda: quantized(x, wq, ws)),
                  "fused_ms": bench(lambda: fk.block_fp8_gemm(x, wq, ws, 128)) if M <= 64 else None,
                  "w8a16_ms": bench(lambda: fk.block_fp8_gemm(x, wq, ws, 128, mode="weight_only")) if M <= 64 else None,
+                 "gemv_ms": bench(lambda: fk.block_fp8_gemv(x, wq, ws, 128)) if M <= 16 else None,
                  "cublas_ms": bench(lambda: fk.cublas_block_fp8_gemm(x, wq, wcs)) if cublas and M % 8 == 0 else None}
             r["triton_GBps"] = (N * K + M * K * 2) / r["triton_ms"] / 1e6
             r["bf16_GBps"] = (2 * N * K + M * K * 2) / r["bf16_ms"] / 1e6
@@ -71,7 +73,25 @@ def main() -> None:
             print(json.dumps(r), flush=True)
     print_table(rows)
     sweep = []
-    if a.sweep:
+    if a.sweep:                           # the GEMV's tiles at 1, 4, 8 and 16 rows
+        for name in ("8b.qkv", "8b.gate_up", "8b.down", "a3b.o"):
+            N, K = SHAPES[name]
+            wq, ws = quantize_blocks(torch.randn(N, K, device=dev) / 30)
+            for M in (1, 4, 16):
+                x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+                for bn in (8, 16, 32):
+                    for groups in (1, 2, 4):
+                        for warps, stages in ((4, 2), (4, 3), (8, 3)):
+                            t = dict(BLOCK_N=bn, GROUPS=groups, warps=warps, stages=stages)
+                            try:
+                                ms = bench(lambda: fk.block_fp8_gemv(x, wq, ws, 128, tile=t))
+                            except Exception as e:  # noqa: BLE001 - a tile that does not compile is skipped
+                                print(f"skip gemv {t}: {type(e).__name__}")
+                                continue
+                            sweep.append({"kernel": "gemv", "shape": name, "M": M, **t, "ms": ms,
+                                          "GBps": N * K / ms / 1e6})
+                best = min((s for s in sweep if s["shape"] == name and s["M"] == M), key=lambda s: s["ms"])
+                print(f"sweep gemv {name} M={M}: best {best}", flush=True)
         for name in ("8b.o", "8b.down", "8b.qkv"):
             N, K = SHAPES[name]
             wq, ws = quantize_blocks(torch.randn(N, K, device=dev) / 30)
@@ -88,9 +108,10 @@ def main() -> None:
                             except Exception as e:  # noqa: BLE001 - a tile that does not compile is skipped
                                 print(f"skip {t}: {type(e).__name__}")
                                 continue
-                            sweep.append({"shape": name, "M": M, "BLOCK_N": bn, "SPLIT": split, "stages": stages,
+                            sweep.append({"kernel": "gemm", "shape": name, "M": M, "BLOCK_N": bn, "SPLIT": split, "stages": stages,
                                           "ms": ms, "GBps": N * K / ms / 1e6})
-                best = min((s for s in sweep if s["shape"] == name and s["M"] == M), key=lambda s: s["ms"])
+                best = min((s for s in sweep if s["kernel"] == "gemm" and s["shape"] == name and s["M"] == M),
+                           key=lambda s: s["ms"])
                 print(f"sweep {name} M={M}: best {best}", flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
             "triton": triton.__version__, "cublas_block_scaled": cublas, "argv": sys.argv[1:]}
@@ -99,13 +120,13 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'shape':<12}{'M':>6}{'bf16 us':>10}{'triton us':>11}{'fused us':>10}{'w8a16 us':>10}{'cublas us':>11}"
+    print(f"{'shape':<12}{'M':>6}{'bf16 us':>10}{'triton us':>11}{'gemv us':>9}{'fused us':>10}{'w8a16 us':>10}{'cublas us':>11}"
           f"{'triton GB/s':>13}{'bf16 GB/s':>11}")
 
     def us(v):
         return f"{v * 1e3:.1f}" if v is not None else "-"
     for r in rows:
-        print(f"{r['shape']:<12}{r['M']:>6}{us(r['bf16_ms']):>10}{us(r['triton_ms']):>11}{us(r['fused_ms']):>10}"
+        print(f"{r['shape']:<12}{r['M']:>6}{us(r['bf16_ms']):>10}{us(r['triton_ms']):>11}{us(r['gemv_ms']):>9}{us(r['fused_ms']):>10}"
               f"{us(r['w8a16_ms']):>10}{us(r['cublas_ms']):>11}{r['triton_GBps']:>13.0f}{r['bf16_GBps']:>11.0f}")
 
 

@@ -412,10 +412,10 @@ fp8)
   case "${PART:-all}" in 2|all|gemm)
     widen || exit 1
     timeout 330 python3 benchmarks/fp8.py --pair $P --target $W/target --label 8b-shape --prompts 16 --batch1-prompts 8 \
-      --batches 1,16 --repeats 3 --decode-modes ${FP8_DECODE_MODES:-quantize,weight_only} --json "$out/fp8_8b.json" > "$out/fp8_8b.log" 2>&1 || tail -20 "$out/fp8_8b.log"
+      --batches 1,16 --repeats 3 --decode-modes ${FP8_DECODE_MODES:-quantize,gemv} --json "$out/fp8_8b.json" > "$out/fp8_8b.log" 2>&1 || tail -20 "$out/fp8_8b.log"
     sed -n '/^quant /,$p' "$out/fp8_8b.log"
     timeout 200 python3 benchmarks/fp8.py --pair $P --moe-shape qwen3_30b_a3b --work /tmp/moe_shapes --prompts 4 \
-      --prompt-len 32 --batches 1 --repeats 3 --decode-modes ${FP8_DECODE_MODES:-quantize,weight_only} --json "$out/fp8_qwen3_30b_a3b.json" > "$out/fp8_moe.log" 2>&1 \
+      --prompt-len 32 --batches 1 --repeats 3 --decode-modes ${FP8_DECODE_MODES:-quantize,gemv} --json "$out/fp8_qwen3_30b_a3b.json" > "$out/fp8_moe.log" 2>&1 \
       || tail -20 "$out/fp8_moe.log"
     sed -n '/^quant /,$p' "$out/fp8_moe.log" ;;
   esac

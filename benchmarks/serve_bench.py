@@ -6,11 +6,13 @@ Two workloads:
     `--requests N` takes them; each row has served and offline tok/s and their ratio;
   - `--prefix P`: every request shares a P-token prefix (the held-out text, repeated) and has its own tail,
     served with prefix caching on and off (`--caching on,off`): TTFT and throughput with and without it.
-Prompts go to the server as token ids, so both sides see the same tokens.
+Prompts go to the server as token ids, so both sides see the same tokens. Each side is measured `--rounds` times
+(offline: one engine; served: one server) and the median reported: a 256-request run lasts about a second, and
+single offline runs of one method differed by up to 40 % between machines.
 
 Usage: python benchmarks/serve_bench.py --pair PAIR_DIR [--target DIR] [--methods none,draft_model,eagle]
        [--requests 256] [--concurrency 32] [--max-tokens 128] [--dp 1] [--prefix 0] [--caching on]
-       [--dtype bfloat16] [--client-workers 1,2]
+       [--dtype bfloat16] [--client-workers 1,2] [--rounds 3]
        [--no-offline] --work DIR --json OUT.json
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -61,21 +64,24 @@ def config(a, method: str, caching: bool) -> dict:
             "server": {"port": a.port, "model_name": "bench"}}
 
 
-def offline(a, method: str) -> float | None:
+def offline(a, method: str) -> tuple[float | None, list[float]]:
+    """The median tok/s of `--rounds` offline runs (one process, one engine) and every run's."""
     out = os.path.join(a.work, f"offline_{method}.json")
     cmd = [sys.executable, os.path.join(HERE, "offline.py"), "--pair", a.pair, "--requests", str(a.requests),
-           "--batches", str(a.concurrency), "--methods", method, "--k", str(a.k), "--new", str(a.max_tokens),
+           "--batches", ",".join([str(a.concurrency)] * a.rounds), "--methods", method, "--k", str(a.k), "--new", str(a.max_tokens),
            "--max-model-len", str(a.max_model_len), "--dtype", a.dtype, "--json", out]
     cmd += ["--target", a.target] if a.target else []
     with open(os.path.join(a.work, f"offline_{method}.log"), "w") as log:
         if subprocess.run(cmd, stdout=log, stderr=log).returncode != 0:
             print(f"offline {method} failed: see {log.name}")
-            return None
-    return json.load(open(out))["rows"][0]["tok_s"]
+            return None, []
+    runs = [r["tok_s"] for r in json.load(open(out))["rows"]]
+    return statistics.median(runs), runs
 
 
 def served(a, method: str, caching: bool, prompts_path: str) -> dict[int, dict]:
-    """The bench results of one server (method, caching) for each --client-workers count."""
+    """The bench results of one server (method, caching) for each --client-workers count: of `--rounds`
+    measured rounds, the one of median throughput (with every round's tok/s in "rounds_tok_s")."""
     tag = f"{method}_{'on' if caching else 'off'}"
     cfg_path = os.path.join(a.work, f"serve_{tag}.yaml")
     with open(cfg_path, "w") as fh:
@@ -101,10 +107,14 @@ def served(a, method: str, caching: bool, prompts_path: str) -> dict[int, dict]:
                                 os.path.join(a.work, f"bench_{tag}.warm.json")], check=True, stdout=subprocess.DEVNULL)
         results = {}
         for workers in a.client_workers:
-            out = os.path.join(a.work, f"bench_{tag}_w{workers}.json")
-            subprocess.run(bench + ["--num-prompts", str(a.requests), "--num-workers", str(workers),
-                                    "--result-filename", out], check=True, stdout=subprocess.DEVNULL)
-            results[workers] = json.load(open(out))
+            rounds = []
+            for i in range(a.rounds):
+                out = os.path.join(a.work, f"bench_{tag}_w{workers}_{i}.json")
+                subprocess.run(bench + ["--num-prompts", str(a.requests), "--num-workers", str(workers),
+                                        "--result-filename", out], check=True, stdout=subprocess.DEVNULL)
+                rounds.append(json.load(open(out)))
+            rounds.sort(key=lambda r: r["output_throughput"])
+            results[workers] = {**rounds[len(rounds) // 2], "rounds_tok_s": [r["output_throughput"] for r in rounds]}
         return results
     finally:
         server.send_signal(signal.SIGTERM)
@@ -128,6 +138,7 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--prefix", type=int, default=0)
     ap.add_argument("--caching", default="on")
+    ap.add_argument("--rounds", type=int, default=3, help="measured runs, offline and served; the median is reported")
     ap.add_argument("--client-workers", default="1",
                     help="load-generating processes of `bench serve`, a list: each count measured on the same server")
     ap.add_argument("--no-offline", action="store_true")
@@ -148,12 +159,13 @@ def main() -> None:
             fh.write(json.dumps({"prompt": p}) + "\n")
     rows = []
     for method in a.methods.split(","):
-        off = None if a.no_offline or a.prefix else offline(a, method)
+        off, off_runs = (None, []) if a.no_offline or a.prefix else offline(a, method)
         for caching in (c == "on" for c in a.caching.split(",")):
             for workers, r in served(a, method, caching, prompts_path).items():
                 row = {"label": a.label, "method": method, "caching": caching, "dp": a.dp, "prefix": a.prefix,
                        "client_workers": workers,
                        "served_tok_s": r["output_throughput"], "offline_tok_s": off,
+                       "served_rounds_tok_s": r["rounds_tok_s"], "offline_rounds_tok_s": off_runs,
                        "served_over_offline": r["output_throughput"] / off if off else None,
                        "ttft_ms": r["ttft_ms"], "itl_ms": r["itl_ms"], "tpot_ms": r["tpot_ms"],
                        "acceptance_rate": r["acceptance_rate"], "completed": r["completed"], "failed": r["failed"],

@@ -378,8 +378,8 @@ def _fp8_reference(x, wq, ws, rows, bias=None):
 @pytest.mark.parametrize("M", [1, 7, 16, 33, 64, 200])
 def test_fp8_gemm_matches_reference(M):
     """The block-scaled FP8 GEMM (activations quantized inside for decode sizes, by quantize_activations before
-    it; split K; per-row weight scales; partial blocks; bias) and cuBLAS's where torch has it, against float64
-    W8A8; inside a CUDA graph too."""
+    it; split K; per-row weight scales; partial blocks; bias), the GEMV of few rows, and cuBLAS's where torch
+    has it, against float64 W8A8; inside a CUDA graph too."""
     from specdp_cli.runtime import fp8_kernels as fk
     from specdp_cli.runtime.models.quant import quantize_blocks
     g = torch.Generator(device="cuda").manual_seed(M)
@@ -399,6 +399,12 @@ def test_fp8_gemm_matches_reference(M):
         y = fk.block_fp8_gemm(x, wq, ws, rows, b, mode="weight_only")         # W8A16: x as it is
         w16 = x.double() @ dequantize(wq, ws, (rows, 128), torch.float64).t() + (b.double() if bias else 0)
         assert rel(y, w16) < 5e-3, ("weight_only", M, N, K, rows, rel(y, w16))
+        if M <= 16:                          # the one-kernel GEMV of few rows, W8A8 and W8A16, each tile shape
+            for t in (None, dict(BLOCK_N=8, GROUPS=1, warps=4, stages=2), dict(BLOCK_N=32, GROUPS=4, warps=8, stages=3)):
+                y = fk.block_fp8_gemv(x, wq, ws, rows, b, tile=t)
+                assert rel(y, ref) < 5e-3, ("gemv", t, M, N, K, rows, rel(y, ref))
+                y = fk.block_fp8_gemv(x, wq, ws, rows, b, tile=t, quantize_x=False)
+                assert rel(y, w16) < 5e-3, ("gemv w8a16", t, M, N, K, rows, rel(y, w16))
         if rows == 128 and K % 128 == 0 and M % 8 == 0 and fk.cublas_supported(x.device):
             y = fk.cublas_block_fp8_gemm(x, wq, fk.cublas_weight_scale(ws), b)
             assert rel(y, ref) < 5e-3, ("cublas", M, N, K, rel(y, ref))

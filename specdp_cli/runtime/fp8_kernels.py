@@ -13,6 +13,8 @@ amax(group) / 448. Then y = sum over the K groups g of (x_q[:, g] @ W_q[:, g]^T)
   `quantize_activations`), A_MODE 2 uses them as they are (weight-only W8A16). Decode tiles are
   thin in N and split K over several programs when there are too few column blocks to fill the device;
   the partial sums go to a float32 workspace that `_splitk_sum_kernel` adds up (no atomics: deterministic).
+- `_gemv_kernel`: a few rows in one kernel without tensor cores, each program quantizing its row's activations
+  itself (DECODE_MODE "gemv", measured, not the default).
 - `fp8_linear(x, w, bias)`: decode sizes (M <= 64) quantize the activations with `quantize_activations` and run
   the Triton GEMM; from `CUBLAS_FROM_M` rows cuBLAS's block-scaled GEMM through torch's scaled_mm (M padded to a
   multiple of 8), where this torch and GPU have it. benchmarks/fp8_gemm.py measures all of them (H200, CUDA
@@ -132,6 +134,64 @@ def _splitk_sum_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, SPLITS: tl.constexpr, HAS
     tl.store(c_ptr + i, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_wsn, stride_wsk,
+                 stride_ym, W_ROWS: tl.constexpr, QUANT_X: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    # one program: output row m, BLOCK_N columns, over all of K, GROUPS 128-column groups a step. The row's
+    # activations are quantized per group here (the same numbers as _quant_kernel) and dequantized at once, the
+    # weights dequantized by their block scale, and the products summed elementwise; one reduction at the end.
+    pid = tl.program_id(0)
+    m = (pid % M).to(tl.int64)            # consecutive programs: the same weight columns, other rows (L2 reuse)
+    n = (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    g = tl.arange(0, GROUPS)
+    c = tl.arange(0, GROUP_SIZE)
+    col = g[:, None] * GROUP_SIZE + c[None, :]                                  # [GROUPS, GROUP]
+    w_ptrs = w_ptr + n.to(tl.int64)[:, None, None] * stride_wn + col[None, :, :]
+    s_ptrs = ws_ptr + (n // W_ROWS).to(tl.int64)[:, None] * stride_wsn + g[None, :] * stride_wsk
+    acc = tl.zeros([BLOCK_N, GROUPS, GROUP_SIZE], dtype=tl.float32)
+    for k0 in range(0, K, GROUPS * GROUP_SIZE):
+        k_ok = k0 + col < K
+        x = tl.load(x_ptr + m * stride_xm + k0 + col, mask=k_ok, other=0.0).to(tl.float32)
+        if QUANT_X:
+            sx = tl.maximum(tl.max(tl.abs(x), 1) / 448.0, 1e-12)
+            x = tl.clamp(x / sx[:, None], -448.0, 448.0).to(w_ptr.dtype.element_ty).to(tl.float32) * sx[:, None]
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0).to(tl.float32)
+        sw = tl.load(s_ptrs + (k0 // GROUP_SIZE) * stride_wsk, mask=n_ok[:, None] & (k0 + g * GROUP_SIZE < K)[None, :],
+                     other=0.0)
+        acc += w * sw[:, :, None] * x[None, :, :]
+    y = tl.sum(tl.sum(acc, 2), 1)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + m * stride_ym + n, y.to(y_ptr.dtype.element_ty), mask=n_ok)
+
+
+def gemv_tile(N: int, sms: int) -> dict:
+    """8- or 16-column blocks, four 128-column groups a step (the sweep's best at one row on an H200)."""
+    return dict(BLOCK_N=16 if triton.cdiv(N, 16) >= 2 * sms else 8, GROUPS=4, warps=4, stages=2)
+
+
+def block_fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows: int,
+                   bias: torch.Tensor | None = None, tile: dict | None = None, quantize_x: bool = True) -> torch.Tensor:
+    """The block-scaled FP8 product for a few rows in one kernel, without tensor cores (DECODE_MODE "gemv"):
+    y [M, N] = dequant(quant(x)) @ dequant(weight)^T (+ bias), x [M, K] bf16/fp16/fp32 quantized per token and
+    128 columns inside (W8A8, as `fp8_linear`'s other paths), or used as it is with quantize_x=False (W8A16)."""
+    M, K = x.shape
+    N = weight.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    t = tile or gemv_tile(N, _num_sms(x.device))
+    grid = (M * triton.cdiv(N, t["BLOCK_N"]),)
+    _gemv_kernel[grid](x, weight, scale, bias if bias is not None else scale, out, M, N, K, x.stride(0),
+                       weight.stride(0), scale.stride(0), scale.stride(1), out.stride(0), W_ROWS=rows,
+                       QUANT_X=quantize_x, HAS_BIAS=bias is not None, BLOCK_N=t["BLOCK_N"], GROUPS=t["GROUPS"],
+                       GROUP_SIZE=GROUP, num_warps=t["warps"], num_stages=t["stages"])
+    return out
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
@@ -144,14 +204,17 @@ _SMS: dict = {}
 
 
 def tiles(M: int, N: int, K: int, sms: int) -> dict:
-    """Tiles by the number of rows M. Decode (M <= 64): BLOCK_M 16 (the smallest tensor-core tile), thin
-    column blocks, and K split so that about 2 programs per SM stream the weights; prefill: 64 x 128 tiles."""
+    """Tiles by the number of rows M. Decode (M <= 64): BLOCK_M 16 (the smallest tensor-core tile), thin column
+    blocks, and K split until there are about 1.5 programs an SM to stream the weights
+    (benchmarks/fp8_gemm.py --sweep on an H200: 64 x split 4 was the fastest or within 2 % of it for the 8B's
+    projections at 1 and 16 rows, 10-20 % faster than 32-wide blocks); prefill: 64 x 128 tiles."""
     k_blocks = triton.cdiv(K, GROUP)
     if M <= 64:
-        bn = 32 if N >= 2048 else 16
+        # 64 wide unless that already makes two programs an SM (the 8B's gate_up: kept at 32, as measured before)
+        bn = 16 if N < 512 else 64 if triton.cdiv(N, 64) < 2 * sms else 32
         programs = triton.cdiv(M, 16) * triton.cdiv(N, bn)
         split = 1
-        while programs * split < 2 * sms and k_blocks >= 8 * split:
+        while 2 * programs * split < 3 * sms and k_blocks >= 8 * split:
             split *= 2
         return dict(BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=bn, SPLIT=split, warps=4, stages=4,
                     GROUP_M=1)
@@ -239,10 +302,15 @@ def cublas_supported(device: torch.device) -> bool:
 _CUBLAS: dict = {}
 
 # Rows from which cuBLAS's block-scaled GEMM is used instead of the Triton kernel (None: never), and how the
-# Triton kernel treats decode activations (M <= 64: "quantize" first with quantize_activations, "fused" in the
-# kernel, or "weight_only"). Set from benchmarks/fp8_gemm.py's measurements on an H200 (benchmarks/results/).
+# Triton kernels treat decode activations (M <= 64: "quantize" first with quantize_activations, "fused" in the
+# kernel, "weight_only", or "gemv": one row through a weight of at most GEMV_MAX_WEIGHT elements in
+# block_fp8_gemv, else as "quantize"). Set from benchmarks/fp8_gemm.py's and benchmarks/fp8.py's measurements on
+# an H200 (benchmarks/results/). The GEMV beats the GEMM at one row on the smaller projections (8B's qkv 9.4
+# against 11.0 µs) and loses on the large ones (gate_up 41.9 against 34.4); the 8B shape end to end is the same
+# either way (285 against 284 tok/s), so it is not the default.
 CUBLAS_FROM_M: int | None = 128
 DECODE_MODE = "quantize"
+GEMV_MAX_WEIGHT = 32 << 20
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows: int,
@@ -256,7 +324,9 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows:
         pad = -M % 8                      # cuBLAS's block-scaled GEMM wants M a multiple of 8
         xp = torch.nn.functional.pad(x2, (0, 0, 0, pad)) if pad else x2
         y = cublas_block_fp8_gemm(xp, weight, cublas_scale, bias)[:M]
-    elif M <= 64 and DECODE_MODE != "quantize":
+    elif DECODE_MODE == "gemv" and M == 1 and weight.numel() <= GEMV_MAX_WEIGHT:
+        y = block_fp8_gemv(x2, weight, scale, rows, bias)
+    elif M <= 64 and DECODE_MODE in ("fused", "weight_only"):
         y = block_fp8_gemm(x2, weight, scale, rows, bias, mode=DECODE_MODE)
     else:
         x_q, x_s = quantize_activations(x2)
