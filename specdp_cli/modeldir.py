@@ -151,32 +151,46 @@ class ModelDir:
         after the decoder layers as layers num_hidden_layers, num_hidden_layers + 1…"""
         return int(self.get("num_nextn_predict_layers") or 0)
 
-    def loaded_share(self, mtp: bool = False, experts_held: float = 1.0) -> float:
-        """The share of the weights' bytes a rank loads (safetensors headers; 1.0 if unknown): the layers past
+    def loaded_share(self, mtp: bool = False, experts_held: float = 1.0, tp: int = 1) -> float:
+        """The share of the weights' bytes a process loads (safetensors headers; 1.0 if unknown): the layers past
         the decoder's only the first, and only with `mtp` (method mtp's drafter); of each routed expert's
-        tensors `experts_held` (expert parallelism). DeepSeek's `shared_experts` are not routed."""
-        sizes = {n: _numel(shape) for n, (_, shape) in self.tensor_headers.items() if not n.endswith("_scale_inv")}
-        total = sum(sizes.values())
+        tensors `experts_held` (expert parallelism); of each tensor a TP group of `tp` splits one process's part
+        (models/tensor_parallel.py: attention, MLP and each routed expert's columns). DeepSeek's
+        `shared_experts` are not routed."""
+        from .runtime.models.tensor_parallel import held_fraction
 
-        def held(name: str) -> float:
+        split = self._tensor_parallel(tp)
+        sizes = {n: (shape, _numel(shape)) for n, (_, shape) in self.tensor_headers.items()
+                 if not n.endswith("_scale_inv")}
+        total = sum(v for _, v in sizes.values())
+
+        def held(name: str, shape) -> float:
             layer = layer_index(name)
             if layer is not None and layer >= self.num_layers and not (mtp and layer == self.num_layers):
                 return 0.0
-            return experts_held if ".experts." in name else 1.0
-        return sum(v * held(n) for n, v in sizes.items()) / total if total else 1.0
+            share = experts_held if ".experts." in name else 1.0
+            return share * held_fraction(name, shape, self.config, tp) if split else share
+        return sum(v * held(n, shape) for n, (shape, v) in sizes.items()) / total if total else 1.0
 
-    def tensor_parallel_shares(self, tp: int) -> tuple[float, float]:
-        """(the share of the weights' bytes, the share of the KV cache) one process of a TP group of `tp` holds
-        (models/tensor_parallel.py's split; 1.0, 1.0 without one, or when the model cannot be split)."""
-        from .runtime.models.tensor_parallel import held_fraction, refusal, shard_of
+    def kv_share(self, tp: int) -> float:
+        """The share of the KV cache one process of a TP group of `tp` holds (its KV heads; 1.0 unsplit)."""
+        from .runtime.models.tensor_parallel import shard_of
 
-        if tp <= 1 or self.is_moe or refusal(self.config, tp) or "intermediate_size" not in self.config:
-            return 1.0, 1.0
-        sizes = {n: (shape, _numel(shape)) for n, (_, shape) in self.tensor_headers.items()}
-        total = sum(n for _, n in sizes.values())
-        held = sum(n * held_fraction(name, shape, self.config, tp) for name, (shape, n) in sizes.items())
+        if not self._tensor_parallel(tp):
+            return 1.0
         shard = shard_of(self.config, 0, tp)
-        return (held / total if total else 1.0 / tp), shard.local_kv_heads / shard.kv_heads
+        return shard.local_kv_heads / shard.kv_heads
+
+    def _tensor_parallel(self, tp: int) -> bool:
+        """Whether a TP group of `tp` splits this model (its family splits, its shape allows)."""
+        from .runtime.models.tensor_parallel import refusal
+
+        if tp <= 1 or "intermediate_size" not in self.config:
+            return False
+        try:
+            return family_of(self.config).tensor_parallel and refusal(self.config, tp) is None
+        except UnsupportedModel:
+            return False
 
     def _loaded_bytes(self, name: str, shape, dtype: str, fp8: bool) -> float:
         """Bytes of one tensor as loaded: in `dtype`, or with `fp8` (FP8 weights kept FP8) a quantizable weight's

@@ -167,9 +167,9 @@ def _memory(cfg: Config, device: str, dtype: str, expert_parallel: bool, target:
            "drafter": _fp8(drafter, cfg.speculative.quantization, device, dtype) if drafter else None}
     kept = {role: bool(q and q["loaded_as"] == "float8_e4m3fn") for role, q in fp8.items()}
     # under tensor parallelism a process (GPU) holds its share of the target's attention, MLP and KV heads
-    tp_weights, tp_kv = target.tensor_parallel_shares(cfg.parallel.tensor_parallel_size)
-    weights = int(target.weight_bytes(dtype, kept["target"]) * target.loaded_share(mtp, experts_held) * tp_weights)
-    per_token = int(target.kv_bytes_per_token(dtype) * tp_kv)
+    tp = cfg.parallel.tensor_parallel_size
+    weights = int(target.weight_bytes(dtype, kept["target"]) * target.loaded_share(mtp, experts_held, tp))
+    per_token = int(target.kv_bytes_per_token(dtype) * target.kv_share(tp))
     if drafter:
         weights += drafter.weight_bytes(dtype, kept["drafter"])
         per_token += drafter.kv_bytes_per_token(dtype)

@@ -300,9 +300,10 @@ TP_METHODS = ("none", "ngram", "draft_model")
 
 def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tuple[str, str]]:
     """parallel.tensor_parallel_size > 1: what this step of tensor parallelism runs (dense decoders split by heads
-    and MLP columns, a replicated drafter) and the target's shape allows."""
+    and MLP columns, mixture-of-experts decoders by each expert's columns too, a replicated drafter) and the
+    target's shape allows."""
     from .runtime.models.registry import families
-    from .runtime.models.tensor_parallel import refusal
+    from .runtime.models.tensor_parallel import expert_intermediate, refusal
 
     out: list[tuple[str, str]] = []
     method = cfg.speculative.method
@@ -322,8 +323,8 @@ def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tupl
         return out                           # the files check says why
     if not fam.tensor_parallel:
         out.append(("error", f"tensor_parallel_size {tp}: the target's {fam.architecture} cannot be split over a "
-                             f"TP group yet (supported: {', '.join(supported)}; mixture-of-experts and latent "
-                             f"attention come later): set tensor_parallel_size: 1."))
+                             f"TP group yet (supported: {', '.join(supported)}; latent attention and the other "
+                             f"mixture-of-experts families come later): set tensor_parallel_size: 1."))
         return out
     why = refusal(target.config, tp)
     if why:
@@ -334,8 +335,11 @@ def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tupl
     kv = (f"its {KV} KV heads {KV // tp} per process" if tp <= KV else
           f"its {KV} KV head(s) replicated: each process holds the one its query heads read ({tp // KV} copies each)")
     drafter = " The drafter is replicated on every process." if METHODS[method].forward else ""
+    field, inter = expert_intermediate(target.config)
+    experts = (f"; each routed expert's {inter} columns ({field}) split {inter // tp} per process, the router "
+               f"replicated" if inter else "")
     out.append(("ok", f"tensor parallel: the target's {H} query heads split {H // tp} per process, {kv}; MLP columns "
-                      f"split; embedding and LM head replicated; every decision is made by each TP group's first "
+                      f"split{experts}; embedding and LM head replicated; every decision is made by each TP group's first "
                       f"process and sent to the others each step.{drafter}"))
     return out
 
@@ -528,8 +532,9 @@ def _memory(cfg: Config, plan: Plan, report: Report) -> list[tuple[str, str]]:
     seqs = blocks // per_seq
     report.kv_cache = {"block_size": bs, "num_blocks": blocks, "tokens": tokens, "sequences": seqs}
     tp = m.get("tensor_parallel_size", 1)
-    per = (" per rank (experts split)" if plan.expert_parallel else
-           f" per GPU (tensor_parallel_size {tp}: attention and MLP split)" if tp > 1 else "")
+    over_dp = ", experts over the DP ranks" if plan.expert_parallel else ""
+    per = (f" per GPU (tensor_parallel_size {tp}: attention and MLP split{over_dp})" if tp > 1 else
+           " per rank (experts split)" if plan.expert_parallel else "")
     numbers = (f"weights {_fmt_bytes(weights)}{with_mtp}{per}; "
                f"KV cache{' per GPU' if tp > 1 else ''} {blocks} blocks of {bs} tokens = {tokens} tokens "
                f"({_fmt_bytes(per_token)} per token{with_mtp}, {_fmt_bytes(tokens * per_token)}; from {how}): "

@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
             dp = DPGroup.solo(status)
         else:
             dp = DPGroup.from_env(plan.backend, plan.lockstep, cfg.parallel.collective_timeout_s,
-                                  cfg.parallel.check_collectives, device, status, tp_size=tp)
+                                  cfg.parallel.check_collectives, device, status, tp_size=tp,
+                                  expert_parallel=plan.expert_parallel)
         dp.start_watchdog(job.get("parent_pid"))
         launch = launch_phases(job["started_at"], job["ranks_started_at"], process_start_time(), imported_at,
                                job_at, time.time())

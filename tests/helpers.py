@@ -229,8 +229,8 @@ def make_moe_dir(path: Path, tokenizer_dir: Path, family: str = "mixtral", hidde
     if family == "mixtral":
         model = MixtralForCausalLM(MixtralConfig(num_local_experts=experts, **kw, **config_extra))
     else:
-        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=experts, moe_intermediate_size=hidden, head_dim=16,
-                                                   **kw, **config_extra))
+        config_extra.setdefault("moe_intermediate_size", hidden)
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(num_experts=experts, head_dim=16, **kw, **config_extra))
     with torch.no_grad():
         model.get_output_embeddings().weight.normal_(0, peaked / hidden ** 0.5)
         model.get_input_embeddings().weight.normal_(0, 1.0)

@@ -13,7 +13,7 @@ import torch
 
 from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, write_jsonl
 from engine_util import hf_reference, load_cpu, prefill_logits, prompts_of_lengths
-from helpers import make_model_dir
+from helpers import make_model_dir, make_moe_dir
 
 pytestmark = pytest.mark.timeout(HARD_TIMEOUT_S * 2)
 
@@ -91,6 +91,57 @@ def test_split_decoder_equals_whole(models, gqa_target, tp):
             assert model.layers[0].qkv.shape[0] == (model.H + 2 * model.KV) * model.D
             assert model.layers[0].down.shape[1] == 128 // tp
             torch.testing.assert_close(logits, whole, rtol=1e-5, atol=1e-5, msg=f"{target.name} tp {tp} rank {rank}")
+
+
+@pytest.fixture(scope="module")
+def moe_targets(tmp_path_factory, models):
+    """Many more experts than each token uses: a Qwen3-MoE with 16 experts, top 4 (moe_intermediate_size 48, a dense
+    layer of intermediate_size 128 among the sparse ones) and a Mixtral with 8, top 2 (experts of intermediate_size
+    128)."""
+    root = tmp_path_factory.mktemp("tp_moe")
+    qwen = make_moe_dir(root / "qwen3_moe", models["tokenizer"], "qwen3_moe", layers=3, experts=16, top_k=4, seed=7,
+                        moe_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True)
+    return {"qwen3_moe": qwen, "qwen3_moe_fused": fused_copy(qwen, root / "qwen3_moe_fused"),
+            "mixtral": make_moe_dir(root / "mixtral", models["tokenizer"], "mixtral", experts=8, top_k=2, seed=8)}
+
+
+def fused_copy(src, dst):
+    """`src` with each layer's experts stored fused, as transformers 5 holds them: experts.gate_up_proj
+    [E, 2 * inter, hidden] (every expert's gate rows, then its up rows) and experts.down_proj [E, hidden, inter]."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    w = load_file(str(dst / "model.safetensors"))
+    blocks = sorted({m.group(1) for m in map(re.compile(r"(.*\.experts\.)\d+\.").match, w) if m})
+    for b in blocks:
+        E = len({k for k in w if k.startswith(b) and k.endswith("down_proj.weight")})
+        w[b + "gate_up_proj"] = torch.stack([torch.cat([w.pop(f"{b}{e}.gate_proj.weight"),
+                                                        w.pop(f"{b}{e}.up_proj.weight")]) for e in range(E)])
+        w[b + "down_proj"] = torch.stack([w.pop(f"{b}{e}.down_proj.weight") for e in range(E)])
+    save_file(w, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_split_moe_equals_whole(models, moe_targets):
+    """tp 2: the router whole on each process, every routed expert's gate/up split by its intermediate columns and
+    its down by rows, the MoE output all-reduced: the logits of the unsplit model (Qwen3-MoE, with its dense layer
+    split as a dense MLP, its experts stored one by one or fused; Mixtral's w1 / w3 / w2)."""
+    ids = torch.tensor(prompts_of_lengths([21], seed=3)[0])
+    wholes = {}
+    for family, target in moe_targets.items():
+        whole = wholes[family] = prefill_logits(load_cpu(target), ids)
+        inter = 128 if family == "mixtral" else 48
+        for rank, (model, logits) in enumerate(split_logits(target, ids, 2)):
+            moe = model.layers[0].moe
+            assert moe.gate_up.shape[:2] == (len(moe.experts), inter) and moe.down.shape[2] == inter // 2
+            assert moe.route.router.shape[0] == len(moe.experts) and moe.tp is not None
+            torch.testing.assert_close(logits, whole, rtol=1e-5, atol=1e-5, msg=f"{family} rank {rank}")
+        if family != "mixtral":
+            assert model.layers[1].moe is None and model.layers[1].down.shape[1] == 128 // 2
+    torch.testing.assert_close(wholes["qwen3_moe_fused"], wholes["qwen3_moe"])       # the same model, stored fused
 
 
 class ThreadPackages:
@@ -204,6 +255,88 @@ def test_validate_shows_the_layout_and_refuses_what_this_step_does_not_run(tmp_p
     assert code == 1 and "does not divide the 3 GPUs" in parallel_check(out)["detail"]
 
 
+def held_bytes(model) -> int:
+    """Bytes of the weights a loaded decoder holds (its layers' tensors, the experts, embedding, norm, LM head)."""
+    import dataclasses
+
+    total = model.embed.nbytes + model.norm.nbytes + model.lm_head.nbytes
+    for layer in model.layers:
+        for f in dataclasses.fields(layer):
+            v = getattr(layer, f.name)
+            total += v.nbytes if isinstance(v, torch.Tensor) and f.name != "rope" else 0
+        if layer.moe is not None:
+            total += layer.moe.nbytes + layer.moe.route.router.nbytes
+    return total
+
+
+def test_validate_counts_the_experts_split_and_refuses_what_does_not_divide(tmp_path, models, moe_targets):
+    """A Qwen3-MoE at tp 2 (and dp 2 with the experts over the DP ranks too): the weights per GPU preflight reports
+    are what a process loads; tp 4 over experts of moe_intermediate_size 18 is refused, naming tensor_parallel_size
+    and the field."""
+    from types import SimpleNamespace
+
+    target = moe_targets["qwen3_moe"]
+    n = itertools.count()
+
+    def per_gpu(dp, tp, ep):
+        cfg = dp_config(tmp_path, target, None, dp=dp, dp_sync="auto", method="none", M=M, name=f"c{next(n)}.yaml",
+                        parallel={"tensor_parallel_size": tp, "enable_expert_parallel": ep})
+        code, out = validate(cfg)
+        assert code == 0, out["errors"]
+        return out["layout"]["weight_bytes_per_gpu"], parallel_check(out)["detail"]
+
+    whole = per_gpu(1, 1, False)[0]            # (the files' size: their headers too, so compared as shares)
+    for dp, ep in ((1, False), (2, True)):
+        reported, detail = per_gpu(dp, 2, ep)
+        assert "each routed expert's 48 columns (moe_intermediate_size) split 24 per process" in detail
+        loaded = load_cpu(target, tp=SimpleNamespace(rank=1, world=2), ep=SimpleNamespace(rank=1, world=2) if ep else None)
+        assert reported / whole == pytest.approx(held_bytes(loaded) / held_bytes(load_cpu(target)), rel=1e-5), (dp, ep)
+    odd = make_moe_dir(tmp_path / "odd", models["tokenizer"], "qwen3_moe", layers=1, moe_intermediate_size=18)
+    code, out = validate(dp_config(tmp_path, odd, None, dp=1, method="none", M=M, name="c4.yaml",
+                                   parallel={"tensor_parallel_size": 4}))
+    assert code == 1 and any("tensor_parallel_size 4 does not divide the target's moe_intermediate_size 18" in e
+                             for e in out["errors"]), out["errors"]
+
+
+def test_refusal_reads_the_intermediate_sizes_the_model_splits():
+    """A dense MLP's intermediate_size is checked only where some layer has one (Qwen3-MoE's mlp_only_layers or
+    decoder_sparse_step); the experts' own size always (Mixtral's: intermediate_size)."""
+    from specdp_cli.runtime.models.tensor_parallel import refusal
+
+    qwen = {"model_type": "qwen3_moe", "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 4,
+            "intermediate_size": 6, "moe_intermediate_size": 64, "num_experts": 8}
+    assert refusal(qwen, 4) is None
+    for dense in ({"mlp_only_layers": [2]}, {"decoder_sparse_step": 2}):
+        assert "intermediate_size 6" in refusal({**qwen, **dense}, 4)
+    assert "moe_intermediate_size 66" in refusal({**qwen, "moe_intermediate_size": 66}, 4)
+    mixtral = {"model_type": "mixtral", "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 4,
+               "intermediate_size": 66, "num_local_experts": 8}
+    assert "tensor_parallel_size 4 does not divide the target's intermediate_size 66" in refusal(mixtral, 4)
+
+
+def test_expert_collectives_under_tp_are_checked_in_their_group(monkeypatch):
+    """check_collectives under tensor parallelism: an expert-parallel collective's descriptors are compared within
+    the processes of this TP rank (its EP group, never the leaders' step group), and a mismatch names the TP rank."""
+    import torch.distributed as dist
+
+    from specdp_cli.runtime.dist import DPGroup, OutOfStepError
+
+    g = DPGroup(rank=1, world=2, lockstep=True, check=True, proc=3, procs=4)
+    g.step_group, g.ep_group = "leaders", "tp rank 1"
+    g.tp = type("TP", (), {"rank": 1, "_at": None})()
+    g.publish(5, "target forward")
+    used = []
+
+    def gather(out, obj, group):
+        used.append(group)
+        out[:] = [obj, ("all_gather", "-", (9, 64), "torch.float32", 5, "target forward")]
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    with pytest.raises(OutOfStepError, match=r"collective mismatch among the processes of TP rank 1 "
+                                             r"\(check_collectives\): rank 0: all_gather .* shape=\(8, 64\)"):
+        g.ep_all_gather(torch.zeros(8, 64))
+    assert used == ["tp rank 1"]
+
+
 def test_generate_refuses_a_tp_that_does_not_divide_the_heads(tmp_path, models):
     inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": "def", "max_tokens": 2}])
     cfg = dp_config(tmp_path, models["target"], models["draft"], dp=1, parallel={"tensor_parallel_size": 3})
@@ -250,6 +383,33 @@ def test_tp2_generate_equals_transformers(tmp_path, models, copy_draft, dp, dp_s
     if draft == "copy":
         assert summary["num_accepted_tokens"] > 0
     assert "TP rank 1 of 2" in r.stdout + r.stderr                          # every process's ready line
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_tp2_moe_generate_equals_transformers(tmp_path, models, moe_targets, dp):
+    """A Qwen3-MoE (16 experts, top 4) at tp 2: every expert's columns split over the TP group, the MoE output
+    all-reduced over it; at dp 2 the experts are split over the DP ranks too (expert parallelism: each of the 4
+    processes holds half the columns of 8 experts), tokens gathered and reduce-scattered among the processes of one
+    TP rank, in lockstep with every collective checked. Greedy float32 tokens equal transformers', with a drafter
+    and sequences crossing the drafter's limit (D = 40 < M = 64)."""
+    target = moe_targets["qwen3_moe"]
+    lengths, max_tokens = [30, 9, 13, 33], [30, 12, 25, 20]
+    prompts = prompts_of_lengths(lengths, seed=19)
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
+                                              for i, (p, n) in enumerate(zip(prompts, max_tokens))])
+    cfg = dp_config(tmp_path, target, models["draft"], dp=dp, dp_sync="auto", k=K, M=M, D=D, check=dp == 2,
+                    parallel={"tensor_parallel_size": 2, "enable_expert_parallel": dp == 2})
+    r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
+                      "--summary-json", tmp_path / "s.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = read_out(tmp_path / "out.jsonl")
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        ref = hf_reference(target, p, min(n, M - len(p)))
+        assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
+    assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(prompts))
+    ranks = json.load(open(tmp_path / "s.json"))["ranks"]
+    whole = 16 * 3 * 48 * 64 * 4 * 2                 # float32 routed experts of the two sparse layers
+    assert [x["expert_weight_bytes"] for x in ranks] == [whole // (2 * dp)] * dp     # a leader's share
 
 
 @pytest.mark.parametrize("fault,check", [("tp-alter:1:3", True), ("tp-skip:1:3", False)])

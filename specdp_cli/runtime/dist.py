@@ -16,7 +16,9 @@ the same on every rank because the forwards' sizes were agreed.
 Tensor parallelism (`tensor_parallel_size` > 1): a DP rank is a group of processes (`TPGroup`); the DP
 collectives above run among the groups' first processes (the leaders) only, and each group has its own: the
 all-reduce of the row-parallel layers inside every forward, and the step package its leader sends before each
-step's device work (see TPGroup).
+step's device work (see TPGroup). Expert parallelism under tensor parallelism runs its two collectives among the
+processes of one TP rank over the DP ranks (an EP group per TP rank: processes d * tp + t for every DP rank d), each
+holding the same columns of its DP rank's experts; the MoE layer then all-reduces over its TP group.
 
 `check_collectives` also compares a full descriptor (op, shape, dtype, step, phase) before every
 collective. Stepping collectives use `collective_timeout_s`; start-up and result collectives use
@@ -85,6 +87,7 @@ class DPGroup:
         self.check = check and world > 1
         self.comm_device = device or torch.device("cpu")
         self.step_group = None
+        self.ep_group = None              # expert parallelism under TP: this TP rank's processes (None: step_group)
         self.local = None                 # LocalExchange: the step sync's transport on one machine
         self.collectives = 0
         self._at: tuple[int, str] = (0, "start-up")          # where the rank is (for collectives inside forwards)
@@ -99,11 +102,13 @@ class DPGroup:
 
     @classmethod
     def from_env(cls, backend: str, lockstep: bool, timeout_s: float, check: bool,
-                 device: torch.device, status: StatusBoard, tp_size: int = 1) -> "DPGroup":
+                 device: torch.device, status: StatusBoard, tp_size: int = 1,
+                 expert_parallel: bool = False) -> "DPGroup":
         """Join the process group that `accelerate launch` describes in RANK / WORLD_SIZE / MASTER_*
         (accelerate's own PartialState misreports the rank on CPU). With tensor parallelism (tp_size > 1)
         process p is TP rank p % tp_size of DP rank p // tp_size; the DP collectives run among the TP groups'
-        first processes (the leaders), and each TP group gets its own (`TPGroup`)."""
+        first processes (the leaders), and each TP group gets its own (`TPGroup`); with `expert_parallel` each
+        TP rank's processes an EP group (`ep_group`)."""
         import torch.distributed as dist
 
         proc, procs = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -130,6 +135,11 @@ class DPGroup:
                 if d == rank:
                     g.tp = TPGroup(proc % tp_size, tp_size, rank, members[0], groups, timeout_s, check, comm)
             g.leader = g.tp.rank == 0
+            if expert_parallel and world > 1:
+                for t in range(tp_size):
+                    group = dist.new_group(list(range(t, procs, tp_size)), backend=backend, timeout=stepping)
+                    if t == g.tp.rank:
+                        g.ep_group = group
         if (g.lockstep and g.leader and int(os.environ.get("LOCAL_WORLD_SIZE", 0)) == procs
                 and LocalExchange.available()):
             box = [secrets.token_hex(8) if rank == 0 else None]       # a name no other job shares
@@ -208,7 +218,12 @@ class DPGroup:
         if self.tp is not None:
             self.tp._at = self._at
 
-    # -- expert parallelism: inside a MoE layer's forward (the step group; graph-capturable on NCCL) --
+    # -- expert parallelism: inside a MoE layer's forward (the step group, or under TP this TP rank's EP group;
+    #    graph-capturable on NCCL) --
+
+    @property
+    def _ep(self):
+        return self.step_group if self.ep_group is None else self.ep_group
 
     def ep_all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[N, h] on every rank -> [world * N, h], rank r's rows at r * N (N is the same on every rank:
@@ -218,13 +233,13 @@ class DPGroup:
         import torch.distributed as dist
 
         x = x.contiguous()
-        self._check(("all_gather", "-", tuple(x.shape), str(x.dtype), *self._at))
+        self._check(("all_gather", "-", tuple(x.shape), str(x.dtype), *self._at), self._ep)
         if self.comm_device.type == "cuda":
             out = torch.empty((self.world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-            self._run(lambda: dist.all_gather_into_tensor(out, x, group=self.step_group), *self._at)
+            self._run(lambda: dist.all_gather_into_tensor(out, x, group=self._ep), *self._at)
             return out
         parts = [torch.empty_like(x) for _ in range(self.world)]
-        self._run(lambda: dist.all_gather(parts, x, group=self.step_group), *self._at)
+        self._run(lambda: dist.all_gather(parts, x, group=self._ep), *self._at)
         return torch.cat(parts)
 
     def ep_reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,14 +249,14 @@ class DPGroup:
         import torch.distributed as dist
 
         N = x.shape[0] // self.world
-        self._check(("reduce_scatter", "sum", tuple(x.shape), str(x.dtype), *self._at))
+        self._check(("reduce_scatter", "sum", tuple(x.shape), str(x.dtype), *self._at), self._ep)
         if self.comm_device.type == "cuda":
             out = torch.empty((N, *x.shape[1:]), dtype=x.dtype, device=x.device)
             self._run(lambda: dist.reduce_scatter_tensor(out, x.contiguous(), op=dist.ReduceOp.SUM,
-                                                         group=self.step_group), *self._at)
+                                                         group=self._ep), *self._at)
             return out
         # gloo has no reduce-scatter: sum everything, keep this rank's rows
-        self._run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.step_group), *self._at)
+        self._run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self._ep), *self._at)
         return x[self.rank * N:(self.rank + 1) * N]
 
     def sync_step(self, fields, step: int) -> list:
@@ -288,18 +303,21 @@ class DPGroup:
         listing = "; ".join(f"rank {r} at {p}" for r, p in enumerate(places))
         raise OutOfStepError(f"ranks are out of step (their collective sequences differ): {listing}")
 
-    def _check(self, desc: tuple) -> None:
+    def _check(self, desc: tuple, group=None) -> None:
+        """check_collectives: every rank's descriptor of the collective it is about to run over `group` (the step
+        group, or this TP rank's EP group: then the ranks are named with their TP rank) compared."""
         if not self.check or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             return      # (a CUDA graph being captured cannot hold the descriptor exchange; eager runs check)
         import torch.distributed as dist
 
         descs: list[Any] = [None] * self.world
         step, what = desc[-2], desc[-1]
-        self._run(lambda: dist.all_gather_object(descs, desc, group=self.step_group), step, what)
+        self._run(lambda: dist.all_gather_object(descs, desc, group=group or self.step_group), step, what)
         if any(d != descs[0] for d in descs):
+            among = f" among the processes of TP rank {self.tp.rank}" if group is self.ep_group and group else ""
             listing = "; ".join(f"rank {r}: {d[0]} op={d[1]} shape={d[2]} dtype={d[3]} at {where(d[4], d[5])}"
                                 for r, d in enumerate(descs))
-            raise OutOfStepError(f"collective mismatch (check_collectives): {listing}")
+            raise OutOfStepError(f"collective mismatch{among} (check_collectives): {listing}")
 
     def _run(self, fn, step: int, what: str):
         self.collectives += 1

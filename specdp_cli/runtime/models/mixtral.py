@@ -31,4 +31,5 @@ def build_layer(c, i: int, get, path: str, ep=None):
 
 FAMILIES = [Family("MixtralForCausalLM", "mixtral", build_layer,
                    fields=("hidden_act", "head_dim", "num_local_experts", "num_experts_per_tok"),
-                   experts_keys=("num_local_experts",), refuse=refuse_activation)]
+                   experts_keys=("num_local_experts",), refuse=refuse_activation,
+                   tensor_parallel=True)]

@@ -1,5 +1,6 @@
 """A sparse MLP (mixture of experts): a router picks experts per token, each a gated MLP, their outputs
-weighted by the routing weights; under expert parallelism each rank holds a share of the experts."""
+weighted by the routing weights; under expert parallelism each rank holds a share of the experts, under tensor
+parallelism each process a share of every held expert's intermediate columns (models/tensor_parallel.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -52,11 +53,15 @@ class MoE:
     ep: object | None = None             # expert parallelism: the DP group that holds the other experts
     shared_gate_up: torch.Tensor | None = None   # the shared experts (one gated MLP), on every rank whole
     shared_down: torch.Tensor | None = None
+    tp: object | None = None             # tensor parallelism: the TP group over which each expert's columns split
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         # Under expert parallelism the ranks' tokens are gathered, each rank adds its experts' share, and a
         # reduce-scatter returns each rank the sum for its own tokens; the shared experts then run on the
-        # rank's own tokens only, so they are added once.
+        # rank's own tokens only, so they are added once. Under tensor parallelism (with or without experts over
+        # the DP ranks: then the gather and reduce-scatter run among the processes of this TP rank) that sum is
+        # the share of this process's columns of each expert, all-reduced over the TP group; the router is whole
+        # on every process, so all of them route every token alike.
         x = h if self.ep is None else self.ep.ep_all_gather(h)
         w, idx = self.route(x)
         # index into the held experts; outside [0, E'): held elsewhere
@@ -67,6 +72,8 @@ class MoE:
             out = self.routed_reference(x, w if self.float_weights else w.to(x.dtype), held)
         if self.ep is not None:
             out = self.ep.ep_reduce_scatter(out)
+        if self.tp is not None:
+            out = self.tp.all_reduce(out)
         if self.shared_gate_up is not None:
             out = out + gated_mlp(h, self.shared_gate_up, self.shared_down)
         return out

@@ -21,4 +21,4 @@ def build_layer(c, i: int, get, path: str, ep=None):
 # its config class renames fields through an attribute map: the config comes from transformers (fields None)
 FAMILIES = [Family("Qwen3MoeForCausalLM", "qwen3_moe", build_layer, fields=None,
                    experts_keys=("num_experts", "num_local_experts"),
-                   refuse=refuse_activation)]
+                   refuse=refuse_activation, tensor_parallel=True)]

@@ -9,11 +9,17 @@ embedding and LM head are a later step).
 KV heads: split when tp divides them; when tp exceeds them (tp a multiple of their number) each process holds the
 one KV head its query heads read, so a KV head is replicated tp / KV times.
 
+Mixture of experts (Qwen3-MoE, Mixtral): every routed expert is split as a dense MLP is, along its own intermediate
+dimension (moe_intermediate_size; Mixtral's experts: intermediate_size): gate / up (w1 / w3) column-parallel, down
+(w2) row-parallel. The router is held whole, so every process routes every token alike; the MoE layer all-reduces
+its partial sums over the TP group (models/moe.py).
+
 What the engine checks before loading (preflight: `refusal`), and what it loads (`Shard.cut`, read straight from
 the safetensors file: a process never holds another's slice).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .naming import layer_index
@@ -21,6 +27,11 @@ from .naming import layer_index
 COLUMN = {"self_attn.q_proj": "q", "self_attn.k_proj": "kv", "self_attn.v_proj": "kv", "mlp.gate_proj": "inter",
           "mlp.up_proj": "inter"}
 ROW = {"self_attn.o_proj": "q", "mlp.down_proj": "inter"}
+# a routed expert's projections (per-expert checkpoints: `….experts.{e}.gate_proj.weight`), by their kind
+_EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3|down_proj|w2)\.weight$")
+EXPERT_ROW = ("down_proj", "w2")
+_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")    # every expert in one tensor (transformers 5)
+EXPERTS_KEYS = ("num_experts", "num_local_experts")     # the routed experts of the families split here
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,7 @@ class Shard:
     kv_heads: int
     head_dim: int
     intermediate: int
+    expert_intermediate: int = 0     # a routed expert's intermediate size (0: no experts)
 
     @property
     def local_heads(self) -> int:
@@ -51,28 +63,62 @@ class Shard:
             else:                                  # replicated: the KV head of this process's query heads
                 first = self.rank * self.kv_heads // self.size
             return first * D, (first + self.local_kv_heads) * D
-        n = self.intermediate // self.size
+        n = (self.expert_intermediate if kind == "expert" else self.intermediate) // self.size
         return self.rank * n, (self.rank + 1) * n
 
-    def cut(self, name: str) -> tuple[int, slice] | None:
-        """(dimension, slice) of checkpoint tensor `name` this process holds, or None: it holds it whole."""
+    def cut(self, name: str) -> tuple[int, tuple[slice, ...]] | None:
+        """(dimension, slices along it, joined in order) of checkpoint tensor `name` this process holds, or None:
+        it holds it whole."""
         if layer_index(name) is None:
             return None
+        if self.expert_intermediate:
+            expert = _EXPERT.search(name)
+            if expert is not None:
+                return (1 if expert.group(1) in EXPERT_ROW else 0), (slice(*self._range("expert")),)
+            fused = _FUSED_EXPERTS.search(name)
+            if fused is not None:          # [E, 2I, hidden] gate rows then up rows; [E, hidden, I]
+                a, b = self._range("expert")
+                if fused.group(1) == "down_proj":
+                    return 2, (slice(a, b),)
+                I = self.expert_intermediate
+                return 1, (slice(a, b), slice(I + a, I + b))
         for part, kind in COLUMN.items():
             if f".{part}." in name:
-                a, b = self._range(kind)
-                return 0, slice(a, b)
+                return 0, (slice(*self._range(kind)),)
         for part, kind in ROW.items():
             if f".{part}.weight" in name:
-                a, b = self._range(kind)
-                return 1, slice(a, b)
+                return 1, (slice(*self._range(kind)),)
         return None
 
 
 def shard_of(config: dict, rank: int, size: int) -> Shard:
     heads = int(config["num_attention_heads"])
     return Shard(rank, size, heads, int(config.get("num_key_value_heads") or heads),
-                 int(config.get("head_dim") or int(config["hidden_size"]) // heads), int(config["intermediate_size"]))
+                 int(config.get("head_dim") or int(config["hidden_size"]) // heads), int(config["intermediate_size"]),
+                 expert_intermediate(config)[1])
+
+
+def num_experts(config: dict) -> int:
+    return int(next((config[k] for k in EXPERTS_KEYS if config.get(k)), 0))
+
+
+def expert_intermediate(config: dict) -> tuple[str, int]:
+    """(the field, the size) of a routed expert's intermediate dimension; ("", 0) for a dense model."""
+    if num_experts(config) <= 1:
+        return "", 0
+    field = "moe_intermediate_size" if config.get("moe_intermediate_size") else "intermediate_size"
+    return field, int(config[field])
+
+
+def has_dense_mlp(config: dict) -> bool:
+    """Whether some layer runs a dense MLP of intermediate_size: every layer of a dense model; of a Qwen3-MoE the
+    layers `mlp_only_layers` and `decoder_sparse_step` leave dense (Mixtral's experts are of intermediate_size)."""
+    if num_experts(config) <= 1:
+        return True
+    if config.get("model_type") != "qwen3_moe":
+        return False
+    step = int(config.get("decoder_sparse_step") or 1)
+    return bool(config.get("mlp_only_layers")) or any((i + 1) % step for i in range(int(config["num_hidden_layers"])))
 
 
 def refusal(config: dict, tp: int) -> str | None:
@@ -87,9 +133,13 @@ def refusal(config: dict, tp: int) -> str | None:
     if tp > kv and tp % kv:
         return (f"tensor_parallel_size {tp} exceeds the target's {kv} KV heads but is not a multiple of them "
                 f"(each process must hold whole KV heads): choose a divisor or a multiple of {kv}.")
-    if inter % tp:
+    if inter % tp and has_dense_mlp(config):
         return (f"tensor_parallel_size {tp} does not divide the target's intermediate_size {inter}: choose a "
                 f"divisor of it.")
+    field, expert = expert_intermediate(config)
+    if expert and expert % tp:
+        return (f"tensor_parallel_size {tp} does not divide the target's {field} {expert} (each routed expert's "
+                f"MLP columns are split over the TP group): choose a divisor of it.")
     return None
 
 
@@ -100,5 +150,5 @@ def held_fraction(name: str, shape: list[int], config: dict, tp: int) -> float:
     cut = shard_of(config, 0, tp).cut(name)
     if cut is None or not shape:
         return 1.0
-    dim, sl = cut
-    return (sl.stop - sl.start) / shape[dim] if len(shape) > dim and shape[dim] else 1.0
+    dim, parts = cut
+    return sum(sl.stop - sl.start for sl in parts) / shape[dim] if len(shape) > dim and shape[dim] else 1.0

@@ -31,14 +31,19 @@ def read_weights(files: list[str], device: torch.device,
                             out[name] = fh.get_tensor(name)
                         else:
                             part = fh.get_slice(name)
-                            t = part[cut[1]] if cut[0] == 0 else part[:, cut[1]]
-                            out[name] = t.to(device).contiguous()
+                            out[name] = _joined([part[(slice(None),) * cut[0] + (sl,)] for sl in cut[1]],
+                                                cut[0]).to(device).contiguous()
         else:
             for k, v in torch.load(f, map_location=device, weights_only=True).items():
                 if wanted(k):
                     cut = shard.cut(k) if shard is not None else None
-                    out[k] = v if cut is None else v.narrow(cut[0], cut[1].start, cut[1].stop - cut[1].start).contiguous()
+                    out[k] = v if cut is None else _joined([v.narrow(cut[0], sl.start, sl.stop - sl.start)
+                                                            for sl in cut[1]], cut[0]).contiguous()
     return out
+
+
+def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 def weights_of(layers: range, experts: set[int] | None, top_level: bool = True) -> Callable[[str], bool]:
