@@ -13,7 +13,7 @@ import torch
 
 from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, write_jsonl
 from engine_util import hf_reference, load_cpu, prefill_logits, prompts_of_lengths
-from helpers import make_model_dir, make_moe_dir
+from helpers import make_deepseek_dir, make_model_dir, make_moe_dir
 
 pytestmark = pytest.mark.timeout(HARD_TIMEOUT_S * 2)
 
@@ -272,7 +272,7 @@ def held_bytes(model) -> int:
 def test_validate_counts_the_experts_split_and_refuses_what_does_not_divide(tmp_path, models, moe_targets):
     """A Qwen3-MoE at tp 2 (and dp 2 with the experts over the DP ranks too): the weights per GPU preflight reports
     are what a process loads; tp 4 over experts of moe_intermediate_size 18 is refused, naming tensor_parallel_size
-    and the field."""
+    and the field, and so is DeepSeek-V3 (latent attention) at any tp."""
     from types import SimpleNamespace
 
     target = moe_targets["qwen3_moe"]
@@ -295,6 +295,11 @@ def test_validate_counts_the_experts_split_and_refuses_what_does_not_divide(tmp_
     code, out = validate(dp_config(tmp_path, odd, None, dp=1, method="none", M=M, name="c4.yaml",
                                    parallel={"tensor_parallel_size": 4}))
     assert code == 1 and any("tensor_parallel_size 4 does not divide the target's moe_intermediate_size 18" in e
+                             for e in out["errors"]), out["errors"]
+    deepseek = make_deepseek_dir(tmp_path / "deepseek", models["tokenizer"], mtp_layer=False)
+    code, out = validate(dp_config(tmp_path, deepseek, None, dp=1, method="none", M=M, name="c5.yaml",
+                                   parallel={"tensor_parallel_size": 2}))
+    assert code == 1 and any("tensor_parallel_size 2: the target's DeepseekV3ForCausalLM cannot be split" in e
                              for e in out["errors"]), out["errors"]
 
 

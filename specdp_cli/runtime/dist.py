@@ -314,7 +314,8 @@ class DPGroup:
         step, what = desc[-2], desc[-1]
         self._run(lambda: dist.all_gather_object(descs, desc, group=group or self.step_group), step, what)
         if any(d != descs[0] for d in descs):
-            among = f" among the processes of TP rank {self.tp.rank}" if group is self.ep_group and group else ""
+            among = (f" among the processes of TP rank {self.tp.rank}"
+                     if group is not None and group is self.ep_group else "")
             listing = "; ".join(f"rank {r}: {d[0]} op={d[1]} shape={d[2]} dtype={d[3]} at {where(d[4], d[5])}"
                                 for r, d in enumerate(descs))
             raise OutOfStepError(f"collective mismatch{among} (check_collectives): {listing}")
