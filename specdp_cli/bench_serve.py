@@ -8,10 +8,11 @@
 
 Against a specdp server it also reads /metrics before and after, for the acceptance rate and the
 mean acceptance length of the run, and the ranks' mean queue, prefill and decode times of a request (what
-of TTFT the engine took; the rest is HTTP, the frontend and the link). Requests go out on one asyncio
-event loop over keep-alive HTTP/1.1 connections (the standard library's streams; as `vllm bench serve` uses aiohttp): the load generator's own
-cost stays small next to the server's, and no thread waits for the GIL between a token's arrival and its
-timestamp.
+of TTFT the engine took; the rest is HTTP, the frontend and the link), and the mean TTFT the frontend measured.
+Requests go out on one asyncio event loop over keep-alive HTTP/1.1 connections (the standard library's streams;
+as `vllm bench serve` uses aiohttp): the load generator's own cost stays small next to the server's, and no
+thread waits for the GIL between a token's arrival and its timestamp. `--num-workers N` runs N such loops in
+processes of their own, for a server that one loop cannot keep up with.
 """
 from __future__ import annotations
 

@@ -68,8 +68,8 @@ def moe_eos(tmp_path_factory, moe):
 
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
-@pytest.mark.parametrize("dp,n_short", [(2, 4), (3, 1)])
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+# each family once, each dp once (the EP code is the families' shared MoE layer; a pair of launches each)
+@pytest.mark.parametrize("family,dp,n_short", [("mixtral", 2, 4), ("qwen3_moe", 3, 1)])
 def test_expert_parallel_edges_equal_dp1(tmp_path, models, moe_eos, family, dp, n_short):
     """Experts split over the ranks, with a drafter model: one long request crossing the no-draft window
     [38, 63] on one rank only, early stops, and (dp 3, two requests) a rank with no request that runs every

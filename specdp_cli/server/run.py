@@ -93,7 +93,9 @@ def run_server(cfg: Config, plan: Plan, console: Console, ranks: Ranks) -> int:
         if link is not None:
             for r in range(world):
                 link.send(r, ("shutdown",))
-        deadline = time.monotonic() + 20
+        # the ranks end on "shutdown"; after a rank failed, one that cannot (frozen, stuck in a collective) is
+        # stopped sooner
+        deadline = time.monotonic() + (5 if frontend.failed else 20)
         while ranks.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         if ranks.poll() is None:
