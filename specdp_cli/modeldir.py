@@ -155,8 +155,9 @@ class ModelDir:
         """The share of the weights' bytes a process loads (safetensors headers; 1.0 if unknown): the layers past
         the decoder's only the first, and only with `mtp` (method mtp's drafter); of each routed expert's
         tensors `experts_held` (expert parallelism); of each tensor a TP group of `tp` splits one process's part
-        (models/tensor_parallel.py: attention, MLP and each routed expert's columns). DeepSeek's
-        `shared_experts` are not routed."""
+        (models/tensor_parallel.py: attention — latent attention by heads —, MLP, each routed expert's columns and
+        DeepSeek's shared experts' as a dense MLP's; the MTP layer as the target's). DeepSeek's `shared_experts`
+        are not routed."""
         from .runtime.models.tensor_parallel import held_fraction
 
         split = self._tensor_parallel(tp)

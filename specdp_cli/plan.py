@@ -173,8 +173,8 @@ def _memory(cfg: Config, device: str, dtype: str, expert_parallel: bool, target:
     if drafter:
         weights += drafter.weight_bytes(dtype, kept["drafter"])
         per_token += drafter.kv_bytes_per_token(dtype)
-    if mtp:                          # the MTP layer caches like one of the target's layers
-        per_token += kv_bytes_per_token(target.kv_shapes()[:1], DTYPE_BYTES.get(dtype, 4))
+    if mtp:                          # the MTP layer caches like one of the target's layers (split as they are)
+        per_token += int(kv_bytes_per_token(target.kv_shapes()[:1], DTYPE_BYTES.get(dtype, 4)) * target.kv_share(tp))
     per_seq = -(-M // c.block_size)                         # blocks of one full-length sequence
     mem = device_memory(device)
     total = None

@@ -295,22 +295,23 @@ def _parallel(cfg: Config, plan: Plan, target: ModelDir | None) -> list[tuple[st
     return out
 
 
-TP_METHODS = ("none", "ngram", "draft_model")
+TP_METHODS = ("none", "ngram", "draft_model", "mtp")
 
 
 def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tuple[str, str]]:
     """parallel.tensor_parallel_size > 1: what this step of tensor parallelism runs (dense decoders split by heads
-    and MLP columns, mixture-of-experts decoders by each expert's columns too, a replicated drafter) and the
-    target's shape allows."""
+    and MLP columns, mixture-of-experts decoders by each expert's columns too, latent attention by heads, a
+    replicated draft model or DeepSeek-V3's MTP layer split as its target) and the target's shape allows."""
     from .runtime.models.registry import families
-    from .runtime.models.tensor_parallel import expert_intermediate, refusal
+    from .runtime.models.tensor_parallel import expert_intermediate, is_latent, refusal, shared_intermediate
 
     out: list[tuple[str, str]] = []
     method = cfg.speculative.method
     if method not in TP_METHODS:
         out.append(("error", f"tensor_parallel_size {tp} with speculative.method {method} is not supported yet "
-                             f"(supported: {', '.join(TP_METHODS)}, with the drafter replicated on every process): "
-                             f"set tensor_parallel_size: 1 or another method."))
+                             f"(supported: {', '.join(TP_METHODS)}: a draft model replicated on every process, "
+                             f"DeepSeek-V3's MTP layer split as its target): set tensor_parallel_size: 1 or another "
+                             f"method."))
     if cfg.quantization or cfg.speculative.quantization or (target is not None and target.quantization is not None):
         out.append(("error", f"tensor_parallel_size {tp} with FP8 weights is not supported yet: set "
                              f"tensor_parallel_size: 1, or use a high-precision checkpoint without quantization."))
@@ -323,8 +324,7 @@ def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tupl
         return out                           # the files check says why
     if not fam.tensor_parallel:
         out.append(("error", f"tensor_parallel_size {tp}: the target's {fam.architecture} cannot be split over a "
-                             f"TP group yet (supported: {', '.join(supported)}; latent attention and the other "
-                             f"mixture-of-experts families come later): set tensor_parallel_size: 1."))
+                             f"TP group yet (supported: {', '.join(supported)}): set tensor_parallel_size: 1."))
         return out
     why = refusal(target.config, tp)
     if why:
@@ -334,10 +334,16 @@ def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tupl
     KV = int(target.get("num_key_value_heads") or H)
     kv = (f"its {KV} KV heads {KV // tp} per process" if tp <= KV else
           f"its {KV} KV head(s) replicated: each process holds the one its query heads read ({tp // KV} copies each)")
-    drafter = " The drafter is replicated on every process." if METHODS[method].forward else ""
+    if is_latent(target.config):
+        kv = ("latent attention by heads (q_b_proj / q_proj, kv_b_proj, o_proj; the latents' projections "
+              "replicated), each process caching its heads' keys and values")
+    drafter = (" The MTP layer is split as the target." if METHODS[method].in_target else
+               " The drafter is replicated on every process." if METHODS[method].forward else "")
     field, inter = expert_intermediate(target.config)
     experts = (f"; each routed expert's {inter} columns ({field}) split {inter // tp} per process, the router "
                f"replicated" if inter else "")
+    shared = shared_intermediate(target.config)
+    experts += f"; the shared experts' {shared} columns split {shared // tp} per process" if shared else ""
     out.append(("ok", f"tensor parallel: the target's {H} query heads split {H // tp} per process, {kv}; MLP columns "
                       f"split{experts}; embedding and LM head replicated; every decision is made by each TP group's first "
                       f"process and sent to the others each step.{drafter}"))

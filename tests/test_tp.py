@@ -48,8 +48,9 @@ class ThreadGroup:
         return Member()
 
 
-def split_logits(target, ids: torch.Tensor, tp: int) -> list[torch.Tensor]:
-    """Each TP process's logits of one prefill of `ids`, the model split over `tp` threads."""
+def split_logits(target, ids: torch.Tensor, tp: int, feats: torch.Tensor | None = None) -> list[tuple]:
+    """Each TP process's (model, logits) of one prefill of `ids`, the model split over `tp` threads; with `feats`
+    also (its MTP layer, the layer's logits over `ids` and `feats`)."""
     group = ThreadGroup(tp)
     out: list = [None] * tp
     errors: list = []
@@ -57,7 +58,7 @@ def split_logits(target, ids: torch.Tensor, tp: int) -> list[torch.Tensor]:
     def run(rank: int) -> None:
         try:
             model = load_cpu(target, tp=group.member(rank))
-            out[rank] = (model, prefill_logits(model, ids))
+            out[rank] = (model, prefill_logits(model, ids)) + (() if feats is None else mtp_logits(target, model, ids, feats))
         except BaseException as e:  # noqa: BLE001 - reported by the test
             errors.append(e)
             group.barrier.abort()
@@ -69,6 +70,16 @@ def split_logits(target, ids: torch.Tensor, tp: int) -> list[torch.Tensor]:
         t.join()
     assert not errors, errors
     return out
+
+
+def mtp_logits(target, model, ids: torch.Tensor, feats: torch.Tensor) -> tuple:
+    """(the MTP layer of checkpoint `target` beside its loaded `model`, the layer's logits of one prefill of `ids` with
+    features `feats`)."""
+    from specdp_cli.runtime.models.loader import load_head
+
+    head = load_head("mtp", str(target), model, torch.float32, torch.device("cpu"), 64)
+    head.feats = feats.clone()
+    return head, prefill_logits(head, ids)
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +153,40 @@ def test_split_moe_equals_whole(models, moe_targets):
         if family != "mixtral":
             assert model.layers[1].moe is None and model.layers[1].down.shape[1] == 128 // 2
     torch.testing.assert_close(wholes["qwen3_moe_fused"], wholes["qwen3_moe"])       # the same model, stored fused
+
+
+@pytest.fixture(scope="module")
+def deepseek_targets(tmp_path_factory, models):
+    """DeepSeek-V3 with its MTP layer (make_deepseek_dir: 4 latent-attention heads, a dense first layer of
+    intermediate_size 128, then 4 routed experts of moe_intermediate_size 32 in 2 groups and a shared expert): with a
+    query LoRA rank and interleaved rotary pairs, and with neither."""
+    root = tmp_path_factory.mktemp("tp_deepseek")
+    return {"lora": make_deepseek_dir(root / "lora", models["tokenizer"], seed=3),
+            "plain": make_deepseek_dir(root / "plain", models["tokenizer"], q_lora_rank=None, rope_interleave=False,
+                                       seed=4)}
+
+
+def test_split_deepseek_and_its_mtp_layer_equal_whole(deepseek_targets):
+    """tp 2 of DeepSeek-V3: latent attention split by heads (q_b_proj or q_proj and kv_b_proj by the heads' rows,
+    o_proj by their value columns; q_a_proj, kv_a_proj_with_mqa and their norms whole), the dense layer and the shared
+    expert split as a dense MLP, each routed expert by its columns, the router whole: the target's logits and its MTP
+    layer's (split as the target; eh_proj, norms and head whole) equal the unsplit model's."""
+    ids = torch.tensor(prompts_of_lengths([21], seed=3)[0])
+    feats = torch.randn(len(ids), 64, generator=torch.Generator().manual_seed(0))
+    for variant, target in deepseek_targets.items():
+        whole = load_cpu(target)
+        want, (_, want_mtp) = prefill_logits(whole, ids), mtp_logits(target, whole, ids, feats)
+        for rank, (model, logits, head, head_logits) in enumerate(split_logits(target, ids, 2, feats)):
+            for m in (model, head):
+                assert m.H == m.KV == 2 and m.tp is not None
+                mla, moe = m.layers[-1].mla, m.layers[-1].moe
+                assert mla.kv_b.shape[0] == 2 * (16 + 16) and m.layers[-1].o.shape[1] == 2 * 16
+                assert mla.q.shape[0] == 2 * (16 + 8) and mla.kv_a.shape[0] == 32 + 8
+                assert moe.down.shape[2] == 16 and moe.shared_down.shape[1] == 16 and moe.tp is not None
+                assert moe.route.router.shape == (4, 64)
+            assert model.layers[0].down.shape[1] == 128 // 2 and head.eh_proj.shape == (64, 128)
+            torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5, msg=f"{variant} rank {rank}")
+            torch.testing.assert_close(head_logits, want_mtp, rtol=1e-5, atol=1e-5, msg=f"{variant} MTP rank {rank}")
 
 
 class ThreadPackages:

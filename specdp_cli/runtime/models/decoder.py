@@ -80,7 +80,7 @@ class CausalLM:
         """This process holds `shard` of the attention and MLP weights (models/tensor_parallel.py): its query
         and KV heads (so its KV cache holds only those), and partial sums of o_proj / down_proj, all-reduced
         over `tp` (dist.TPGroup); a sparse MLP's experts hold their share of columns and all-reduce the same way
-        (the shared experts, where a family has them, stay whole and are added after)."""
+        (the shared experts, where a family has them, split as a dense MLP and join the same all-reduce)."""
         self.H, self.KV, self.tp = shard.local_heads, shard.local_kv_heads, tp
         for layer in self.layers:
             if layer.moe is not None:

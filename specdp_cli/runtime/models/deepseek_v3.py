@@ -5,6 +5,10 @@ its checkpoints store after the decoder (`method: mtp`'s drafter).
 Latent attention caches each head's expanded key [nope | rope] and its value (keys wider than values:
 simple, but more bytes per token than caching the latent); interleaved rotary pairs are de-interleaved in
 the weights at load. The router (sigmoid, group-limited, with the correction bias) stays float32.
+
+Under tensor parallelism (models/tensor_parallel.py) a process holds its share of the heads (their query, their
+kv_b rows and o_proj columns: so their KV cache too), of the dense MLPs' and shared experts' columns and of each
+routed expert's; the latents' projections and the router whole. The MTP layer splits as its target does.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from .llama import refuse_activation
 from .moe import MoE, load_experts
 from .quant import FP8Load, quantization_of
 from .registry import Family, UnsupportedModel
+from .tensor_parallel import shard_of
 from .weights import cat_rows, expert_split, rank_experts, read_weights, take_rows, weight_getter, weights_of
 
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep RMSNorm's default eps, whatever rms_norm_eps says
@@ -112,7 +117,7 @@ class DeepseekV3LM(CausalLM):
         _use_latent_attention(self, hf_config)
 
     def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
-        return ops.linear(layer.mla(self, h, meta, k_cache, v_cache), layer.o, layer.o_bias)
+        return self._row_parallel(layer.mla(self, h, meta, k_cache, v_cache), layer.o, layer.o_bias)
 
 
 def kv_shapes(config: dict):
@@ -154,9 +159,10 @@ def _moe(c, i: int, p: str, get, path: str, ep) -> MoE:
 
 def _mla(c, p: str, get) -> MLA:
     a = p + "self_attn."
-    H, nope, rope, kv_lora = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+    nope, rope, kv_lora = c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
     lora = c.q_lora_rank is not None
     q = get(a + ("q_b_proj.weight" if lora else "q_proj.weight"))
+    H = q.shape[0] // (nope + rope)          # the heads held here (under tensor parallelism: this process's)
     kv_a, kv_a_bias = get(a + "kv_a_proj_with_mqa.weight"), get(a + "kv_a_proj_with_mqa.bias", False)
     if getattr(c, "rope_interleave", True):
         q = _rope_rows_deinterleaved(q, H, nope + rope, nope)
@@ -229,10 +235,12 @@ class MTPHead(TargetFeatureHead):
 
 def load_mtp_head(md, target: CausalLM, dtype: torch.dtype, device: torch.device, ep=None) -> MTPHead:
     """The first MTP layer of the target checkpoint `md` (layer num_hidden_layers of `target`'s config),
-    with this rank's routed experts only under expert parallelism (`ep`, as in load_model)."""
+    with this rank's routed experts only under expert parallelism (`ep`, as in load_model), split over the
+    target's TP group as the target is (its decoder layer; eh_proj, the norms and the head whole)."""
     c, i = target.config, target.config.num_hidden_layers
     experts = rank_experts(int(c.n_routed_experts), ep)
-    w = read_weights(md.weight_files, device, weights_of(range(i, i + 1), experts, top_level=False))
+    shard = shard_of(md.config, target.tp.rank, target.tp.world) if target.tp is not None else None
+    w = read_weights(md.weight_files, device, weights_of(range(i, i + 1), experts, top_level=False), shard)
     p = f"layers.{i}."
     prefix = "model." if f"model.{p}eh_proj.weight" in w else ""
     if prefix + p + "eh_proj.weight" not in w:
@@ -244,12 +252,16 @@ def load_mtp_head(md, target: CausalLM, dtype: torch.dtype, device: torch.device
     if eh_proj.shape != (h, 2 * h):
         raise UnsupportedModel(f"{md.path}: {prefix}{p}eh_proj.weight is {list(eh_proj.shape)}, expected [{h}, {2 * h}]")
     embed, head = get(p + "embed_tokens.weight", False), get(p + "shared_head.head.weight", False)
-    return MTPHead(c, layer, get(p + "enorm.weight"), get(p + "hnorm.weight"), eh_proj,
-                   target.embed if embed is None else embed, get(p + "shared_head.norm.weight"),
-                   target.lm_head if head is None else head, target)
+    mtp = MTPHead(c, layer, get(p + "enorm.weight"), get(p + "hnorm.weight"), eh_proj,
+                  target.embed if embed is None else embed, get(p + "shared_head.norm.weight"),
+                  target.lm_head if head is None else head, target)
+    if shard is not None:
+        mtp.split(shard, target.tp)
+    return mtp
 
 
 # its config class converts fields (rope, defaults): the config comes from transformers (fields None)
 FAMILIES = [Family("DeepseekV3ForCausalLM", "deepseek_v3", build_layer, fields=None,
                    experts_keys=("n_routed_experts",),
-                   kv_shapes=kv_shapes, model_class=DeepseekV3LM, refuse=refuse_activation, load_mtp=load_mtp_head)]
+                   kv_shapes=kv_shapes, model_class=DeepseekV3LM, refuse=refuse_activation, load_mtp=load_mtp_head,
+                   tensor_parallel=True)]

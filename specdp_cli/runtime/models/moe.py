@@ -51,7 +51,7 @@ class MoE:
     float_weights: bool
     experts: range                       # the experts held here (gate_up[j] is expert experts[j])
     ep: object | None = None             # expert parallelism: the DP group that holds the other experts
-    shared_gate_up: torch.Tensor | None = None   # the shared experts (one gated MLP), on every rank whole
+    shared_gate_up: torch.Tensor | None = None   # the shared experts (one gated MLP), on every rank (TP: its columns)
     shared_down: torch.Tensor | None = None
     tp: object | None = None             # tensor parallelism: the TP group over which each expert's columns split
 
@@ -60,8 +60,8 @@ class MoE:
         # reduce-scatter returns each rank the sum for its own tokens; the shared experts then run on the
         # rank's own tokens only, so they are added once. Under tensor parallelism (with or without experts over
         # the DP ranks: then the gather and reduce-scatter run among the processes of this TP rank) that sum is
-        # the share of this process's columns of each expert, all-reduced over the TP group; the router is whole
-        # on every process, so all of them route every token alike.
+        # the share of this process's columns of each expert (and of the shared experts'), all-reduced over the TP
+        # group; the router is whole on every process, so all of them route every token alike.
         x = h if self.ep is None else self.ep.ep_all_gather(h)
         w, idx = self.route(x)
         # index into the held experts; outside [0, E'): held elsewhere
@@ -72,10 +72,10 @@ class MoE:
             out = self.routed_reference(x, w if self.float_weights else w.to(x.dtype), held)
         if self.ep is not None:
             out = self.ep.ep_reduce_scatter(out)
+        if self.shared_gate_up is not None:      # under TP: this process's columns' share, summed by the one all-reduce
+            out = out + gated_mlp(h, self.shared_gate_up, self.shared_down)
         if self.tp is not None:
             out = self.tp.all_reduce(out)
-        if self.shared_gate_up is not None:
-            out = out + gated_mlp(h, self.shared_gate_up, self.shared_down)
         return out
 
     def routed_kernel(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor) -> torch.Tensor:

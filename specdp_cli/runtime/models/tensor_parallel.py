@@ -12,7 +12,15 @@ one KV head its query heads read, so a KV head is replicated tp / KV times.
 Mixture of experts (Qwen3-MoE, Mixtral): every routed expert is split as a dense MLP is, along its own intermediate
 dimension (moe_intermediate_size; Mixtral's experts: intermediate_size): gate / up (w1 / w3) column-parallel, down
 (w2) row-parallel. The router is held whole, so every process routes every token alike; the MoE layer all-reduces
-its partial sums over the TP group (models/moe.py).
+its partial sums over the TP group (models/moe.py). DeepSeek-V3's shared experts (n_shared_experts x
+moe_intermediate_size columns) split as a dense MLP; their partial sums join the routed experts' before the one
+all-reduce.
+
+Latent attention (DeepSeek-V3) splits by heads: the query's last projection (q_b_proj, or q_proj without a query
+LoRA rank; a head's nope + rope rows) and kv_b_proj (a head's nope key + value rows) column-parallel, o_proj
+row-parallel (a head's v_head_dim columns); q_a_proj, kv_a_proj_with_mqa and their norms — the low-rank latents
+every head reads — are held whole. specdp caches each head's expanded key and value, so the KV cache splits with
+the heads.
 
 What the engine checks before loading (preflight: `refusal`), and what it loads (`Shard.cut`, read straight from
 the safetensors file: a process never holds another's slice).
@@ -25,13 +33,14 @@ from dataclasses import dataclass
 from .naming import layer_index
 
 COLUMN = {"self_attn.q_proj": "q", "self_attn.k_proj": "kv", "self_attn.v_proj": "kv", "mlp.gate_proj": "inter",
-          "mlp.up_proj": "inter"}
-ROW = {"self_attn.o_proj": "q", "mlp.down_proj": "inter"}
+          "mlp.up_proj": "inter", "self_attn.q_b_proj": "q", "self_attn.kv_b_proj": "kv_b",
+          "mlp.shared_experts.gate_proj": "shared", "mlp.shared_experts.up_proj": "shared"}
+ROW = {"self_attn.o_proj": "o", "mlp.down_proj": "inter", "mlp.shared_experts.down_proj": "shared"}
 # a routed expert's projections (per-expert checkpoints: `….experts.{e}.gate_proj.weight`), by their kind
 _EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3|down_proj|w2)\.weight$")
 EXPERT_ROW = ("down_proj", "w2")
 _FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")    # every expert in one tensor (transformers 5)
-EXPERTS_KEYS = ("num_experts", "num_local_experts")     # the routed experts of the families split here
+EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")    # the routed experts of the families split here
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,8 @@ class Shard:
     head_dim: int
     intermediate: int
     expert_intermediate: int = 0     # a routed expert's intermediate size (0: no experts)
+    shared_intermediate: int = 0     # the shared experts' intermediate size (DeepSeek; 0: none)
+    latent: tuple[int, int, int] | None = None    # latent attention's per-head (nope, rope, value) widths
 
     @property
     def local_heads(self) -> int:
@@ -52,18 +63,27 @@ class Shard:
     def local_kv_heads(self) -> int:
         return max(1, self.kv_heads // self.size)
 
+    def _per_head(self, kind: str) -> int:
+        """The rows (columns) one head owns in a `kind` dimension."""
+        if self.latent is None:
+            return self.head_dim
+        nope, rope, v = self.latent
+        return {"q": nope + rope, "kv_b": nope + v, "o": v}[kind]
+
     def _range(self, kind: str) -> tuple[int, int]:
         """[first, end) of this process's rows (column-parallel) or columns (row-parallel) of a `kind` dimension."""
         D = self.head_dim
-        if kind == "q":
-            return self.rank * self.local_heads * D, (self.rank + 1) * self.local_heads * D
+        if kind in ("q", "kv_b", "o"):
+            n = self.local_heads * self._per_head(kind)
+            return self.rank * n, (self.rank + 1) * n
         if kind == "kv":
             if self.size <= self.kv_heads:
                 first = self.rank * self.local_kv_heads
             else:                                  # replicated: the KV head of this process's query heads
                 first = self.rank * self.kv_heads // self.size
             return first * D, (first + self.local_kv_heads) * D
-        n = (self.expert_intermediate if kind == "expert" else self.intermediate) // self.size
+        n = {"expert": self.expert_intermediate, "shared": self.shared_intermediate}.get(kind, self.intermediate)
+        n //= self.size
         return self.rank * n, (self.rank + 1) * n
 
     def cut(self, name: str) -> tuple[int, tuple[slice, ...]] | None:
@@ -93,9 +113,23 @@ class Shard:
 
 def shard_of(config: dict, rank: int, size: int) -> Shard:
     heads = int(config["num_attention_heads"])
-    return Shard(rank, size, heads, int(config.get("num_key_value_heads") or heads),
+    latent = None
+    if is_latent(config):              # every head caches its own expanded key and value: as many KV heads
+        latent = (int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"]), int(config["v_head_dim"]))
+    return Shard(rank, size, heads, heads if latent else int(config.get("num_key_value_heads") or heads),
                  int(config.get("head_dim") or int(config["hidden_size"]) // heads), int(config["intermediate_size"]),
-                 expert_intermediate(config)[1])
+                 expert_intermediate(config)[1], shared_intermediate(config), latent)
+
+
+def is_latent(config: dict) -> bool:
+    """Multi-head latent attention (DeepSeek-V3)."""
+    return bool(config.get("kv_lora_rank"))
+
+
+def shared_intermediate(config: dict) -> int:
+    """The shared experts' intermediate size (DeepSeek: n_shared_experts x moe_intermediate_size; 0: none)."""
+    n = int(config.get("n_shared_experts") or 0)
+    return n * int(config.get("moe_intermediate_size") or 0) if num_experts(config) > 1 else 0
 
 
 def num_experts(config: dict) -> int:
@@ -112,9 +146,12 @@ def expert_intermediate(config: dict) -> tuple[str, int]:
 
 def has_dense_mlp(config: dict) -> bool:
     """Whether some layer runs a dense MLP of intermediate_size: every layer of a dense model; of a Qwen3-MoE the
-    layers `mlp_only_layers` and `decoder_sparse_step` leave dense (Mixtral's experts are of intermediate_size)."""
+    layers `mlp_only_layers` and `decoder_sparse_step` leave dense, of a DeepSeek-V3 its first
+    `first_k_dense_replace` (Mixtral's experts are of intermediate_size)."""
     if num_experts(config) <= 1:
         return True
+    if config.get("model_type") == "deepseek_v3":       # its first first_k_dense_replace layers
+        return int(config.get("first_k_dense_replace") or 0) > 0
     if config.get("model_type") != "qwen3_moe":
         return False
     step = int(config.get("decoder_sparse_step") or 1)
@@ -130,7 +167,7 @@ def refusal(config: dict, tp: int) -> str | None:
     if heads % tp:
         return (f"tensor_parallel_size {tp} does not divide the target's {heads} attention heads "
                 f"(num_attention_heads): choose a divisor of {heads}.")
-    if tp > kv and tp % kv:
+    if tp > kv and tp % kv and not is_latent(config):
         return (f"tensor_parallel_size {tp} exceeds the target's {kv} KV heads but is not a multiple of them "
                 f"(each process must hold whole KV heads): choose a divisor or a multiple of {kv}.")
     if inter % tp and has_dense_mlp(config):
@@ -140,6 +177,10 @@ def refusal(config: dict, tp: int) -> str | None:
     if expert and expert % tp:
         return (f"tensor_parallel_size {tp} does not divide the target's {field} {expert} (each routed expert's "
                 f"MLP columns are split over the TP group): choose a divisor of it.")
+    shared = shared_intermediate(config)
+    if shared % tp:
+        return (f"tensor_parallel_size {tp} does not divide the {shared} columns of the target's shared experts "
+                f"(n_shared_experts x moe_intermediate_size): choose a divisor of it.")
     return None
 
 
