@@ -290,7 +290,7 @@ def test_validate_shows_the_layout_and_refuses_what_this_step_does_not_run(tmp_p
     assert code == 0 and "replicated" in parallel_check(out)["detail"]
     # refused, each with a sentence naming tensor_parallel_size
     for bad, words in ((cfg(3), "does not divide the target's 4 attention heads"),
-                       (cfg(2, method="mtp"), "speculative.method mtp is not supported yet"),
+                       (cfg(2, method="eagle"), "speculative.method eagle is not supported yet"),
                        (cfg(2, quantization="fp8"), "FP8")):
         code, out = validate(bad)
         assert code == 1 and any("tensor_parallel_size" in e and words in e for e in out["errors"]), out["errors"]
@@ -301,23 +301,31 @@ def test_validate_shows_the_layout_and_refuses_what_this_step_does_not_run(tmp_p
 
 
 def held_bytes(model) -> int:
-    """Bytes of the weights a loaded decoder holds (its layers' tensors, the experts, embedding, norm, LM head)."""
+    """Bytes of the weights a loaded decoder holds (its layers' tensors — latent attention's too —, the experts, shared
+    ones included, and the router, embedding, norm, LM head)."""
     import dataclasses
+
+    def tensors(part, skip=()) -> int:
+        return sum(v.nbytes for f in dataclasses.fields(part) if f.name not in skip
+                   for v in [getattr(part, f.name)] if isinstance(v, torch.Tensor))
 
     total = model.embed.nbytes + model.norm.nbytes + model.lm_head.nbytes
     for layer in model.layers:
-        for f in dataclasses.fields(layer):
-            v = getattr(layer, f.name)
-            total += v.nbytes if isinstance(v, torch.Tensor) and f.name != "rope" else 0
+        total += tensors(layer, skip=("rope",)) + (tensors(layer.mla) if layer.mla is not None else 0)
         if layer.moe is not None:
-            total += layer.moe.nbytes + layer.moe.route.router.nbytes
+            total += tensors(layer.moe) + tensors(layer.moe.route)
     return total
+
+
+def mtp_held_bytes(head) -> int:
+    """Bytes of the weights an MTP layer holds of its own (the target's embedding is not)."""
+    return held_bytes(head) - head.embed.nbytes + head.enorm.nbytes + head.hnorm.nbytes + head.eh_proj.nbytes
 
 
 def test_validate_counts_the_experts_split_and_refuses_what_does_not_divide(tmp_path, models, moe_targets):
     """A Qwen3-MoE at tp 2 (and dp 2 with the experts over the DP ranks too): the weights per GPU preflight reports
     are what a process loads; tp 4 over experts of moe_intermediate_size 18 is refused, naming tensor_parallel_size
-    and the field, and so is DeepSeek-V3 (latent attention) at any tp."""
+    and the field."""
     from types import SimpleNamespace
 
     target = moe_targets["qwen3_moe"]
@@ -341,10 +349,44 @@ def test_validate_counts_the_experts_split_and_refuses_what_does_not_divide(tmp_
                                    parallel={"tensor_parallel_size": 4}))
     assert code == 1 and any("tensor_parallel_size 4 does not divide the target's moe_intermediate_size 18" in e
                              for e in out["errors"]), out["errors"]
-    deepseek = make_deepseek_dir(tmp_path / "deepseek", models["tokenizer"], mtp_layer=False)
-    code, out = validate(dp_config(tmp_path, deepseek, None, dp=1, method="none", M=M, name="c5.yaml",
-                                   parallel={"tensor_parallel_size": 2}))
-    assert code == 1 and any("tensor_parallel_size 2: the target's DeepseekV3ForCausalLM cannot be split" in e
+
+
+def test_validate_deepseek_mtp_at_tp2_counts_the_split(tmp_path, deepseek_targets):
+    """DeepSeek-V3 with method mtp at tp 2 (and dp 2 with the experts over the DP ranks too): accepted; the weights
+    per GPU preflight reports are what a process loads of the target and its MTP layer (latent attention, dense MLP,
+    shared and routed experts split), the KV cache per GPU half (each process caches its heads); tp 3 does not divide
+    the 4 heads: refused naming tensor_parallel_size."""
+    from types import SimpleNamespace
+
+    from specdp_cli.runtime.models.loader import load_head
+
+    target = deepseek_targets["lora"]
+    n = itertools.count()
+
+    def cfg(dp, tp, ep=False):
+        return dp_config(tmp_path, target, None, dp=dp, dp_sync="auto", method="mtp", M=M, D=D, name=f"c{next(n)}.yaml",
+                         parallel={"tensor_parallel_size": tp, "enable_expert_parallel": ep})
+
+    def loaded(tp, ep):
+        model = load_cpu(target, tp=tp, ep=ep)
+        return held_bytes(model) + mtp_held_bytes(load_head("mtp", str(target), model, torch.float32,
+                                                            torch.device("cpu"), 64, ep=ep))
+    code, out = validate(cfg(1, 1))
+    assert code == 0, out["errors"]
+    whole, whole_kv = out["layout"]["weight_bytes_per_gpu"], out["layout"]["kv_bytes_per_token_per_gpu"]
+    for dp, ep in ((1, False), (2, True)):
+        code, out = validate(cfg(dp, 2, ep))
+        assert code == 0, out["errors"]
+        detail = parallel_check(out)["detail"]
+        assert "latent attention by heads" in detail and "the shared experts' 32 columns split 16 per process" in detail
+        assert "The MTP layer is split as the target." in detail
+        lay = out["layout"]
+        assert lay["kv_bytes_per_token_per_gpu"] == whole_kv // 2          # 4 layers (MTP's too) x 2 heads x 40 x 4 bytes
+        share = SimpleNamespace(rank=1, world=2)
+        assert lay["weight_bytes_per_gpu"] / whole == pytest.approx(loaded(share, share if ep else None) / loaded(None, None),
+                                                                   rel=1e-5), (dp, ep)
+    code, out = validate(cfg(1, 3))
+    assert code == 1 and any("tensor_parallel_size 3 does not divide the target's 4 attention heads" in e
                              for e in out["errors"]), out["errors"]
 
 
@@ -359,6 +401,11 @@ def test_refusal_reads_the_intermediate_sizes_the_model_splits():
     for dense in ({"mlp_only_layers": [2]}, {"decoder_sparse_step": 2}):
         assert "intermediate_size 6" in refusal({**qwen, **dense}, 4)
     assert "moe_intermediate_size 66" in refusal({**qwen, "moe_intermediate_size": 66}, 4)
+    deepseek = {"model_type": "deepseek_v3", "num_attention_heads": 8, "num_key_value_heads": 1, "kv_lora_rank": 16,
+                "intermediate_size": 6, "moe_intermediate_size": 64, "n_routed_experts": 8, "first_k_dense_replace": 0}
+    assert refusal(deepseek, 4) is None           # latent attention: every head caches its own key and value
+    assert "intermediate_size 6" in refusal({**deepseek, "first_k_dense_replace": 1}, 4)
+    assert "moe_intermediate_size 66" in refusal({**deepseek, "moe_intermediate_size": 66}, 4)
     mixtral = {"model_type": "mixtral", "num_attention_heads": 8, "num_key_value_heads": 4, "num_hidden_layers": 4,
                "intermediate_size": 66, "num_local_experts": 8}
     assert "tensor_parallel_size 4 does not divide the target's intermediate_size 66" in refusal(mixtral, 4)
@@ -460,6 +507,34 @@ def test_tp2_moe_generate_equals_transformers(tmp_path, models, moe_targets, dp)
     ranks = json.load(open(tmp_path / "s.json"))["ranks"]
     whole = 16 * 3 * 48 * 64 * 4 * 2                 # float32 routed experts of the two sparse layers
     assert [x["expert_weight_bytes"] for x in ranks] == [whole // (2 * dp)] * dp     # a leader's share
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_tp2_deepseek_mtp_generate_equals_transformers(tmp_path, deepseek_targets, dp):
+    """DeepSeek-V3 at tp 2 with method mtp: latent attention, dense layer, routed and shared experts and the MTP layer
+    split over the TP group; every process runs the MTP layer's forwards over the rows its leader staged, the drafts
+    the leader's (they reach the followers in the next step's package). At dp 2 the experts (the MTP layer's too) are
+    split over the DP ranks as well, in lockstep with every collective checked. Greedy float32 tokens equal
+    transformers' target-only greedy generate, with sequences crossing the drafter's limit (D = 40 < M = 64)."""
+    target = deepseek_targets["lora"]
+    lengths, max_tokens = [30, 9, 13, 33], [30, 12, 25, 20]
+    prompts = prompts_of_lengths(lengths, seed=19)
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
+                                              for i, (p, n) in enumerate(zip(prompts, max_tokens))])
+    cfg = dp_config(tmp_path, target, None, dp=dp, dp_sync="auto", method="mtp", k=K, M=M, D=D, check=dp == 2,
+                    parallel={"tensor_parallel_size": 2, "enable_expert_parallel": dp == 2})
+    r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
+                      "--summary-json", tmp_path / "s.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = read_out(tmp_path / "out.jsonl")
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        ref = hf_reference(target, p, min(n, M - len(p)))
+        assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
+    assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(prompts))
+    summary = json.load(open(tmp_path / "s.json"))
+    assert summary["num_draft_tokens"] > 0
+    whole = 3 * 4 * 3 * 32 * 64 * 4                # float32 routed experts of the two sparse layers and the MTP layer
+    assert [x["expert_weight_bytes"] for x in summary["ranks"]] == [whole // (2 * dp)] * dp     # a leader's share
 
 
 @pytest.mark.parametrize("fault,check", [("tp-alter:1:3", True), ("tp-skip:1:3", False)])

@@ -174,13 +174,10 @@ def refusal(config: dict, tp: int) -> str | None:
         return (f"tensor_parallel_size {tp} does not divide the target's intermediate_size {inter}: choose a "
                 f"divisor of it.")
     field, expert = expert_intermediate(config)
+    # (DeepSeek's shared experts, n_shared_experts x moe_intermediate_size columns, divide whenever these do)
     if expert and expert % tp:
         return (f"tensor_parallel_size {tp} does not divide the target's {field} {expert} (each routed expert's "
                 f"MLP columns are split over the TP group): choose a divisor of it.")
-    shared = shared_intermediate(config)
-    if shared % tp:
-        return (f"tensor_parallel_size {tp} does not divide the {shared} columns of the target's shared experts "
-                f"(n_shared_experts x moe_intermediate_size): choose a divisor of it.")
     return None
 
 
