@@ -707,12 +707,15 @@ class Engine:
         proposed = None
         if ctx.drafter_runs and self.drafter.after_verify:
             proposed = self.drafter.propose_after(ctx, out, n_out)
+            if self.tp is not None and self.tp.check:     # (a follower's go unused: the leader's travel next step)
+                self._check_drafts(ctx.step, proposed)
         return out, n_out, proposed, token_logprobs(logits, out, ctx.logprobs) if ctx.logprobs >= 0 else None
 
     def _check_drafts(self, step: int, drafts: torch.Tensor) -> None:
         """check_collectives under tensor parallelism: the drafts that feed the target's forward are the same on
-        every process of the group (the replicated drafter computed them from identical inputs); eager steps only
-        (reading them back would break a CUDA graph's capture)."""
+        every process of the group (the replicated drafter computed them from identical inputs), and so are the
+        drafts an MTP layer split over the group proposes; eager steps only (reading them back would break a CUDA
+        graph's capture)."""
         if drafts.is_cuda and torch.cuda.is_current_stream_capturing():
             return
         self.tp.verify((f"drafts crc32={zlib.crc32(drafts.cpu().numpy().tobytes())}",), step, "drafts")
