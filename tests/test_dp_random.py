@@ -1,6 +1,6 @@
 """A seeded randomized search over DP size, dp_sync, k, D, max_tokens and prompt lengths near both
 limits (M and the drafter's window), through the real command: no hang (every run has a hard timeout) and
-no output that differs from dp = 1. Bounded to about half a minute: `test_search.py` searches far more jobs
+no output that differs from dp = 1. Bounded to about 20 s: `test_search.py` searches far more jobs
 (every drafter, KV caches near the minimum) through the ranks' engine and job code, many per launch."""
 import random
 import time
@@ -9,7 +9,7 @@ import pytest
 
 from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, run_in_process, same_tokens, write_jsonl
 
-BUDGET_S = 20
+BUDGET_S = 10
 pytestmark = pytest.mark.timeout(BUDGET_S + 2 * HARD_TIMEOUT_S)
 
 
@@ -30,7 +30,7 @@ def scenario(rng: random.Random) -> dict:
 def test_random_scenarios_no_hang_no_difference(tmp_path, models):
     rng = random.Random(20261129)
     start, ran = time.monotonic(), 0
-    while ran < 3 or time.monotonic() - start < BUDGET_S:
+    while ran < 2 or time.monotonic() - start < BUDGET_S:
         sc = scenario(rng)
         d = tmp_path / f"s{ran}"
         d.mkdir()
