@@ -161,6 +161,19 @@ def test_split_vocabulary_equals_whole(models, odd_vocab_targets, tp):
             torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5, msg=f"{target.name} tp {tp} rank {rank}")
 
 
+def test_a_vocabulary_other_than_vocab_size_is_refused_under_tp(tmp_path, odd_vocab_targets):
+    """An embedding whose rows are not config.json's vocab_size cannot be split by it: the load says so, naming both."""
+    import shutil
+
+    from helpers import set_config_json
+    from specdp_cli.runtime.models.registry import UnsupportedModel
+
+    bad = shutil.copytree(odd_vocab_targets["odd"], tmp_path / "bad")
+    set_config_json(bad, vocab_size=320)
+    with pytest.raises(UnsupportedModel, match=r"(embed_tokens|lm_head).weight has 331 rows but config.json's vocab_size is 320"):
+        load_cpu(bad, tp=ThreadGroup(2).member(0))
+
+
 @pytest.fixture(scope="module")
 def moe_targets(tmp_path_factory, models):
     """Many more experts than each token uses: a Qwen3-MoE with 16 experts, top 4 (moe_intermediate_size 48, a dense
