@@ -344,8 +344,11 @@ def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tupl
                f"replicated" if inter else "")
     shared = shared_intermediate(target.config)
     experts += f"; the shared experts' {shared} columns split {shared // tp} per process" if shared else ""
+    V = int(target.get("vocab_size") or 0)
+    vocab = (f"embedding and LM head split by vocabulary ({V} rows, {-(-V // tp)} per process)" if V else
+             "embedding and LM head replicated")
     out.append(("ok", f"tensor parallel: the target's {H} query heads split {H // tp} per process, {kv}; MLP columns "
-                      f"split{experts}; embedding and LM head replicated; every decision is made by each TP group's first "
+                      f"split{experts}; {vocab}; every decision is made by each TP group's first "
                       f"process and sent to the others each step.{drafter}"))
     return out
 

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.timeout(HARD_TIMEOUT_S * 2)
 
 class ThreadGroup:
     """A TP group whose processes are threads of this one: `all_reduce` sums every thread's tensor in rank order
-    (so every thread gets the same sum), as the real group's all-reduce does."""
+    (so every thread gets the same sum), as the real group's all-reduce does; `all_gather` stacks every thread's rows
+    in rank order."""
 
     def __init__(self, world: int):
         self.world = world
@@ -45,6 +46,13 @@ class ThreadGroup:
                 group.barrier.wait()
                 x.copy_(total)
                 return x
+
+            def all_gather(self, x):
+                group.parts[self.rank] = x.clone()
+                group.barrier.wait()
+                out = torch.cat(group.parts)
+                group.barrier.wait()
+                return out
         return Member()
 
 
@@ -102,6 +110,68 @@ def test_split_decoder_equals_whole(models, gqa_target, tp):
             assert model.layers[0].qkv.shape[0] == (model.H + 2 * model.KV) * model.D
             assert model.layers[0].down.shape[1] == 128 // tp
             torch.testing.assert_close(logits, whole, rtol=1e-5, atol=1e-5, msg=f"{target.name} tp {tp} rank {rank}")
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_targets(tmp_path_factory, models):
+    """Llamas of 331 ids (neither tp 2 nor tp 4 divides it: the last process's rows are padded), the second with its
+    LM head tied to the embedding (no lm_head.weight in its file)."""
+    root = tmp_path_factory.mktemp("tp_vocab")
+    odd = make_model_dir(root / "odd", models["tokenizer"], vocab=331, seed=9)
+    return {"odd": odd, "odd_tied": tied_copy(odd, root / "odd_tied")}
+
+
+def tied_copy(src, dst):
+    """`src` with tie_word_embeddings and its lm_head.weight left out (the embedding serves as the LM head)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from helpers import set_config_json
+
+    shutil.copytree(src, dst)
+    w = load_file(str(dst / "model.safetensors"))
+    del w["lm_head.weight"]
+    save_file(w, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    set_config_json(dst, tie_word_embeddings=True)
+    return dst
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_split_vocabulary_equals_whole(models, odd_vocab_targets, tp):
+    """Vocab-parallel embedding and LM head: each process holds only its ceil(V / tp) rows of each (those past V
+    zero), a tied LM head the same tensor; a lookup of every id (the last one's too) and the logits gathered over
+    the group, the padding trimmed, equal the unsplit model's — for 320 ids (tp divides them) and 331, untied and
+    tied."""
+    base = prompts_of_lengths([21], vocab=320, seed=3)[0]
+    for target in (models["target"], *odd_vocab_targets.values()):
+        whole = load_cpu(target)
+        V = whole.vocab_size
+        ids = torch.tensor(base + [V - 1, 0, V - 2])
+        want = prefill_logits(whole, ids)
+        rows = -(-V // tp)
+        for rank, (model, logits) in enumerate(split_logits(target, ids, tp)):
+            assert model.vocab_size == V and logits.shape == (len(ids), V)
+            first = rank * rows
+            mine = min(rows, V - first)
+            for split, full in ((model.embed, whole.embed), (model.lm_head, whole.lm_head)):
+                assert split.shape == (rows, whole.embed.shape[1])
+                assert torch.equal(split[:mine], full[first:first + mine]) and not split[mine:].any()
+            assert (model.lm_head is model.embed) == (whole.lm_head is whole.embed)
+            torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5, msg=f"{target.name} tp {tp} rank {rank}")
+
+
+def test_a_vocabulary_other_than_vocab_size_is_refused_under_tp(tmp_path, odd_vocab_targets):
+    """An embedding whose rows are not config.json's vocab_size cannot be split by it: the load says so, naming both."""
+    import shutil
+
+    from helpers import set_config_json
+    from specdp_cli.runtime.models.registry import UnsupportedModel
+
+    bad = shutil.copytree(odd_vocab_targets["odd"], tmp_path / "bad")
+    set_config_json(bad, vocab_size=320)
+    with pytest.raises(UnsupportedModel, match=r"(embed_tokens|lm_head).weight has 331 rows but config.json's vocab_size is 320"):
+        load_cpu(bad, tp=ThreadGroup(2).member(0))
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +240,8 @@ def test_split_deepseek_and_its_mtp_layer_equal_whole(deepseek_targets):
     """tp 2 of DeepSeek-V3: latent attention split by heads (q_b_proj or q_proj and kv_b_proj by the heads' rows,
     o_proj by their value columns; q_a_proj, kv_a_proj_with_mqa and their norms whole), the dense layer and the shared
     expert split as a dense MLP, each routed expert by its columns, the router whole: the target's logits and its MTP
-    layer's (split as the target; eh_proj, norms and head whole) equal the unsplit model's."""
+    layer's (split as the target: its own shared_head.head and the target's embedding by vocabulary rows; eh_proj and
+    norms whole) equal the unsplit model's."""
     ids = torch.tensor(prompts_of_lengths([21], seed=3)[0])
     feats = torch.randn(len(ids), 64, generator=torch.Generator().manual_seed(0))
     for variant, target in deepseek_targets.items():
@@ -185,6 +256,8 @@ def test_split_deepseek_and_its_mtp_layer_equal_whole(deepseek_targets):
                 assert moe.down.shape[2] == 16 and moe.shared_down.shape[1] == 16 and moe.tp is not None
                 assert moe.route.router.shape == (4, 64)
             assert model.layers[0].down.shape[1] == 128 // 2 and head.eh_proj.shape == (64, 128)
+            assert head.embed is model.embed and model.embed.shape[0] == model.lm_head.shape[0] == 320 // 2
+            assert head.lm_head is not model.lm_head and head.lm_head.shape == (320 // 2, 64) and head.vocab_size == 320
             torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5, msg=f"{variant} rank {rank}")
             torch.testing.assert_close(head_logits, want_mtp, rtol=1e-5, atol=1e-5, msg=f"{variant} MTP rank {rank}")
 
@@ -302,14 +375,14 @@ def test_validate_shows_the_layout_and_refuses_what_this_step_does_not_run(tmp_p
 
 def held_bytes(model) -> int:
     """Bytes of the weights a loaded decoder holds (its layers' tensors — latent attention's too —, the experts, shared
-    ones included, and the router, embedding, norm, LM head)."""
+    ones included, and the router, embedding, norm, LM head: once where tied)."""
     import dataclasses
 
     def tensors(part, skip=()) -> int:
         return sum(v.nbytes for f in dataclasses.fields(part) if f.name not in skip
                    for v in [getattr(part, f.name)] if isinstance(v, torch.Tensor))
 
-    total = model.embed.nbytes + model.norm.nbytes + model.lm_head.nbytes
+    total = model.embed.nbytes + model.norm.nbytes + (model.lm_head.nbytes if model.lm_head is not model.embed else 0)
     for layer in model.layers:
         total += tensors(layer, skip=("rope",)) + (tensors(layer.mla) if layer.mla is not None else 0)
         if layer.moe is not None:
@@ -320,6 +393,25 @@ def held_bytes(model) -> int:
 def mtp_held_bytes(head) -> int:
     """Bytes of the weights an MTP layer holds of its own (the target's embedding is not)."""
     return held_bytes(head) - head.embed.nbytes + head.enorm.nbytes + head.hnorm.nbytes + head.eh_proj.nbytes
+
+
+def test_validate_counts_the_vocabulary_split(tmp_path, odd_vocab_targets):
+    """tp 2 of 331 ids, untied and tied: the weights per GPU preflight reports are what a process loads (its 166
+    padded rows of the embedding and of the LM head, or of the one tied table), and the TP line says the embedding
+    and LM head are split by vocabulary."""
+    from types import SimpleNamespace
+
+    n = itertools.count()
+    for name, target in odd_vocab_targets.items():
+        def layout(tp):
+            code, out = validate(dp_config(tmp_path, target, None, dp=1, method="none", M=M, name=f"c{next(n)}.yaml",
+                                           parallel={"tensor_parallel_size": tp}))
+            assert code == 0, out["errors"]
+            return out["layout"]["weight_bytes_per_gpu"], parallel_check(out)["detail"]
+        whole, reported, detail = layout(1)[0], *layout(2)
+        assert "embedding and LM head split by vocabulary (331 rows, 166 per process)" in detail
+        loaded = load_cpu(target, tp=SimpleNamespace(rank=1, world=2))
+        assert reported / whole == pytest.approx(held_bytes(loaded) / held_bytes(load_cpu(target)), rel=1e-5), name
 
 
 def test_validate_counts_the_experts_split_and_refuses_what_does_not_divide(tmp_path, models, moe_targets):

@@ -428,6 +428,23 @@ class TPGroup:
         self._run(lambda: dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.device_group), *self._at)
         return x
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] on every process -> [world * N, ...], process r's rows at r * N (the vocab-parallel LM head's
+        slices of the logits; a plain collective on NCCL, captured in the CUDA graphs)."""
+        if self.world == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        self._check(("all_gather", "-", tuple(x.shape), str(x.dtype)), *self._at)
+        if self.comm_device.type == "cuda":
+            out = torch.empty((self.world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+            self._run(lambda: dist.all_gather_into_tensor(out, x, group=self.device_group), *self._at)
+            return out
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        self._run(lambda: dist.all_gather(parts, x, group=self.device_group), *self._at)
+        return torch.cat(parts)
+
     # -- start-up ------------------------------------------------------------------------------------
 
     def agree_min(self, n: int, what: str) -> int:

@@ -13,6 +13,11 @@ and MLP read the stream itself), q/k norms per head (Qwen3, Gemma-3) or over the
 (`moe`) or latent attention (`mla`, DeepSeek-V3) replace the dense parts.
 
 A forward: `hidden = model.forward(ids [N], meta)`, then `model.logits(hidden[rows])`.
+
+Split over a TP group (`split`, models/tensor_parallel.py): attention and MLP Megatron-style (row-parallel
+products all-reduced), the embedding and the LM head by vocabulary rows: a lookup all-reduces every process's
+rows (zeros where an id is not its own), the logits all-gather every process's slice, so every process gets
+the whole logits (the padding past vocab_size trimmed) and sampling reads them as unsplit.
 """
 from __future__ import annotations
 
@@ -75,16 +80,24 @@ class CausalLM:
         self.aux_layers: tuple[int, ...] = ()
         self.aux_buf: torch.Tensor | None = None
         self.tp = None                                      # the TP group when split (`split`)
+        self.vocab_first: int | None = None                 # split by vocabulary: the first row embed / lm_head hold
 
     def split(self, shard, tp) -> None:
         """This process holds `shard` of the attention and MLP weights (models/tensor_parallel.py): its query
         and KV heads (so its KV cache holds only those), and partial sums of o_proj / down_proj, all-reduced
         over `tp` (dist.TPGroup); a sparse MLP's experts hold their share of columns and all-reduce the same way
-        (the shared experts, where a family has them, split as a dense MLP and join the same all-reduce)."""
+        (the shared experts, where a family has them, split as a dense MLP and join the same all-reduce).
+        The embedding and the LM head (read as their vocabulary rows) are padded to `shard.vocab_rows` rows."""
         self.H, self.KV, self.tp = shard.local_heads, shard.local_kv_heads, tp
         for layer in self.layers:
             if layer.moe is not None:
                 layer.moe.tp = tp
+        if shard.vocab:
+            rows = shard.vocab_rows
+            tied = self.lm_head is self.embed
+            self.embed = _padded_rows(self.embed, rows)
+            self.lm_head = self.embed if tied else _padded_rows(self.lm_head, rows)
+            self.vocab_size, self.vocab_first = shard.vocab, shard.vocab_first
 
     @property
     def num_layers(self) -> int:
@@ -95,7 +108,14 @@ class CausalLM:
         return [((self.KV, self.D), (self.KV, self.DV)) for _ in self.layers]
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(ids, self.embed)
+        if self.vocab_first is None:
+            x = F.embedding(ids, self.embed)
+        else:                                   # vocab-parallel: this process's rows, zeros for the others' ids
+            local = ids - self.vocab_first
+            outside = (local < 0) | (local >= self.embed.shape[0])
+            x = F.embedding(local.masked_fill(outside, 0), self.embed)
+            x.masked_fill_(outside.unsqueeze(1), 0)
+            self.tp.all_reduce(x)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)     # rounded to the dtype, as transformers does
         return x
@@ -169,7 +189,20 @@ class CausalLM:
         return self._row_parallel(out.reshape(N, -1), layer.o, layer.o_bias)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head)
+        if self.vocab_first is None:
+            return F.linear(hidden, self.lm_head)
+        # vocab-parallel: every process's slice [N, rows] gathered in rank order -> [N, vocab], padding trimmed
+        local = F.linear(hidden, self.lm_head)
+        N, rows = local.shape
+        full = self.tp.all_gather(local).view(self.tp.world, N, rows).transpose(0, 1).reshape(N, -1)
+        return full if full.shape[1] == self.vocab_size else full[:, :self.vocab_size].contiguous()
+
+
+def _padded_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """w with zero rows appended up to `rows` (the last vocab-parallel process's padding past vocab_size)."""
+    if w.shape[0] > rows:
+        raise ValueError(f"a vocabulary slice of {w.shape[0]} rows exceeds the {rows} a process holds")
+    return w if w.shape[0] == rows else torch.cat([w, w.new_zeros((rows - w.shape[0], *w.shape[1:]))])
 
 
 def routed_expert_bytes(model: CausalLM) -> int:

@@ -223,20 +223,21 @@ class MTPHead(TargetFeatureHead):
     def forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         N = ids.shape[0]
         layer, (k_cache, v_cache) = self.layers[0], self.kv_caches[0]
-        residual = ops.linear(torch.cat([ops.rms_norm(F.embedding(ids, self.embed), self.enorm, self.eps),
+        residual = ops.linear(torch.cat([ops.rms_norm(self.embedding(ids), self.enorm, self.eps),
                                          ops.rms_norm(self.feats[:N], self.hnorm, self.eps)], -1), self.eh_proj)
         a = self._attention(layer, ops.rms_norm(residual, layer.in_norm, self.eps), meta, k_cache, v_cache)
         h = ops.rms_norm(a, layer.mlp_norm, self.eps, residual)          # residual += a
         return residual + self._mlp(layer, h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(ops.rms_norm(hidden, self.norm, self.eps), self.lm_head)
+        return super().logits(ops.rms_norm(hidden, self.norm, self.eps))    # vocab-parallel under TP
 
 
 def load_mtp_head(md, target: CausalLM, dtype: torch.dtype, device: torch.device, ep=None) -> MTPHead:
     """The first MTP layer of the target checkpoint `md` (layer num_hidden_layers of `target`'s config),
     with this rank's routed experts only under expert parallelism (`ep`, as in load_model), split over the
-    target's TP group as the target is (its decoder layer; eh_proj, the norms and the head whole)."""
+    target's TP group as the target is (its decoder layer; its embedding and head by vocabulary, the target's
+    or its own; eh_proj and the norms whole)."""
     c, i = target.config, target.config.num_hidden_layers
     experts = rank_experts(int(c.n_routed_experts), ep)
     shard = shard_of(md.config, target.tp.rank, target.tp.world) if target.tp is not None else None

@@ -3,8 +3,13 @@
 Column-parallel (a slice of the output rows): q_proj by query heads, k_proj / v_proj by KV heads, gate_proj /
 up_proj by intermediate columns, with their biases. Row-parallel (a slice of the input columns): o_proj and
 down_proj; their products are partial sums that the decoder all-reduces over the TP group before adding the
-(whole) bias. Everything else — embedding, norms, per-head q/k norms, the LM head — is held whole (vocab-parallel
-embedding and LM head are a later step).
+(whole) bias. Norms and per-head q/k norms are held whole.
+
+Vocab-parallel embedding and LM head (Megatron's / vLLM's VocabParallelEmbedding): process t holds rows
+[t * P, (t + 1) * P) of the embedding and of the LM head, P = ceil(vocab_size / tp) (the last process's rows past
+vocab_size are zero padding); a lookup reads zeros for ids outside its rows and one all-reduce sums the parts, the
+LM head computes its slice of the logits and one all-gather joins them (models/decoder.py). A tied LM head is the
+same slice. DeepSeek-V3's MTP layer splits its own `embed_tokens` / `shared_head.head` the same way.
 
 KV heads: split when tp divides them; when tp exceeds them (tp a multiple of their number) each process holds the
 one KV head its query heads read, so a KV head is replicated tp / KV times.
@@ -41,6 +46,8 @@ _EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|w1|w3|down_proj|w2)\.w
 EXPERT_ROW = ("down_proj", "w2")
 _FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")    # every expert in one tensor (transformers 5)
 EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")    # the routed experts of the families split here
+# split by vocabulary rows: the embedding, the LM head, DeepSeek-V3's MTP layer's own (model.layers.{N}.…)
+_VOCAB = re.compile(r"(?:^|\.)(?:embed_tokens|lm_head|shared_head\.head)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -54,6 +61,28 @@ class Shard:
     expert_intermediate: int = 0     # a routed expert's intermediate size (0: no experts)
     shared_intermediate: int = 0     # the shared experts' intermediate size (DeepSeek; 0: none)
     latent: tuple[int, int, int] | None = None    # latent attention's per-head (nope, rope, value) widths
+    vocab: int = 0                   # the vocabulary (vocab_size; 0: embedding and LM head held whole)
+
+    @property
+    def vocab_rows(self) -> int:
+        """The embedding / LM head rows every process holds (the vocabulary padded to a multiple of tp, over tp)."""
+        return -(-self.vocab // self.size)
+
+    @property
+    def vocab_first(self) -> int:
+        return self.rank * self.vocab_rows
+
+    @staticmethod
+    def is_vocab(name: str) -> bool:
+        return _VOCAB.search(name) is not None
+
+    def vocab_mismatch(self, name: str, rows: int) -> str | None:
+        """Why vocab-split tensor `name` of `rows` rows cannot be split as config.json's vocab_size says (None: it
+        can, or it is not split by vocabulary)."""
+        if not self.vocab or not self.is_vocab(name) or rows == self.vocab:
+            return None
+        return (f"{name} has {rows} rows but config.json's vocab_size is {self.vocab}: tensor parallelism splits "
+                f"the embedding and LM head by vocab_size (set tensor_parallel_size: 1, or correct vocab_size)")
 
     @property
     def local_heads(self) -> int:
@@ -76,6 +105,8 @@ class Shard:
         if kind in ("q", "kv_b", "o"):
             n = self.local_heads * self._per_head(kind)
             return self.rank * n, (self.rank + 1) * n
+        if kind == "vocab":                        # the padding rows past the vocabulary are not read
+            return min(self.vocab_first, self.vocab), min(self.vocab_first + self.vocab_rows, self.vocab)
         if kind == "kv":
             if self.size <= self.kv_heads:
                 first = self.rank * self.local_kv_heads
@@ -89,6 +120,8 @@ class Shard:
     def cut(self, name: str) -> tuple[int, tuple[slice, ...]] | None:
         """(dimension, slices along it, joined in order) of checkpoint tensor `name` this process holds, or None:
         it holds it whole."""
+        if self.vocab and self.is_vocab(name):
+            return 0, (slice(*self._range("vocab")),)
         if layer_index(name) is None:
             return None
         if self.expert_intermediate:
@@ -118,7 +151,8 @@ def shard_of(config: dict, rank: int, size: int) -> Shard:
         latent = (int(config["qk_nope_head_dim"]), int(config["qk_rope_head_dim"]), int(config["v_head_dim"]))
     return Shard(rank, size, heads, heads if latent else int(config.get("num_key_value_heads") or heads),
                  int(config.get("head_dim") or int(config["hidden_size"]) // heads), int(config["intermediate_size"]),
-                 expert_intermediate(config)[1], shared_intermediate(config), latent)
+                 expert_intermediate(config)[1], shared_intermediate(config), latent,
+                 int(config.get("vocab_size") or 0))
 
 
 def is_latent(config: dict) -> bool:
@@ -182,7 +216,8 @@ def refusal(config: dict, tp: int) -> str | None:
 
 
 def held_fraction(name: str, shape: list[int], config: dict, tp: int) -> float:
-    """The share of checkpoint tensor `name` (of `shape`) one process of tp holds (preflight's memory per GPU)."""
+    """The share of checkpoint tensor `name` (of `shape`) one process of tp holds (preflight's memory per GPU; of
+    the embedding and LM head, split by vocabulary, its rows with the padding)."""
     if tp == 1:
         return 1.0
     cut = shard_of(config, 0, tp).cut(name)

@@ -31,15 +31,24 @@ def read_weights(files: list[str], device: torch.device,
                             out[name] = fh.get_tensor(name)
                         else:
                             part = fh.get_slice(name)
+                            _check_rows(shard, name, part.get_shape()[0], f)
                             out[name] = _joined([part[(slice(None),) * cut[0] + (sl,)] for sl in cut[1]],
                                                 cut[0]).to(device).contiguous()
         else:
             for k, v in torch.load(f, map_location=device, weights_only=True).items():
                 if wanted(k):
                     cut = shard.cut(k) if shard is not None else None
+                    if cut is not None:
+                        _check_rows(shard, k, v.shape[0], f)
                     out[k] = v if cut is None else _joined([v.narrow(cut[0], sl.start, sl.stop - sl.start)
                                                             for sl in cut[1]], cut[0]).contiguous()
     return out
+
+
+def _check_rows(shard, name: str, rows: int, file: str) -> None:
+    why = shard.vocab_mismatch(name, rows)
+    if why:
+        raise UnsupportedModel(f"{file}: {why}")
 
 
 def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
