@@ -408,7 +408,7 @@ def parallel_check(out) -> dict:
     return next(c for c in out["checks"] if c["name"] == "parallel")
 
 
-def test_validate_shows_the_layout_and_refuses_what_this_step_does_not_run(tmp_path, models, monkeypatch):
+def test_validate_shows_the_layout_and_refuses_what_this_step_does_not_run(tmp_path, models, eagle_heads, monkeypatch):
     from specdp_cli import plan as plan_module
 
     def cfg(tp, **extra):
@@ -427,9 +427,14 @@ def test_validate_shows_the_layout_and_refuses_what_this_step_does_not_run(tmp_p
     # tp 4 over 2 KV heads: replicated
     code, out = validate(cfg(4))
     assert code == 0 and "replicated" in parallel_check(out)["detail"]
+    # EAGLE heads: replicated on every process
+    for method in ("eagle", "eagle3"):
+        code, out = validate(dp_config(tmp_path, models["target"], eagle_heads[method], dp=2, M=64, D=40,
+                                       method=method, name=f"c{next(n)}.yaml", parallel={"tensor_parallel_size": 2}))
+        assert code == 0, out["errors"]
+        assert "The EAGLE head is replicated on every process" in parallel_check(out)["detail"], method
     # refused, each with a sentence naming tensor_parallel_size
     for bad, words in ((cfg(3), "does not divide the target's 4 attention heads"),
-                       (cfg(2, method="eagle"), "speculative.method eagle is not supported yet"),
                        (cfg(2, quantization="fp8"), "FP8")):
         code, out = validate(bad)
         assert code == 1 and any("tensor_parallel_size" in e and words in e for e in out["errors"]), out["errors"]
@@ -638,6 +643,29 @@ def test_tp2_generate_equals_transformers(tmp_path, models, copy_draft, dp, dp_s
     if draft == "copy":
         assert summary["num_accepted_tokens"] > 0
     assert "TP rank 1 of 2" in r.stdout + r.stderr                          # every process's ready line
+
+
+def test_tp2_eagle3_generate_equals_transformers(tmp_path, models, eagle_heads):
+    """tp 2 x dp 1 with an EAGLE-3 head (draft vocabulary of 96 ids, the target's vocab-split embedding) replicated on
+    both processes, every collective and the drafts checked across the group (check_collectives): greedy float32
+    tokens equal transformers' target-only greedy generate, with sequences crossing the drafter's limit (D = 40 < M =
+    64: lengths 38..63 draft nothing)."""
+    lengths, max_tokens = [30, 9, 13, 33], [30, 12, 25, 20]
+    prompts = prompts_of_lengths(lengths, seed=21)
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
+                                              for i, (p, n) in enumerate(zip(prompts, max_tokens))])
+    cfg = dp_config(tmp_path, models["target"], eagle_heads["eagle3"], dp=1, dp_sync="auto", method="eagle3", k=K,
+                    M=M, D=D, check=True, parallel={"tensor_parallel_size": 2})
+    r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
+                      "--summary-json", tmp_path / "s.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = read_out(tmp_path / "out.jsonl")
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        ref = hf_reference(models["target"], p, min(n, M - len(p)))
+        assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
+    assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(prompts))
+    assert json.load(open(tmp_path / "s.json"))["num_draft_tokens"] > 0
+    assert "TP rank 1 of 2" in r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("dp", [1, 2])
