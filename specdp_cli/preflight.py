@@ -295,13 +295,14 @@ def _parallel(cfg: Config, plan: Plan, target: ModelDir | None) -> list[tuple[st
     return out
 
 
-TP_METHODS = ("none", "ngram", "draft_model", "mtp")
+TP_METHODS = ("none", "ngram", "draft_model", "eagle", "eagle3", "mtp")
 
 
 def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tuple[str, str]]:
     """parallel.tensor_parallel_size > 1: what this step of tensor parallelism runs (dense decoders split by heads
     and MLP columns, mixture-of-experts decoders by each expert's columns too, latent attention by heads, a
-    replicated draft model or DeepSeek-V3's MTP layer split as its target) and the target's shape allows."""
+    replicated draft model or EAGLE head, or DeepSeek-V3's MTP layer split as its target) and the target's shape
+    allows."""
     from .runtime.models.registry import families
     from .runtime.models.tensor_parallel import expert_intermediate, is_latent, refusal, shared_intermediate
 
@@ -309,8 +310,8 @@ def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tupl
     method = cfg.speculative.method
     if method not in TP_METHODS:
         out.append(("error", f"tensor_parallel_size {tp} with speculative.method {method} is not supported yet "
-                             f"(supported: {', '.join(TP_METHODS)}: a draft model replicated on every process, "
-                             f"DeepSeek-V3's MTP layer split as its target): set tensor_parallel_size: 1 or another "
+                             f"(supported: {', '.join(TP_METHODS)}: a draft model or EAGLE head replicated on every "
+                             f"process, DeepSeek-V3's MTP layer split as its target): set tensor_parallel_size: 1 or another "
                              f"method."))
     if cfg.quantization or cfg.speculative.quantization or (target is not None and target.quantization is not None):
         out.append(("error", f"tensor_parallel_size {tp} with FP8 weights is not supported yet: set "
@@ -338,6 +339,8 @@ def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tupl
         kv = ("latent attention by heads (q_b_proj / q_proj, kv_b_proj, o_proj; the latents' projections "
               "replicated), each process caching its heads' keys and values")
     drafter = (" The MTP layer is split as the target." if METHODS[method].in_target else
+               " The EAGLE head is replicated on every process (it reads the target's split embedding and LM head "
+               "through the target's collectives; its own are whole)." if METHODS[method].after_verify else
                " The drafter is replicated on every process." if METHODS[method].forward else "")
     field, inter = expert_intermediate(target.config)
     experts = (f"; each routed expert's {inter} columns ({field}) split {inter // tp} per process, the router "

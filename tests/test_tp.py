@@ -13,7 +13,7 @@ import torch
 
 from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, write_jsonl
 from engine_util import hf_reference, load_cpu, prefill_logits, prompts_of_lengths
-from helpers import make_deepseek_dir, make_model_dir, make_moe_dir
+from helpers import make_deepseek_dir, make_eagle3_head, make_eagle_head, make_model_dir, make_moe_dir
 
 pytestmark = pytest.mark.timeout(HARD_TIMEOUT_S * 2)
 
@@ -59,14 +59,21 @@ class ThreadGroup:
 def split_logits(target, ids: torch.Tensor, tp: int, feats: torch.Tensor | None = None) -> list[tuple]:
     """Each TP process's (model, logits) of one prefill of `ids`, the model split over `tp` threads; with `feats`
     also (its MTP layer, the layer's logits over `ids` and `feats`)."""
+    def run(member) -> tuple:
+        model = load_cpu(target, tp=member)
+        return (model, prefill_logits(model, ids)) + (() if feats is None else mtp_logits(target, model, ids, feats))
+    return on_threads(tp, run)
+
+
+def on_threads(tp: int, fn) -> list:
+    """fn(member) on each of `tp` threads, each a process of one ThreadGroup: their results in rank order."""
     group = ThreadGroup(tp)
     out: list = [None] * tp
     errors: list = []
 
     def run(rank: int) -> None:
         try:
-            model = load_cpu(target, tp=group.member(rank))
-            out[rank] = (model, prefill_logits(model, ids)) + (() if feats is None else mtp_logits(target, model, ids, feats))
+            out[rank] = fn(group.member(rank))
         except BaseException as e:  # noqa: BLE001 - reported by the test
             errors.append(e)
             group.barrier.abort()
@@ -159,6 +166,65 @@ def test_split_vocabulary_equals_whole(models, odd_vocab_targets, tp):
                 assert torch.equal(split[:mine], full[first:first + mine]) and not split[mine:].any()
             assert (model.lm_head is model.embed) == (whole.lm_head is whole.embed)
             torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5, msg=f"{target.name} tp {tp} rank {rank}")
+
+
+@pytest.fixture(scope="module")
+def eagle_heads(tmp_path_factory, odd_vocab_targets):
+    """EAGLE heads for the 331-id target (they fit the 320-id one too): EAGLE-1 (the target's embedding and LM
+    head), EAGLE-3 over a draft vocabulary of 96 ids with the target's embedding, and EAGLE-3 with its own."""
+    root, odd = tmp_path_factory.mktemp("tp_eagle"), odd_vocab_targets["odd"]
+    return {"eagle": make_eagle_head(root / "eagle", odd),
+            "eagle3": make_eagle3_head(root / "eagle3", odd, aux_ids=[0, 1, 2], draft_vocab=96),
+            "eagle3_own": make_eagle3_head(root / "eagle3_own", odd, aux_ids=[1, 0, 2], own_embedding=True, seed=9)}
+
+
+def head_drafts(target_dir, head_dir, method: str, ids: torch.Tensor, k: int, tp=None) -> tuple:
+    """(the head's logits [k, V], its k greedy drafts) after a prefill of ids[:-1] — the drafter's forward 1 over the
+    target's rows shifted by one, then forwards 2..k chaining the head's own features — with the target whole (tp
+    None) or as process `tp` of a TP group."""
+    from specdp_cli.runtime.kv_cache import allocate_kv
+    from specdp_cli.runtime.model_runner import ModelRunner
+    from specdp_cli.runtime.models.loader import load_head
+
+    cpu, N, bs = torch.device("cpu"), len(ids) - 1, 16
+    target = load_cpu(target_dir, tp=tp)
+    head = load_head(method, str(head_dir), target, torch.float32, cpu, 64)
+    table = torch.tensor([[1, 2, 3, 0]], dtype=torch.int32)
+    for m in (target, head):
+        allocate_kv(m, num_blocks=4, block_size=bs)
+    t_run = ModelRunner(target, cpu, table, bs, 1, [N], window=N, keep_hidden="all" if head.needs_target_hidden else None)
+    h_run = ModelRunner(head, cpu, table, bs, 1, [1, N], window=1, keep_hidden="window")
+    head.attach(t_run)
+    zero, n = torch.zeros(1, dtype=torch.long), torch.full((1,), N)
+    with torch.no_grad():
+        t_run.set_rows(1, ids[:N].view(1, N), zero, n, zero)
+        t_run.forward(1, N, graphs=False)
+        head.prepare_features(N)
+        h_run.set_rows(1, ids[1:].view(1, N), zero, n, n - 1)
+        logits = [h_run.forward(1, N, graphs=False)[0, 0].clone()]
+        for j in range(1, k):
+            head.feats[:1].copy_(h_run.hidden[:1])
+            h_run.set_rows(1, logits[-1].argmax().view(1, 1), n + j - 1, torch.ones(1, dtype=torch.long), zero)
+            logits.append(h_run.forward(1, 1, graphs=False)[0, 0].clone())
+    logits = torch.stack(logits)
+    return logits, logits.argmax(-1)
+
+
+@pytest.mark.parametrize("which", ["eagle", "eagle3", "eagle3_own"])
+def test_eagle_heads_draft_from_a_split_target_as_from_the_whole(odd_vocab_targets, eagle_heads, which):
+    """tp 2 of the 331-id target, the head replicated: what it reads of the target's embedding and LM head goes through
+    the target's vocabulary split (lookup all-reduced, logits all-gathered: every process runs the same collectives),
+    an EAGLE-3 head's own embedding and draft-vocabulary LM head stay whole, its aux hidden states are the target's
+    whole streams: every process's logits and k drafts equal those drafted from the unsplit target."""
+    target = odd_vocab_targets["odd"]
+    method = "eagle" if which == "eagle" else "eagle3"
+    ids = torch.tensor(prompts_of_lengths([19], vocab=320, seed=5)[0] + [330, 0, 329])
+    want, want_drafts = head_drafts(target, eagle_heads[which], method, ids, 4)
+    assert want.shape == (4, 331)
+    for rank, (logits, drafts) in enumerate(on_threads(2, lambda m: head_drafts(target, eagle_heads[which], method,
+                                                                                  ids, 4, tp=m))):
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5, msg=f"{which} rank {rank}")
+        assert drafts.tolist() == want_drafts.tolist(), f"{which} rank {rank}"
 
 
 def test_a_vocabulary_other_than_vocab_size_is_refused_under_tp(tmp_path, odd_vocab_targets):
@@ -342,7 +408,7 @@ def parallel_check(out) -> dict:
     return next(c for c in out["checks"] if c["name"] == "parallel")
 
 
-def test_validate_shows_the_layout_and_refuses_what_this_step_does_not_run(tmp_path, models, monkeypatch):
+def test_validate_shows_the_layout_and_refuses_what_this_step_does_not_run(tmp_path, models, eagle_heads, monkeypatch):
     from specdp_cli import plan as plan_module
 
     def cfg(tp, **extra):
@@ -361,9 +427,14 @@ def test_validate_shows_the_layout_and_refuses_what_this_step_does_not_run(tmp_p
     # tp 4 over 2 KV heads: replicated
     code, out = validate(cfg(4))
     assert code == 0 and "replicated" in parallel_check(out)["detail"]
+    # EAGLE heads: replicated on every process
+    for method in ("eagle", "eagle3"):
+        code, out = validate(dp_config(tmp_path, models["target"], eagle_heads[method], dp=2, M=64, D=40,
+                                       method=method, name=f"c{next(n)}.yaml", parallel={"tensor_parallel_size": 2}))
+        assert code == 0, out["errors"]
+        assert "The EAGLE head is replicated on every process" in parallel_check(out)["detail"], method
     # refused, each with a sentence naming tensor_parallel_size
     for bad, words in ((cfg(3), "does not divide the target's 4 attention heads"),
-                       (cfg(2, method="eagle"), "speculative.method eagle is not supported yet"),
                        (cfg(2, quantization="fp8"), "FP8")):
         code, out = validate(bad)
         assert code == 1 and any("tensor_parallel_size" in e and words in e for e in out["errors"]), out["errors"]
@@ -572,6 +643,29 @@ def test_tp2_generate_equals_transformers(tmp_path, models, copy_draft, dp, dp_s
     if draft == "copy":
         assert summary["num_accepted_tokens"] > 0
     assert "TP rank 1 of 2" in r.stdout + r.stderr                          # every process's ready line
+
+
+def test_tp2_eagle3_generate_equals_transformers(tmp_path, models, eagle_heads):
+    """tp 2 x dp 1 with an EAGLE-3 head (draft vocabulary of 96 ids, the target's vocab-split embedding) replicated on
+    both processes, every collective and the drafts checked across the group (check_collectives): greedy float32
+    tokens equal transformers' target-only greedy generate, with sequences crossing the drafter's limit (D = 40 < M =
+    64: lengths 38..63 draft nothing)."""
+    lengths, max_tokens = [30, 9, 13, 33], [30, 12, 25, 20]
+    prompts = prompts_of_lengths(lengths, seed=21)
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
+                                              for i, (p, n) in enumerate(zip(prompts, max_tokens))])
+    cfg = dp_config(tmp_path, models["target"], eagle_heads["eagle3"], dp=1, dp_sync="auto", method="eagle3", k=K,
+                    M=M, D=D, check=True, parallel={"tensor_parallel_size": 2})
+    r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
+                      "--summary-json", tmp_path / "s.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = read_out(tmp_path / "out.jsonl")
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        ref = hf_reference(models["target"], p, min(n, M - len(p)))
+        assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
+    assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(prompts))
+    assert json.load(open(tmp_path / "s.json"))["num_draft_tokens"] > 0
+    assert "TP rank 1 of 2" in r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("dp", [1, 2])

@@ -22,6 +22,11 @@ vocabulary give logits, mapped to target ids by `d2t` (target id = draft id + d2
 next draft step feeds the stream before `norm` back in. The head's own `embed_tokens` is used when the
 checkpoint has one, else the target's.
 
+Under tensor parallelism a head is replicated: every process of the TP group holds it whole and runs its
+forwards over identical inputs. What it reads of the target's vocabulary-split embedding / LM head goes through
+the target's own `embedding` / `logits`, so every process runs the same all-reduce / all-gather and gets whole
+rows; an EAGLE-3 head's own embedding and draft-vocabulary `lm_head` stay whole.
+
 DeepSeek-V3's multi-token-prediction layer, which drafts the same way, lives with its family
 (`deepseek_v3.py`).
 """
@@ -40,20 +45,37 @@ from .registry import UnsupportedModel
 from .rotary import rotary_tables
 from .weights import read_weights
 
+
+def split_vocab_of(target: CausalLM) -> CausalLM | None:
+    """The target when its embedding and LM head are split by vocabulary over a TP group (a head then reads them
+    through the target's collectives), else None."""
+    return target if target.vocab_first is not None else None
+
+
+def embed_ids(head: CausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding of `ids` a head reads: its `embed` table, or the split target's lookup (all-reduced)."""
+    return F.embedding(ids, head.embed) if head.split_target is None else head.split_target.embedding(ids)
+
+
 class EagleHead(TargetFeatureHead):
     def __init__(self, config, layer: Layer, fc: torch.Tensor, fc_bias: torch.Tensor | None, target: CausalLM,
                  cos: torch.Tensor, sin: torch.Tensor):
         super().__init__(config, [layer], target.embed, None, target.lm_head, cos, sin)
         self.fc, self.fc_bias = fc, fc_bias
+        self.split_target = split_vocab_of(target)      # the embedding and LM head are the target's
+        self.vocab_size = target.vocab_size
 
     def forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         N = ids.shape[0]
-        x = F.linear(torch.cat([F.embedding(ids, self.embed), self.feats[:N]], -1), self.fc, self.fc_bias)
+        x = F.linear(torch.cat([embed_ids(self, ids), self.feats[:N]], -1), self.fc, self.fc_bias)
         layer, (k_cache, v_cache) = self.layers[0], self.kv_caches[0]
         residual = x
         a = self._attention(layer, x, meta, k_cache, v_cache)
         h = ops.rms_norm(a, layer.mlp_norm, self.eps, residual)          # residual += a
         return residual + self._mlp(layer, h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return super().logits(hidden) if self.split_target is None else self.split_target.logits(hidden)
 
 
 def _open_head(path: str, layout: str, dtype: torch.dtype, device: torch.device):
@@ -108,8 +130,10 @@ class Eagle3Head(CausalLM):
 
     def __init__(self, config, layer: Layer, hidden_norm: torch.Tensor, fc: torch.Tensor, embed: torch.Tensor,
                  norm: torch.Tensor, lm_head: torch.Tensor, draft_to_target: torch.Tensor | None, target_vocab: int,
-                 cos: torch.Tensor, sin: torch.Tensor, aux_layers: tuple[int, ...]):
+                 cos: torch.Tensor, sin: torch.Tensor, aux_layers: tuple[int, ...],
+                 split_target: CausalLM | None = None):
         super().__init__(config, [layer], embed, norm, lm_head, cos, sin)
+        self.split_target = split_target        # the target, when `embed` is its vocabulary-split table
         self.hidden_norm, self.fc = hidden_norm, fc
         self.aux_layers_of_target = aux_layers
         self.vocab_size = target_vocab
@@ -137,7 +161,7 @@ class Eagle3Head(CausalLM):
         N = ids.shape[0]
         layer, (k_cache, v_cache) = self.layers[0], self.kv_caches[0]
         residual = self.feats[:N]      # the stream grows in place: feats is refilled before every forward
-        x = torch.cat([ops.rms_norm(F.embedding(ids, self.embed), layer.in_norm, self.eps),
+        x = torch.cat([ops.rms_norm(embed_ids(self, ids), layer.in_norm, self.eps),
                        ops.rms_norm(residual, self.hidden_norm, self.eps)], -1)
         a = self._attention(layer, x, meta, k_cache, v_cache)
         h = ops.rms_norm(a, layer.mlp_norm, self.eps, residual)          # residual += a
@@ -178,4 +202,5 @@ def load_eagle3_head(path: str, target: CausalLM, dtype: torch.dtype, device: to
     cos, sin = rotary_tables(config, "llama", "LlamaForCausalLM", max(max_len, 1))
     return Eagle3Head(config, layer, get(p + "hidden_norm.weight"), fc, target.embed if embed is None else embed,
                       get("norm.weight"), lm_head, None if d2t is None else d2t.to(device).long(),
-                      target.vocab_size, cos.to(device), sin.to(device), aux)
+                      target.vocab_size, cos.to(device), sin.to(device), aux,
+                      split_vocab_of(target) if embed is None else None)
