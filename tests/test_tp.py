@@ -612,6 +612,26 @@ def test_generate_refuses_a_tp_that_does_not_divide_the_heads(tmp_path, models):
 M, D, K = 64, 40, 3          # no-draft window [38, 63]
 
 
+def tp_generate_equals_transformers(tmp_path, target, draft, seed: int, **config) -> tuple[dict, str]:
+    """`generate` over four requests (two crossing the drafter's limit D) with the `dp_config` keywords given:
+    every request's greedy tokens equal transformers' target-only ones and some sequence passes D - K. Returns the
+    summary and the job's output text."""
+    lengths, max_tokens = [30, 9, 13, 33], [30, 12, 25, 20]
+    prompts = prompts_of_lengths(lengths, seed=seed)
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
+                                              for i, (p, n) in enumerate(zip(prompts, max_tokens))])
+    cfg = dp_config(tmp_path, target, draft, dp_sync="auto", k=K, M=M, D=D, **config)
+    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
+                   "--summary-json", tmp_path / "s.json")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = read_out(tmp_path / "out.jsonl")
+    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+        ref = hf_reference(target, p, min(n, M - len(p)))
+        assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
+    assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(prompts))
+    return json.load(open(tmp_path / "s.json")), r.stdout + r.stderr
+
+
 @pytest.fixture(scope="module")
 def copy_draft(tmp_path_factory, models):
     """A draft model that is the target itself: every draft is accepted (the random one accepts none)."""
@@ -650,22 +670,10 @@ def test_tp2_eagle3_generate_equals_transformers(tmp_path, models, eagle_heads):
     both processes, every collective and the drafts checked across the group (check_collectives): greedy float32
     tokens equal transformers' target-only greedy generate, with sequences crossing the drafter's limit (D = 40 < M =
     64: lengths 38..63 draft nothing)."""
-    lengths, max_tokens = [30, 9, 13, 33], [30, 12, 25, 20]
-    prompts = prompts_of_lengths(lengths, seed=21)
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
-                                              for i, (p, n) in enumerate(zip(prompts, max_tokens))])
-    cfg = dp_config(tmp_path, models["target"], eagle_heads["eagle3"], dp=1, dp_sync="auto", method="eagle3", k=K,
-                    M=M, D=D, check=True, parallel={"tensor_parallel_size": 2})
-    r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
-                      "--summary-json", tmp_path / "s.json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = read_out(tmp_path / "out.jsonl")
-    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-        ref = hf_reference(models["target"], p, min(n, M - len(p)))
-        assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
-    assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(prompts))
-    assert json.load(open(tmp_path / "s.json"))["num_draft_tokens"] > 0
-    assert "TP rank 1 of 2" in r.stdout + r.stderr
+    summary, log = tp_generate_equals_transformers(tmp_path, models["target"], eagle_heads["eagle3"], 21, dp=1,
+                                                   method="eagle3", check=True, parallel={"tensor_parallel_size": 2})
+    assert summary["num_draft_tokens"] > 0
+    assert "TP rank 1 of 2" in log
 
 
 @pytest.mark.parametrize("dp", [1, 2])
@@ -676,21 +684,9 @@ def test_tp2_moe_generate_equals_transformers(tmp_path, models, moe_targets, dp)
     TP rank, in lockstep with every collective checked. Greedy float32 tokens equal transformers', with a drafter
     and sequences crossing the drafter's limit (D = 40 < M = 64)."""
     target = moe_targets["qwen3_moe"]
-    lengths, max_tokens = [30, 9, 13, 33], [30, 12, 25, 20]
-    prompts = prompts_of_lengths(lengths, seed=19)
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
-                                              for i, (p, n) in enumerate(zip(prompts, max_tokens))])
-    cfg = dp_config(tmp_path, target, models["draft"], dp=dp, dp_sync="auto", k=K, M=M, D=D, check=dp == 2,
-                    parallel={"tensor_parallel_size": 2, "enable_expert_parallel": dp == 2})
-    r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
-                      "--summary-json", tmp_path / "s.json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = read_out(tmp_path / "out.jsonl")
-    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-        ref = hf_reference(target, p, min(n, M - len(p)))
-        assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
-    assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(prompts))
-    ranks = json.load(open(tmp_path / "s.json"))["ranks"]
+    summary, _ = tp_generate_equals_transformers(tmp_path, target, models["draft"], 19, dp=dp, check=dp == 2,
+                                                 parallel={"tensor_parallel_size": 2, "enable_expert_parallel": dp == 2})
+    ranks = summary["ranks"]
     whole = 16 * 3 * 48 * 64 * 4 * 2                 # float32 routed experts of the two sparse layers
     assert [x["expert_weight_bytes"] for x in ranks] == [whole // (2 * dp)] * dp     # a leader's share
 
@@ -703,21 +699,8 @@ def test_tp2_deepseek_mtp_generate_equals_transformers(tmp_path, deepseek_target
     split over the DP ranks as well, in lockstep with every collective checked. Greedy float32 tokens equal
     transformers' target-only greedy generate, with sequences crossing the drafter's limit (D = 40 < M = 64)."""
     target = deepseek_targets["lora"]
-    lengths, max_tokens = [30, 9, 13, 33], [30, 12, 25, 20]
-    prompts = prompts_of_lengths(lengths, seed=19)
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
-                                              for i, (p, n) in enumerate(zip(prompts, max_tokens))])
-    cfg = dp_config(tmp_path, target, None, dp=dp, dp_sync="auto", method="mtp", k=K, M=M, D=D, check=dp == 2,
-                    parallel={"tensor_parallel_size": 2, "enable_expert_parallel": dp == 2})
-    r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
-                      "--summary-json", tmp_path / "s.json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = read_out(tmp_path / "out.jsonl")
-    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-        ref = hf_reference(target, p, min(n, M - len(p)))
-        assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
-    assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(prompts))
-    summary = json.load(open(tmp_path / "s.json"))
+    summary, _ = tp_generate_equals_transformers(tmp_path, target, None, 19, dp=dp, method="mtp", check=dp == 2,
+                                                 parallel={"tensor_parallel_size": 2, "enable_expert_parallel": dp == 2})
     assert summary["num_draft_tokens"] > 0
     whole = 3 * 4 * 3 * 32 * 64 * 4                # float32 routed experts of the two sparse layers and the MTP layer
     assert [x["expert_weight_bytes"] for x in summary["ranks"]] == [whole // (2 * dp)] * dp     # a leader's share

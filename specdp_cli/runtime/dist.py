@@ -230,17 +230,10 @@ class DPGroup:
         the step's forward sizes were agreed in the step sync)."""
         if self.world == 1:
             return x
-        import torch.distributed as dist
-
         x = x.contiguous()
         self._check(("all_gather", "-", tuple(x.shape), str(x.dtype), *self._at), self._ep)
-        if self.comm_device.type == "cuda":
-            out = torch.empty((self.world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-            self._run(lambda: dist.all_gather_into_tensor(out, x, group=self._ep), *self._at)
-            return out
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        self._run(lambda: dist.all_gather(parts, x, group=self._ep), *self._at)
-        return torch.cat(parts)
+        return _gather_rows(x, self.world, self._ep, self.comm_device.type == "cuda",
+                            lambda fn: self._run(fn, *self._at))
 
     def ep_reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """[world * N, h] partial sums on every rank -> this rank's N rows of their sum."""
@@ -378,6 +371,20 @@ class DPGroup:
             pause = min(pause * 2, 0.1)
 
 
+def _gather_rows(x: torch.Tensor, world: int, group, on_device: bool, run) -> torch.Tensor:
+    """[N, ...] on every member of `group` -> [world * N, ...], member r's rows at r * N: into one tensor on the
+    device (NCCL: a CUDA graph captures it), else as a list joined (gloo). `run(fn)` runs the collective guarded."""
+    import torch.distributed as dist
+
+    if on_device:
+        out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        run(lambda: dist.all_gather_into_tensor(out, x, group=group))
+        return out
+    parts = [torch.empty_like(x) for _ in range(world)]
+    run(lambda: dist.all_gather(parts, x, group=group))
+    return torch.cat(parts)
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -433,17 +440,10 @@ class TPGroup:
         slices of the logits; a plain collective on NCCL, captured in the CUDA graphs)."""
         if self.world == 1:
             return x
-        import torch.distributed as dist
-
         x = x.contiguous()
         self._check(("all_gather", "-", tuple(x.shape), str(x.dtype)), *self._at)
-        if self.comm_device.type == "cuda":
-            out = torch.empty((self.world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-            self._run(lambda: dist.all_gather_into_tensor(out, x, group=self.device_group), *self._at)
-            return out
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        self._run(lambda: dist.all_gather(parts, x, group=self.device_group), *self._at)
-        return torch.cat(parts)
+        return _gather_rows(x, self.world, self.device_group, self.comm_device.type == "cuda",
+                            lambda fn: self._run(fn, *self._at))
 
     # -- start-up ------------------------------------------------------------------------------------
 
