@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--tiny", action="store_true", help="small models of the same families: a dry run")
     ap.add_argument("--profile", default="", help="batch sizes to profile a few steps of (torch.profiler tables)")
+    ap.add_argument("--trace", default="", help="with --profile: a Chrome trace per profiled batch, this path + _bB.json")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -169,7 +170,7 @@ def main() -> None:
                          "graphs": engine.graphs})
             print(json.dumps(rows[-1]), flush=True)
             if str(B) in a.profile.split(","):
-                offline.profile(engine, prompts[:B], a.new)
+                offline.profile(engine, prompts[:B], a.new, trace=f"{a.trace}_{shape}_b{B}.json" if a.trace else None)
         del engine
         if DEVICE == "cuda":
             torch.cuda.empty_cache()

@@ -101,7 +101,9 @@ def build(a, method: str, eager: bool, max_seqs: int) -> Engine:
     return engine
 
 
-def profile(engine: Engine, prompts, new: int, steps: int = 30) -> None:
+def profile(engine: Engine, prompts, new: int, steps: int = 30, trace: str | None = None) -> None:
+    """A few decode steps under torch.profiler: the kernel tables, and with `trace` a Chrome trace (every
+    kernel of the steps in order: benchmarks/kernel_timeline.py reads it)."""
     from torch.profiler import ProfilerActivity, profile as tprofile
     for i, p in enumerate(prompts):
         engine.add_request(engine.make_request(f"p{i}", p, SamplingParams(max_tokens=new), None))
@@ -116,6 +118,8 @@ def profile(engine: Engine, prompts, new: int, steps: int = 30) -> None:
                 engine.step()
         sync()
     print(f"profile: {(time.perf_counter() - t) / steps * 1e3:.3f} ms per step (profiler on)")
+    if trace:
+        prof.export_chrome_trace(trace)
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60))

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -64,8 +63,8 @@ def config(a, method: str, caching: bool) -> dict:
             "server": {"port": a.port, "model_name": "bench"}}
 
 
-def offline(a, method: str) -> tuple[float | None, list[float]]:
-    """The median tok/s of `--rounds` offline runs (one process, one engine) and every run's."""
+def offline(a, method: str) -> tuple[dict | None, list[float]]:
+    """The offline run of median tok/s of `--rounds` runs (one process, one engine), and every run's tok/s."""
     out = os.path.join(a.work, f"offline_{method}.json")
     cmd = [sys.executable, os.path.join(HERE, "offline.py"), "--pair", a.pair, "--requests", str(a.requests),
            "--batches", ",".join([str(a.concurrency)] * a.rounds), "--methods", method, "--k", str(a.k), "--new", str(a.max_tokens),
@@ -75,8 +74,15 @@ def offline(a, method: str) -> tuple[float | None, list[float]]:
         if subprocess.run(cmd, stdout=log, stderr=log).returncode != 0:
             print(f"offline {method} failed: see {log.name}")
             return None, []
-    runs = [r["tok_s"] for r in json.load(open(out))["rows"]]
-    return statistics.median(runs), runs
+    runs = sorted(json.load(open(out))["rows"], key=lambda r: r["tok_s"])
+    return runs[len(runs) // 2], [r["tok_s"] for r in runs]
+
+
+def steps_so_far(url: str) -> int:
+    """The engine steps the server's ranks have run (the sum of /metrics' steps per k)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("specdp:spec_decode_steps_by_k_total")))
 
 
 def served(a, method: str, caching: bool, prompts_path: str) -> dict[int, dict]:
@@ -110,9 +116,13 @@ def served(a, method: str, caching: bool, prompts_path: str) -> dict[int, dict]:
             rounds = []
             for i in range(a.rounds):
                 out = os.path.join(a.work, f"bench_{tag}_w{workers}_{i}.json")
+                before = steps_so_far(url)
                 subprocess.run(bench + ["--num-prompts", str(a.requests), "--num-workers", str(workers),
                                         "--result-filename", out], check=True, stdout=subprocess.DEVNULL)
-                rounds.append(json.load(open(out)))
+                r = json.load(open(out))
+                r["steps"] = steps_so_far(url) - before       # (the last step's count may arrive a step late)
+                r["ms_per_step"] = r["duration_s"] / max(r["steps"], 1) * 1e3
+                rounds.append(r)
             rounds.sort(key=lambda r: r["output_throughput"])
             results[workers] = {**rounds[len(rounds) // 2], "rounds_tok_s": [r["output_throughput"] for r in rounds]}
         return results
@@ -159,7 +169,8 @@ def main() -> None:
             fh.write(json.dumps({"prompt": p}) + "\n")
     rows = []
     for method in a.methods.split(","):
-        off, off_runs = (None, []) if a.no_offline or a.prefix else offline(a, method)
+        off_row, off_runs = (None, []) if a.no_offline or a.prefix else offline(a, method)
+        off = off_row["tok_s"] if off_row else None
         for caching in (c == "on" for c in a.caching.split(",")):
             for workers, r in served(a, method, caching, prompts_path).items():
                 row = {"label": a.label, "method": method, "caching": caching, "dp": a.dp, "prefix": a.prefix,
@@ -170,7 +181,12 @@ def main() -> None:
                        "ttft_ms": r["ttft_ms"], "itl_ms": r["itl_ms"], "tpot_ms": r["tpot_ms"],
                        "acceptance_rate": r["acceptance_rate"], "completed": r["completed"], "failed": r["failed"],
                        "server_queue_ms": r.get("server_queue_ms"), "server_prefill_ms": r.get("server_prefill_ms"),
-                       "server_ttft_ms": r.get("server_ttft_ms"), "output_tokens": r["total_output_tokens"]}
+                       "server_ttft_ms": r.get("server_ttft_ms"), "output_tokens": r["total_output_tokens"],
+                       # tokens a step and a step's time: fewer tokens a step served = emptier batches (the
+                       # closed-loop clients' gaps), a longer step = more work in it or host time around it
+                       "served_steps": r["steps"], "served_ms_per_step": r["ms_per_step"],
+                       "offline_steps": off_row["steps"] if off_row else None,
+                       "offline_ms_per_step": off_row["ms_per_step"] if off_row else None}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "requests": a.requests,
@@ -178,7 +194,7 @@ def main() -> None:
     with open(a.json, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     print(f"{'method':<12}{'caching':>8}{'clients':>8}{'served tok/s':>13}{'offline':>9}{'ratio':>7}{'TTFT p50':>9}{'TTFT p99':>9}"
-          f"{'ITL p50':>8}{'ITL p99':>8}{'accept':>8}{'queue':>7}{'prefill':>8}{'srv TTFT':>9}")
+          f"{'ITL p50':>8}{'ITL p99':>8}{'accept':>8}{'queue':>7}{'prefill':>8}{'srv TTFT':>9}{'steps s/o':>13}{'ms/step s/o':>13}")
     for r in rows:
         off = f"{r['offline_tok_s']:.0f}" if r["offline_tok_s"] else "-"
         ratio = f"{r['served_over_offline']:.2f}" if r["served_over_offline"] else "-"
@@ -186,7 +202,8 @@ def main() -> None:
         print(f"{r['method']:<12}{'on' if r['caching'] else 'off':>8}{r['client_workers']:>8}{r['served_tok_s']:>13.0f}{off:>9}{ratio:>7}"
               f"{r['ttft_ms']['median']:>9.1f}{r['ttft_ms']['p99']:>9.1f}{r['itl_ms']['median']:>8.2f}"
               f"{r['itl_ms']['p99']:>8.2f}{acc:>8}{r['server_queue_ms'] or 0:>7.1f}{r['server_prefill_ms'] or 0:>8.1f}"
-              f"{r['server_ttft_ms'] or 0:>9.1f}")
+              f"{r['server_ttft_ms'] or 0:>9.1f}{r['served_steps']:>7}/{r['offline_steps'] or 0:<5}"
+              f"{r['served_ms_per_step']:>7.2f}/{r['offline_ms_per_step'] or 0:<5.2f}")
 
 
 if __name__ == "__main__":

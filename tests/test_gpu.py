@@ -93,6 +93,15 @@ def test_triton_kernels_match_reference(dtype):
     ops.head_rms_norm_(q_ref, qw, kw, H, KV, D, 1e-6)
     ops.head_rms_norm_(q_gpu, qw.cuda(), kw.cuda(), H, KV, D, 1e-6)
     assert rel(q_gpu, q_ref) < tol
+    # the per-head norms inside the rotary kernel (Qwen3) = the norms, then rotation and store
+    cos, sin = torch.randn(200, D // 2, generator=g), torch.randn(200, D // 2, generator=g)
+    kc, vc = torch.zeros(NB, BS, KV, D, dtype=dtype), torch.zeros(NB, BS, KV, D, dtype=dtype)
+    q_ref = qkv.clone()
+    ops.rope_and_store(q_ref, cos, sin, meta, kc, vc, H, KV, D, (qw, kw, 1e-6))
+    q_gpu, kg, vg = qkv.cuda(), torch.zeros_like(kc).cuda(), torch.zeros_like(vc).cuda()
+    ops.rope_and_store(q_gpu, cos.cuda(), sin.cuda(), ops.AttnMeta(pos.cuda(), slots.cuda(), None), kg, vg, H, KV, D,
+                       (qw.cuda(), kw.cuda(), 1e-6))
+    assert rel(q_gpu, q_ref) < tol and rel(kg, kc) < tol and rel(vg, vc) < tol
 
 
 def test_forward_layout_kernel_matches_reference():

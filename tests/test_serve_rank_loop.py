@@ -1,5 +1,5 @@
-"""A serving rank's loop (server/rank.py) over a stand-in engine: each step's tokens reach the frontend, and an
-idle rank waits on its inbox instead of spinning."""
+"""A serving rank's loop (server/rank.py) over a stand-in engine: each step's tokens reach the frontend (sent
+while the next step runs, or at once when none follows), and an idle rank waits on its inbox instead of spinning."""
 import os
 import socket
 import threading
@@ -19,7 +19,7 @@ class OneTokenEngine:
         self.pool = SimpleNamespace(num_free=1, num_blocks=1, queries=0, hits=0)
         self.counters = SimpleNamespace(preemptions=0)
         self.spec_len = SimpleNamespace(used={0: 0})
-        self.step_no, self.finished, self.idle_checks = 0, 0, 0
+        self.step_no, self.finished, self.idle_checks, self.overlapped = 0, 0, 0, 0
 
     def stop_followers(self):          # tensor parallelism: none here
         pass
@@ -36,10 +36,13 @@ class OneTokenEngine:
             self.idle_checks += 1
         return bool(self.running or self.waiting)
 
-    def step(self, received=0):
+    def step(self, received=0, while_device_runs=None):
         self.running += self.waiting
         self.waiting.clear()
         self.step_no += 1
+        if while_device_runs is not None:        # as the engine does, while "the device runs" this step
+            self.overlapped += 1
+            while_device_runs()
         self.spec_len.used[0] += 1
         outs = []
         for r in list(self.running):
@@ -80,6 +83,7 @@ def test_every_step_reaches_the_frontend_and_an_idle_rank_waits():
             tokens += new
             finish = fin
     assert tokens == [7] * 5 and finish == "length"
+    assert engine.overlapped == 5        # each step's tokens went out from the next step or once idle
     conn.send(("shutdown",))
     assert conn.poll(30) and conn.recv() == ("bye", 0)
     rank.join(30)

@@ -9,7 +9,7 @@ A forward's N tokens choose top_k experts each: P = N * top_k token-expert pairs
 2. `_up_kernel`: per (block, column block) one grouped GEMM of the block's tokens with its expert's gate and
    up rows, the activation fused (SiLU-and-mul, or GPT-OSS's clamped SwiGLU): act [P, I] by pair.
 3. `_down_kernel`: act @ down^T (+ bias) times the pair's routing weight: y [P, hidden] by pair.
-4. `_sum_kernel`: each token's sum over its top_k pairs (those held here), in pair order.
+4. `_sum_kernel`: each token's sum over its top_k pairs (those held here).
 Every size is a function of N, top_k and the experts held, and every count the data decides (how many blocks
 an expert fills) is read from device memory, so a CUDA graph holds all four.
 """
@@ -157,17 +157,18 @@ def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, pairs_ptr, block_expert_ptr, y_ptr
 
 
 @triton.jit
-def _sum_kernel(y_ptr, idx_ptr, out_ptr, TOPK, H, E, stride_y, stride_o, BLOCK: tl.constexpr):
+def _sum_kernel(y_ptr, idx_ptr, out_ptr, TOPK, H, E, stride_y, stride_o, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < H
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for j in range(0, TOPK):
-        p = t * TOPK + j
-        e = tl.load(idx_ptr + p)
-        if (e >= 0) & (e < E):
-            acc += tl.load(y_ptr + p.to(tl.int64) * stride_y + c, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t.to(tl.int64) * stride_o + c, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    # the token's top_k rows in one load (a loop of dependent loads waits on memory top_k times)
+    j = tl.arange(0, K_BLOCK)
+    p = t * TOPK + j
+    e = tl.load(idx_ptr + p, mask=j < TOPK, other=-1)
+    held = (j < TOPK) & (e >= 0) & (e < E)
+    y = tl.load(y_ptr + p.to(tl.int64)[:, None] * stride_y + c[None, :], mask=held[:, None] & ok[None, :], other=0.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + c, tl.sum(y.to(tl.float32), 0).to(out_ptr.dtype.element_ty),
+             mask=ok)
 
 
 # Tiles by average pairs per expert. Decode sizes chosen by sweeping on an H200 (benchmarks/moe_kernel.py, the
@@ -243,8 +244,9 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
         act_out.stride(0), down.stride(0), down.stride(1), db_stride, y.stride(0), *dss,
         BLOCK_M=BM, BLOCK_N=t["DOWN_N"], BLOCK_K=min(t["BLOCK_K"], _pow2(I)), HAS_BIAS=down_bias is not None,
         PREC=prec, ROUND_W=round_weights, W_FP8=fp8, W_ROWS=d_rows, num_warps=t["warps"], num_stages=t["stages"])
-    BLOCK = min(_pow2(H), 1024)
-    _sum_kernel[(N, triton.cdiv(H, BLOCK))](y, idx, out, K, H, E, y.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+    BLOCK = min(_pow2(H), 4096 // _pow2(K), 1024)
+    _sum_kernel[(N, triton.cdiv(H, BLOCK))](y, idx, out, K, H, E, y.stride(0), out.stride(0), K_BLOCK=_pow2(K),
+                                            BLOCK=BLOCK, num_warps=4)
     return out
 
 

@@ -87,14 +87,20 @@ def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
 
 
 def rope_and_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttnMeta,
-                   k_cache: torch.Tensor, v_cache: torch.Tensor, H: int, KV: int, D: int) -> None:
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, H: int, KV: int, D: int,
+                   head_norms: tuple | None = None) -> None:
     """Rotate q and k of qkv [N, (H + 2 KV) * D] in place (rotate-half convention); store k and v
     into the caches [blocks, BS, KV, D] at meta.slot_mapping. cos, sin: [max_pos, rot // 2] float32, where
-    rot = D, or with a partial rotary factor the leading rot dims of each head (the rest pass through)."""
+    rot = D, or with a partial rotary factor the leading rot dims of each head (the rest pass through).
+    `head_norms` (q_weight, k_weight, eps): `head_rms_norm_` first (on CUDA in the same kernel)."""
     rot = 2 * cos.shape[-1]
     if qkv.is_cuda and rot == D:
-        _triton().rope_and_store(qkv, cos, sin, meta.positions, meta.slot_mapping, k_cache, v_cache, H, KV, D)
+        _triton().rope_and_store(qkv, cos, sin, meta.positions, meta.slot_mapping, k_cache, v_cache, H, KV, D,
+                                 head_norms)
         return
+    if head_norms is not None:
+        q_weight, k_weight, eps = head_norms
+        head_rms_norm_(qkv, q_weight, k_weight, H, KV, D, eps)
     x = qkv.view(qkv.shape[0], H + 2 * KV, D)
     rotate(x[:, :H + KV, :rot], cos, sin, meta.positions)
     store_kv(x[:, H:H + KV], x[:, H + KV:], meta, k_cache, v_cache)

@@ -152,10 +152,10 @@ def forward_layout(start, n_real, out_start, block_table, T: int, W: int, block_
 # rotary embedding + KV store
 
 @triton.jit
-def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache, v_cache,
+def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache, v_cache, qw_ptr, kw_ptr, eps,
                        stride_t, stride_ct, stride_kslot, stride_kh, stride_vslot, stride_vh,
                        H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t)
@@ -171,6 +171,16 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache, v_
     p1 = base + h[:, None] * D + i[None, :]
     x1 = tl.load(p1, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(p1 + HALF, mask=ok, other=0.0).to(tl.float32)
+    if NORM:        # Qwen3's per-head q/k RMSNorm first, rounded as `_head_rms_norm_kernel` rounds it
+        dt = qkv_ptr.dtype.element_ty
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]
+        is_q = (h < H)[:, None]
+        w1 = tl.where(is_q, tl.load(qw_ptr + i, mask=i_ok, other=0.0).to(tl.float32)[None, :],
+                      tl.load(kw_ptr + i, mask=i_ok, other=0.0).to(tl.float32)[None, :])
+        w2 = tl.where(is_q, tl.load(qw_ptr + HALF + i, mask=i_ok, other=0.0).to(tl.float32)[None, :],
+                      tl.load(kw_ptr + HALF + i, mask=i_ok, other=0.0).to(tl.float32)[None, :])
+        x1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        x2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     y1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(qkv_ptr.dtype.element_ty)
     y2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(qkv_ptr.dtype.element_ty)
     tl.store(p1, y1, mask=ok)
@@ -190,18 +200,21 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache, v_
              v.to(v_cache.dtype.element_ty), mask=vok)
 
 
-def rope_and_store(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, H: int, KV: int, D: int) -> None:
+def rope_and_store(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, H: int, KV: int, D: int,
+                   head_norms: tuple | None = None) -> None:
     """qkv [N, (H + 2 KV) * D] contiguous rows: rotate q and k in place, store k, v at `slot_mapping`
-    (flat slots of caches [blocks, BS, KV, D]). cos, sin [max_pos, D // 2] float32."""
+    (flat slots of caches [blocks, BS, KV, D]). cos, sin [max_pos, D // 2] float32. `head_norms` (q_weight,
+    k_weight, eps): each q and k head's RMSNorm first (`head_rms_norm_`'s numbers, one kernel fewer)."""
     N = qkv.shape[0]
     if N == 0:
         return
     kf = k_cache.view(-1, KV, D)
     vf = v_cache.view(-1, KV, D)
-    _rope_store_kernel[(N,)](qkv, cos, sin, positions, slot_mapping, kf, vf,
+    qw, kw, eps = head_norms or (qkv, qkv, 0.0)
+    _rope_store_kernel[(N,)](qkv, cos, sin, positions, slot_mapping, kf, vf, qw, kw, float(eps),
                              qkv.stride(0), cos.stride(0), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
                              H=H, KV=KV, D=D, HALF=D // 2, BLOCK_H=_pow2(H + KV), BLOCK_HALF=_pow2(D // 2),
-                             BLOCK_D=_pow2(D), num_warps=4)
+                             BLOCK_D=_pow2(D), NORM=head_norms is not None, num_warps=4)
 
 
 @triton.jit

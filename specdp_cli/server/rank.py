@@ -43,6 +43,15 @@ def serve_rank(engine, dp, job: dict) -> None:
         with send_lock:
             conn.send(msg)
 
+    # A step's tokens go out while the device runs the next step (`engine.step`'s `while_device_runs`),
+    # off the step's critical path; sooner when no next step follows at once, and before any other message
+    # (an abort's answer must not overtake the tokens before it).
+    pending = []
+
+    def flush() -> None:
+        if pending:
+            send(pending.pop())
+
     shutting_down = False
     active = False            # lockstep: stepping together until a step finds no work on any rank
     received = 0              # messages from the frontend (see the module docstring)
@@ -50,6 +59,7 @@ def serve_rank(engine, dp, job: dict) -> None:
     sent_state = None             # the scheduler state last reported (/metrics): sent again when it changes
     while True:
         if not active and not engine.has_work:
+            flush()
             if shutting_down:
                 break
             dp.publish(engine.step_no, "waiting for requests")
@@ -62,6 +72,8 @@ def serve_rank(engine, dp, job: dict) -> None:
             except queue.Empty:
                 break
         received += sum(1 for m in msgs if m != ("shutdown", "link lost"))
+        if msgs:
+            flush()
         for msg in msgs:
             kind = msg[0]
             if kind == "add":
@@ -84,9 +96,10 @@ def serve_rank(engine, dp, job: dict) -> None:
         if not dp.lockstep and not engine.has_work:
             active = False                    # wait for the next message (above), not spin
             continue
-        outs = engine.step(received)
+        outs = engine.step(received, while_device_runs=flush)
         active = outs is not None
         if outs is None:
+            flush()
             continue
         # the frontend detokenizes (link.py): a finished request's text is its tokens', cut where a stop string starts
         events = [(o.seq.req.id, o.new_tokens, o.seq.finish_reason if o.finished else None,
@@ -97,7 +110,8 @@ def serve_rank(engine, dp, job: dict) -> None:
             used = engine.spec_len.used
             delta = {k: n - sent_k.get(k, 0) for k, n in used.items() if n != sent_k.get(k, 0)}
             sent_k, sent_state = dict(used), state
-            send(("out", events, delta, state))      # at once: a request's first and last tokens wait for it
+            pending.append(("out", events, delta, state))
+    flush()
     engine.stop_followers()      # tensor parallelism: the followers' loops end
     send(("bye", dp.rank))
 

@@ -175,15 +175,16 @@ class CausalLM:
         N = h.shape[0]
         H, KV, D = self.H, self.KV, self.D
         qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
+        head_norms = None
         if layer.q_norm is not None:
             if layer.qk_norm_whole:
                 q, k = qkv[:, :H * D], qkv[:, H * D:(H + KV) * D]
                 q.copy_(ops.rms_norm(q.contiguous(), layer.q_norm, self.eps))
                 k.copy_(ops.rms_norm(k.contiguous(), layer.k_norm, self.eps))
-            else:
-                ops.head_rms_norm_(qkv, layer.q_norm, layer.k_norm, H, KV, D, self.eps)
+            else:                  # Qwen3's per-head norms: in the rotary kernel
+                head_norms = (layer.q_norm, layer.k_norm, self.eps)
         cos, sin = layer.rope or (self.cos, self.sin)
-        ops.rope_and_store(qkv, cos, sin, meta, k_cache, v_cache, H, KV, D)
+        ops.rope_and_store(qkv, cos, sin, meta, k_cache, v_cache, H, KV, D, head_norms)
         q = qkv[:, :H * D].view(N, H, D)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window, layer.sinks)
         return self._row_parallel(out.reshape(N, -1), layer.o, layer.o_bias)
