@@ -48,6 +48,9 @@ class SpeculativeConfig(_Strict):
     num_speculative_tokens_per_batch_size: Optional[list[list[int]]] = None
     adaptive: bool = False                       # choose k (0..num_speculative_tokens) every step from measurements
     quantization: Optional[Literal["fp8"]] = None   # the draft model's weights quantized at load (as `quantization`)
+    # vLLM's name: 1 = the drafter replicated on every process of a DP rank's TP group, or tensor_parallel_size =
+    # split over it as the target is; unset: the method's own (replicated; mtp: split). Checked by preflight.
+    draft_tensor_parallel_size: Optional[int] = Field(None, ge=1)
 
     @field_validator("method")
     @classmethod

@@ -35,6 +35,8 @@ class Plan:
     ranks_per_machine: int = 1                    # DP ranks on each machine
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1                 # processes (GPUs) of each DP rank
+    draft_tensor_parallel_size: int = 1           # 1: the drafter replicated on each process; tp: split as the target;
+                                                  # 0: no drafter model (ngram, none)
     gpus: int = 0                                 # GPUs visible on this machine when resolved (device cuda / auto)
     model_name: str = ""
     num_blocks: Optional[int] = None              # KV blocks: cache.num_blocks, the CPU default, or None (a GPU sizes it)
@@ -135,11 +137,23 @@ def resolve(cfg: Config, dirs: tuple[ModelDir | None, ModelDir | None] | None = 
                     "nccl" if device == "cuda" else "gloo"),
                 dp_sync=dp_sync, policy=policy, drafter_max_model_len=D, no_draft_window=window,
                 ranks_per_machine=ranks_per_machine(par), data_parallel_size=par.data_parallel_size,
-                tensor_parallel_size=max(1, par.tensor_parallel_size),
+                tensor_parallel_size=max(1, par.tensor_parallel_size), draft_tensor_parallel_size=draft_tp(cfg),
                 gpus=gpus,
                 model_name=cfg.server.model_name or (target.name if target else os.path.basename(cfg.model)),
                 num_blocks=memory["num_blocks"] if memory and memory["source"] != "gpu" else cfg.cache.num_blocks,
                 expert_parallel=expert_parallel, speculation=speculation(cfg), memory=memory)
+
+
+def draft_tp(cfg: Config) -> int:
+    """The drafter's TP size: `speculative.draft_tensor_parallel_size` where set (preflight checks it is 1 or
+    tensor_parallel_size), else the method's own: the MTP layer split as its target, any other drafter
+    replicated (1); 0 for a method without a drafter model (ngram, none)."""
+    spec, tp = cfg.speculative, max(1, cfg.parallel.tensor_parallel_size)
+    if not METHODS[spec.method].forward:
+        return 0
+    if spec.draft_tensor_parallel_size is not None:
+        return spec.draft_tensor_parallel_size
+    return tp if METHODS[spec.method].in_target else 1
 
 
 def speculation(cfg: Config) -> dict:
@@ -170,9 +184,11 @@ def _memory(cfg: Config, device: str, dtype: str, expert_parallel: bool, target:
     tp = cfg.parallel.tensor_parallel_size
     weights = int(target.weight_bytes(dtype, kept["target"]) * target.loaded_share(mtp, experts_held, tp))
     per_token = int(target.kv_bytes_per_token(dtype) * target.kv_share(tp))
-    if drafter:
-        weights += drafter.weight_bytes(dtype, kept["drafter"])
-        per_token += drafter.kv_bytes_per_token(dtype)
+    if drafter:                      # a draft model split over the TP group holds its share, as the target
+        split = draft_tp(cfg) if meth.separate_lm else 1
+        share = drafter.loaded_share(tp=split) if split > 1 else 1.0
+        weights += int(drafter.weight_bytes(dtype, kept["drafter"]) * share)
+        per_token += int(drafter.kv_bytes_per_token(dtype) * drafter.kv_share(split))
     if mtp:                          # the MTP layer caches like one of the target's layers (split as they are)
         per_token += int(kv_bytes_per_token(target.kv_shapes()[:1], DTYPE_BYTES.get(dtype, 4)) * target.kv_share(tp))
     per_seq = -(-M // c.block_size)                         # blocks of one full-length sequence
@@ -187,7 +203,7 @@ def _memory(cfg: Config, device: str, dtype: str, expert_parallel: bool, target:
         budget = c.gpu_memory_utilization * total - (total - free) - weights - ACTIVATION_RESERVE
         blocks, source = max(0, int(budget // max(per_token * c.block_size, 1))), "gpu"
     return {"weight_bytes": weights, "kv_bytes_per_token": per_token, "block_size": c.block_size,
-            "tensor_parallel_size": max(1, cfg.parallel.tensor_parallel_size),
+            "tensor_parallel_size": max(1, cfg.parallel.tensor_parallel_size), "draft_tensor_parallel_size": draft_tp(cfg),
             "num_blocks": blocks, "source": source, "device_total": total, "sequence_blocks": per_seq,
             "weights_per_token": target.weights_per_token(dtype, kept["target"]), "quantization": fp8["target"],
             "drafter_quantization": fp8["drafter"]}

@@ -61,6 +61,7 @@ class Report:
             "kv_cache": self.kv_cache,
             "weights_per_token": (p.memory or {}).get("weights_per_token"),
             "layout": {"data_parallel_size": p.data_parallel_size, "tensor_parallel_size": p.tensor_parallel_size,
+                       "draft_tensor_parallel_size": p.draft_tensor_parallel_size or None,
                        "processes": p.data_parallel_size * p.tensor_parallel_size,
                        "processes_per_machine": p.ranks_per_machine * p.tensor_parallel_size,
                        "gpus_per_machine": p.gpus if p.device == "cuda" else None,
@@ -141,7 +142,7 @@ def run_preflight(cfg: Config) -> Report:
         report.add("vocab", _vocab(target, drafter, tokenizer, drafter_tokenizer))
 
     # 4. parallel --------------------------------------------------------------------------------
-    report.add("parallel", _parallel(cfg, plan, target))
+    report.add("parallel", _parallel(cfg, plan, target, drafter))
 
     # 5. policy ----------------------------------------------------------------------------------
     report.add("policy", _policy(cfg, plan))
@@ -247,7 +248,7 @@ def _supported(role: str, md: ModelDir) -> tuple[str, str]:
         return "error", f"{role} {md.path}: {e}."
 
 
-def _parallel(cfg: Config, plan: Plan, target: ModelDir | None) -> list[tuple[str, str]]:
+def _parallel(cfg: Config, plan: Plan, target: ModelDir | None, drafter: ModelDir | None = None) -> list[tuple[str, str]]:
     par = cfg.parallel
     out: list[tuple[str, str]] = []
     dp, machines, tp = par.data_parallel_size, par.num_machines, par.tensor_parallel_size
@@ -287,6 +288,7 @@ def _parallel(cfg: Config, plan: Plan, target: ModelDir | None) -> list[tuple[st
         out += _expert_parallel(cfg, target, moe)
     if tp > 1:
         out += _tensor_parallel(cfg, target, tp)
+    out += _draft_tensor_parallel(cfg, plan, drafter, tp)
     layout = (f"{dp} rank(s)" if tp == 1 else
               f"layout {dp} x {tp}: {dp} DP rank(s) of {tp} tensor-parallel processes ({dp * tp} processes)")
     out.insert(0, ("ok", f"{layout} on {machines} machine(s), {per_machine} per machine, "
@@ -300,22 +302,21 @@ TP_METHODS = ("none", "ngram", "draft_model", "eagle", "eagle3", "mtp")
 
 def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tuple[str, str]]:
     """parallel.tensor_parallel_size > 1: what this step of tensor parallelism runs (dense decoders split by heads
-    and MLP columns, mixture-of-experts decoders by each expert's columns too, latent attention by heads, a
-    replicated draft model or EAGLE head, or DeepSeek-V3's MTP layer split as its target) and the target's shape
-    allows."""
+    and MLP columns, mixture-of-experts decoders by each expert's columns too, latent attention by heads, block-FP8
+    weights with their block scales where every split falls on a block boundary, a replicated EAGLE head, or
+    DeepSeek-V3's MTP layer split as its target; a draft model's layout: _draft_tensor_parallel) and the target's
+    shape allows."""
     from .runtime.models.registry import families
-    from .runtime.models.tensor_parallel import expert_intermediate, is_latent, refusal, shared_intermediate
+    from .runtime.models.tensor_parallel import (expert_intermediate, fp8_refusal, is_latent, refusal,
+                                                 shared_intermediate)
 
     out: list[tuple[str, str]] = []
     method = cfg.speculative.method
     if method not in TP_METHODS:
         out.append(("error", f"tensor_parallel_size {tp} with speculative.method {method} is not supported yet "
-                             f"(supported: {', '.join(TP_METHODS)}: a draft model or EAGLE head replicated on every "
-                             f"process, DeepSeek-V3's MTP layer split as its target): set tensor_parallel_size: 1 or another "
-                             f"method."))
-    if cfg.quantization or cfg.speculative.quantization or (target is not None and target.quantization is not None):
-        out.append(("error", f"tensor_parallel_size {tp} with FP8 weights is not supported yet: set "
-                             f"tensor_parallel_size: 1, or use a high-precision checkpoint without quantization."))
+                             f"(supported: {', '.join(TP_METHODS)}: a draft model replicated on every process or split "
+                             f"as the target, an EAGLE head replicated, DeepSeek-V3's MTP layer split as its target): set "
+                             f"tensor_parallel_size: 1 or another method."))
     if target is None:
         return out
     supported = sorted(a for a, f in families().items() if f.tensor_parallel)
@@ -327,7 +328,7 @@ def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tupl
         out.append(("error", f"tensor_parallel_size {tp}: the target's {fam.architecture} cannot be split over a "
                              f"TP group yet (supported: {', '.join(supported)}): set tensor_parallel_size: 1."))
         return out
-    why = refusal(target.config, tp)
+    why = refusal(target.config, tp) or fp8_refusal(target.tensor_headers, target.config, tp)
     if why:
         out.append(("error", why))
         return out
@@ -338,10 +339,17 @@ def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tupl
     if is_latent(target.config):
         kv = ("latent attention by heads (q_b_proj / q_proj, kv_b_proj, o_proj; the latents' projections "
               "replicated), each process caching its heads' keys and values")
-    drafter = (" The MTP layer is split as the target." if METHODS[method].in_target else
-               " The EAGLE head is replicated on every process (it reads the target's split embedding and LM head "
-               "through the target's collectives; its own are whole)." if METHODS[method].after_verify else
-               " The drafter is replicated on every process." if METHODS[method].forward else "")
+    notes = (" The MTP layer is split as the target." if METHODS[method].in_target else
+             " The EAGLE head is replicated on every process (it reads the target's split embedding and LM head "
+             "through the target's collectives; its own are whole)." if METHODS[method].after_verify else
+             "")                                  # a draft model's layout: _draft_tensor_parallel
+    if target.quantization is not None:
+        b = target.quantization.block
+        notes += (f" The FP8 weights are split with their {b[0]}x{b[1]} block scales (every split on a block "
+                  f"boundary: each process holds whole blocks).")
+    elif cfg.quantization == "fp8":
+        notes += (" With quantization: fp8 each process quantizes its slice of a linear layer as it loads "
+                  "(128x128 blocks of the slice: the unsplit model's blocks where the splits fall on multiples of 128).")
     field, inter = expert_intermediate(target.config)
     experts = (f"; each routed expert's {inter} columns ({field}) split {inter // tp} per process, the router "
                f"replicated" if inter else "")
@@ -352,8 +360,69 @@ def _tensor_parallel(cfg: Config, target: ModelDir | None, tp: int) -> list[tupl
              "embedding and LM head replicated")
     out.append(("ok", f"tensor parallel: the target's {H} query heads split {H // tp} per process, {kv}; MLP columns "
                       f"split{experts}; {vocab}; every decision is made by each TP group's first "
-                      f"process and sent to the others each step.{drafter}"))
+                      f"process and sent to the others each step.{notes}"))
     return out
+
+
+def _draft_tensor_parallel(cfg: Config, plan: Plan, drafter: ModelDir | None, tp: int) -> list[tuple[str, str]]:
+    """speculative.draft_tensor_parallel_size (vLLM's name): 1, the drafter replicated on every process of a DP
+    rank's TP group, or tensor_parallel_size, split over it as a target of its family is. A draft model may be
+    either; an EAGLE head is replicated (1); the MTP layer is split as its target (tensor_parallel_size); n-gram
+    and none have no drafter model. With tp > 1 the drafter's layout is reported."""
+    from .runtime.models.registry import families
+    from .runtime.models.tensor_parallel import Shard, fp8_refusal, refusal
+
+    spec, meth = cfg.speculative, METHODS[cfg.speculative.method]
+    key, given, dtp = "speculative.draft_tensor_parallel_size", spec.draft_tensor_parallel_size, plan.draft_tensor_parallel_size
+    if given is not None and not meth.forward:
+        return [("error", f"{key} is set but method {spec.method} has no drafter model to replicate or split: remove "
+                          f"it.")]
+    allowed = "1 (the drafter replicated on every process)" + (f" or tensor_parallel_size ({tp}: split over the TP "
+                                                                f"group as the target)" if tp > 1 else "")
+    if given is not None and given not in (1, tp):
+        return [("error", f"{key} {given}: the allowed values are {allowed}.")]
+    if meth.after_verify and not meth.in_target and dtp > 1:
+        return [("error", f"{key} {dtp} with method {spec.method}: the EAGLE head is replicated on every process "
+                          f"(one decoder layer; it reads the target's split embedding and LM head through the target's "
+                          f"collectives): set {key}: 1, or leave it unset.")]
+    if meth.in_target and tp > 1 and dtp != tp:
+        return [("error", f"{key} {dtp} with method mtp: the MTP layer lives in the target's checkpoint and is split "
+                          f"over the TP group as the target is: set {key}: {tp} (tensor_parallel_size), or leave it "
+                          f"unset.")]
+    if tp == 1 or not meth.separate_lm:
+        return []
+    if dtp == 1:
+        return [("ok", "The draft model is replicated on every process of a TP group (each runs it whole over the "
+                       f"same rows; {key}: {tp} splits it as the target).")]
+    if drafter is None:
+        return []
+    instead = f"set {key}: 1 (the drafter replicated on every process)"
+    try:
+        fam = family_of(drafter.config)
+    except UnsupportedModel:
+        return []                            # the files check says why
+    if not fam.tensor_parallel:
+        supported = ", ".join(sorted(a for a, f in families().items() if f.tensor_parallel))
+        return [("error", f"{key} {dtp}: the drafter's {fam.architecture} cannot be split over a TP group yet "
+                          f"(supported: {supported}): {instead}.")]
+    why = (refusal(drafter.config, dtp, key, "drafter", instead)
+           or fp8_refusal(drafter.tensor_headers, drafter.config, dtp, key, instead))
+    V = int(drafter.get("vocab_size") or 0)
+    rows = next((shape[0] for name, (_, shape) in drafter.tensor_headers.items()
+                 if shape and Shard.is_vocab(name) and shape[0] != V), None) if V else None
+    if why is None and rows is not None:
+        why = (f"{key} {dtp}: the drafter's embedding or LM head has {rows} rows but its config.json's vocab_size is "
+               f"{V}, and a split drafter is split by vocab_size: {instead}.")
+    if why:
+        return [("error", why)]
+    H, KV = int(drafter.get("num_attention_heads")), int(drafter.get("num_key_value_heads") or drafter.get("num_attention_heads"))
+    kv = (f"its {KV} KV heads {KV // dtp} per process" if dtp <= KV else
+          f"its {KV} KV head(s) replicated ({dtp // KV} copies each)")
+    return [("ok", f"The draft model is split over the TP group as the target ({key} {dtp}): its {H} query heads "
+                   f"{H // dtp} per process, {kv} (its KV cache per process shrinks with them), MLP columns split, "
+                   f"embedding and LM head by vocabulary ({V} rows, {-(-V // dtp)} per process); its forwards all-reduce "
+                   f"over the TP group." + (" speculative.quantization: fp8 quantizes each process's slice as it loads."
+                                            if spec.quantization else ""))]
 
 
 def _expert_parallel(cfg: Config, target: ModelDir | None, moe: bool) -> list[tuple[str, str]]:
@@ -545,6 +614,8 @@ def _memory(cfg: Config, plan: Plan, report: Report) -> list[tuple[str, str]]:
     report.kv_cache = {"block_size": bs, "num_blocks": blocks, "tokens": tokens, "sequences": seqs}
     tp = m.get("tensor_parallel_size", 1)
     over_dp = ", experts over the DP ranks" if plan.expert_parallel else ""
+    if tp > 1 and METHODS[cfg.speculative.method].separate_lm:
+        over_dp += "; the draft model's too" if plan.draft_tensor_parallel_size > 1 else "; the draft model whole"
     per = (f" per GPU (tensor_parallel_size {tp}: attention and MLP split{over_dp})" if tp > 1 else
            " per rank (experts split)" if plan.expert_parallel else "")
     numbers = (f"weights {_fmt_bytes(weights)}{with_mtp}{per}; "

@@ -26,7 +26,8 @@ def print_report(report: Report, console: Console, title: str = "specdp prefligh
         if p.tensor_parallel_size > 1:
             w = (p.memory or {}).get("weight_bytes")
             layout = (f"layout {p.data_parallel_size} x {p.tensor_parallel_size} (dp x tp)"
-                      + (f", weights {w / 2**20:.1f} MiB per GPU" if w is not None else "") + "; ")
+                      + (f", weights {w / 2**20:.1f} MiB per GPU" if w is not None else "")
+                      + {0: "", 1: ", drafter replicated"}.get(p.draft_tensor_parallel_size, ", drafter split") + "; ")
         console.print(f"[green]OK[/]: {layout}policy {p.policy}, dp_sync {p.dp_sync}, drafter limit D = "
                       f"{p.drafter_max_model_len}, no-draft window {window}"
                       + (f" ({len(report.warnings)} warning(s))" if report.warnings else ""))

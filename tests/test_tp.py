@@ -359,6 +359,111 @@ class ThreadPackages:
         return Member()
 
 
+@pytest.fixture(scope="module")
+def fp8_targets(tmp_path_factory, models, deepseek_targets):
+    """Block-FP8 checkpoints in the published layout (test_fp8.fp8_pair), each with its dequantized float32 copy: the
+    Llama target in 16 x 32 blocks and DeepSeek-V3 with its MTP layer in 16 x 16 (every tp 2 split falls on a block
+    boundary), and the Llama in 128 x 128 blocks (tp 2 would split its 64 rows at 32, inside a block)."""
+    import shutil
+
+    from test_fp8 import fp8_pair
+
+    root = tmp_path_factory.mktemp("tp_fp8")
+    out = {}
+    for name, src, block in (("llama", models["target"], (16, 32)), ("llama_128", models["target"], (128, 128)),
+                             ("deepseek", deepseek_targets["lora"], (16, 16))):
+        out[name] = fp8_pair(shutil.copytree(src, root / name), block)
+    return out
+
+
+def test_split_fp8_checkpoints_equal_whole(fp8_targets):
+    """tp 2 of block-FP8 checkpoints: each quantized weight read as its process's output rows (column-parallel) or
+    input columns (row-parallel) with the matching rows / columns of its block scales, dequantized at load on the CPU:
+    the logits of the unsplit dequantized checkpoint — the Llama, and DeepSeek-V3 (latent attention, the dense, shared
+    and per-expert routed weights) with its MTP layer."""
+    ids = torch.tensor(prompts_of_lengths([21], seed=3)[0])
+    feats = torch.randn(len(ids), 64, generator=torch.Generator().manual_seed(0))
+    for name in ("llama", "deepseek"):
+        path, ref = fp8_targets[name]
+        mtp = feats if name == "deepseek" else None
+        whole = load_cpu(ref)
+        want = (prefill_logits(whole, ids),) + (() if mtp is None else (mtp_logits(ref, whole, ids, feats)[1],))
+        for rank, (model, *got) in enumerate(split_logits(path, ids, 2, mtp)):
+            assert model.H == (4 // 2) and model.tp is not None
+            for w, g in zip(want, got[::2] if mtp is not None else got):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"{name} rank {rank}")
+
+
+def test_fp8_split_inside_a_block_is_refused(fp8_targets):
+    """128 x 128 blocks over 64 rows: tp 2 would give each process half a block of scales; the load refuses it naming
+    tensor_parallel_size, the weight, where and why (preflight says the same: test_validate_draft_tensor_parallel_size);
+    4 heads of 32 rows in 32 x 32 blocks at tp 2 and 4: whole blocks; 8 heads of 16 rows at tp 8: refused."""
+    from specdp_cli.runtime.models.registry import UnsupportedModel
+    from specdp_cli.runtime.models.tensor_parallel import fp8_refusal
+
+    with pytest.raises(UnsupportedModel, match=r"tensor_parallel_size 2 would split the (output rows|input columns) "
+                                               r"of model\.layers\.\d+\.\S+ \(shape \[\d+, \d+\]\) at \d+, inside one "
+                                               r"of its FP8 blocks of 128x128 .*every split must fall on a multiple of 128"):
+        load_cpu(fp8_targets["llama_128"][0], tp=ThreadGroup(2).member(0))
+    config = {"num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32, "hidden_size": 128,
+              "intermediate_size": 256, "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}
+    headers = {f"model.layers.0.{n}{s}": ("F8_E4M3" if not s else "F32", shape) for n, shape in
+               (("self_attn.q_proj.weight", [128, 128]), ("self_attn.o_proj.weight", [128, 128]),
+                ("mlp.down_proj.weight", [128, 256])) for s, shape in (("", shape), ("_scale_inv", [1, 1]))}
+    assert fp8_refusal(headers, config, 2) is None and fp8_refusal(headers, config, 4) is None
+    why = fp8_refusal(headers, {**config, "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 16}, 8)
+    assert "tensor_parallel_size 8 would split the output rows of model.layers.0.self_attn.q_proj.weight (shape [128, " \
+           "128]) at 16, inside one of its FP8 blocks of 32x32" in why, why
+
+
+def test_fp8_scales_are_cut_in_blocks():
+    """A block-FP8 weight's scales are cut as its weight, a block per bm rows or bn columns: column-parallel rows
+    [64, 128) in 32-row blocks are scale rows [2, 4), row-parallel columns [64, 128) in 16-column blocks scale columns
+    [4, 8), a fused experts tensor's gate and up rows each; without a block (an unquantized checkpoint) a tensor of
+    that name is cut as a weight."""
+    from specdp_cli.runtime.models.tensor_parallel import Shard
+
+    shard = Shard(rank=1, size=2, heads=4, kv_heads=4, head_dim=32, intermediate=128, expert_intermediate=64,
+                  block=(32, 16))
+    assert shard.cut("model.layers.0.self_attn.q_proj.weight_scale_inv") == (0, (slice(2, 4),))
+    assert shard.cut("model.layers.0.self_attn.o_proj.weight_scale_inv") == (1, (slice(4, 8),))
+    assert shard.cut("model.layers.0.mlp.experts.gate_up_proj_scale_inv") == (1, (slice(1, 2), slice(3, 4)))
+    assert shard.cut("model.layers.0.mlp.experts.down_proj_scale_inv") == (2, (slice(2, 4),))
+    assert shard.cut("model.layers.0.input_layernorm.weight_scale_inv") is None
+    assert Shard(rank=1, size=2, heads=4, kv_heads=4, head_dim=32, intermediate=64).cut(
+        "model.layers.0.self_attn.q_proj.weight_scale_inv") == (0, (slice(64, 128),))
+
+
+def test_quantization_fp8_quantizes_each_process_slice(tmp_path, models):
+    """`quantization: fp8` at tp 2: each process quantizes its own slice of every linear layer in 128 x 128 blocks as
+    it loads (dequantized again on the CPU): the logits of the unsplit model whose weights are each process's slice
+    quantized and dequantized so."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from specdp_cli.runtime.models.quant import dequantize, quantizable, quantize_blocks
+    from specdp_cli.runtime.models.tensor_parallel import shard_of
+
+    src = models["target"]
+    config = json.loads((src / "config.json").read_text())
+    ref = shutil.copytree(src, tmp_path / "ref")
+    w = load_file(str(src / "model.safetensors"))
+    for name, t in w.items():
+        if t.dim() != 2 or not quantizable(name):
+            continue
+        for rank in range(2):
+            dim, (part,) = shard_of(config, rank, 2).cut(name)
+            piece = t.narrow(dim, part.start, part.stop - part.start)
+            piece.copy_(dequantize(*quantize_blocks(piece.clone()), (128, 128), torch.float32))
+    save_file(w, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    ids = torch.tensor(prompts_of_lengths([21], seed=4)[0])
+    want = prefill_logits(load_cpu(ref), ids)
+    assert not torch.allclose(want, prefill_logits(load_cpu(src), ids))       # the quantization shows
+    for rank, logits in enumerate(on_threads(2, lambda m: prefill_logits(load_cpu(src, tp=m, quantization="fp8"), ids))):
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
+
+
 def test_step_package_reaches_the_follower_whole(models):
     """A step's package (sizes, staged rows and block table, sampling values, a logits adjustment) is staged on the
     follower exactly as the leader staged it; `stop` ends the follower's loop."""
@@ -434,14 +539,66 @@ def test_validate_shows_the_layout_and_refuses_what_this_step_does_not_run(tmp_p
         assert code == 0, out["errors"]
         assert "The EAGLE head is replicated on every process" in parallel_check(out)["detail"], method
     # refused, each with a sentence naming tensor_parallel_size
-    for bad, words in ((cfg(3), "does not divide the target's 4 attention heads"),
-                       (cfg(2, quantization="fp8"), "FP8")):
-        code, out = validate(bad)
-        assert code == 1 and any("tensor_parallel_size" in e and words in e for e in out["errors"]), out["errors"]
+    code, out = validate(cfg(3))
+    assert code == 1 and any("tensor_parallel_size 3 does not divide the target's 4 attention heads" in e
+                             for e in out["errors"]), out["errors"]
     monkeypatch.setattr(plan_module, "cuda_device_count", lambda: 3)
     monkeypatch.setattr(plan_module, "device_memory", lambda device: (80 << 30, 80 << 30))
     code, out = validate(cfg(2, device="cuda", dtype="bfloat16"))
     assert code == 1 and "does not divide the 3 GPUs" in parallel_check(out)["detail"]
+
+
+def test_validate_draft_tensor_parallel_size(tmp_path, models, copy_draft, eagle_heads, deepseek_targets, fp8_targets):
+    """speculative.draft_tensor_parallel_size: at tp 2 a draft model is replicated (unset or 1) or split (2), the layout
+    says which, and the weights and KV cache per GPU count it split (the draft here is a copy of the target: split it
+    holds what the target holds, its KV cache per process halves too); refused, naming the field and what to set: a
+    value other than 1 or tensor_parallel_size, any value for ngram, 2 for an EAGLE head (replicated), 1 for mtp at tp 2
+    (the MTP layer is split as its target); a block-FP8 target or draft model whose tp 2 split falls inside a 128 x 128
+    block, naming tensor_parallel_size or the draft's field; a split FP8 checkpoint on block boundaries is accepted."""
+    n = itertools.count()
+
+    def check(target=models["target"], draft=copy_draft, tp=2, dtp=None, method="draft_model", **extra):
+        spec = {} if dtp is None else {"draft_tensor_parallel_size": dtp}
+        return validate(dp_config(tmp_path, target, draft if method in ("draft_model", "eagle") else None, dp=1, M=M,
+                                  D=D, method=method, name=f"c{next(n)}.yaml", parallel={"tensor_parallel_size": tp},
+                                  speculative=spec, **extra))
+
+    def refused(words, **kw):
+        code, out = check(**kw)
+        assert code == 1 and any(words in e for e in out["errors"]), out["errors"]
+
+    layouts = {}
+    for dtp in (None, 1, 2):
+        code, out = check(dtp=dtp)
+        assert code == 0, out["errors"]
+        layouts[dtp] = out["layout"]
+        detail = parallel_check(out)["detail"]
+        assert ("The draft model is split over the TP group as the target" if dtp == 2 else
+                "The draft model is replicated on every process") in detail, detail
+    assert layouts[None] == layouts[1] and layouts[1]["draft_tensor_parallel_size"] == 1
+    assert layouts[2]["draft_tensor_parallel_size"] == 2
+    target_alone = check(method="none")[1]["layout"]
+    assert layouts[2]["weight_bytes_per_gpu"] == pytest.approx(2 * target_alone["weight_bytes_per_gpu"], rel=1e-6)
+    assert layouts[2]["kv_bytes_per_token_per_gpu"] == 2 * target_alone["kv_bytes_per_token_per_gpu"]
+    assert layouts[1]["kv_bytes_per_token_per_gpu"] == 3 * target_alone["kv_bytes_per_token_per_gpu"]
+    key = "speculative.draft_tensor_parallel_size"
+    refused(f"{key} 3: the allowed values are 1 (the drafter replicated on every process) or tensor_parallel_size "
+            f"(2: split over the TP group as the target)", dtp=3)
+    refused(f"{key} 2: the allowed values are 1 (the drafter replicated on every process).", tp=1, dtp=2)
+    refused(f"{key} is set but method ngram has no drafter model", dtp=1, method="ngram")
+    refused(f"{key} 2 with method eagle: the EAGLE head is replicated", draft=eagle_heads["eagle"], dtp=2,
+            method="eagle")
+    refused(f"{key} 1 with method mtp: the MTP layer lives in the target's checkpoint and is split over the TP group as "
+            f"the target is: set {key}: 2", target=deepseek_targets["lora"], dtp=1, method="mtp")
+    assert check(target=deepseek_targets["lora"], method="mtp")[0] == 0
+    three_heads = make_model_dir(tmp_path / "three", models["tokenizer"], layers=1, hidden=48, heads=3, kv_heads=1)
+    refused(f"{key} 2 does not divide the drafter's 3 attention heads (num_attention_heads): set {key}: 1 (the drafter "
+            f"replicated on every process).", draft=three_heads, dtp=2)
+    fp8_128, fp8_16 = fp8_targets["llama_128"][0], fp8_targets["llama"][0]
+    refused("tensor_parallel_size 2 would split the", target=fp8_128, draft=models["draft"])
+    refused(f"{key} 2 would split the", draft=fp8_128, dtp=2)
+    code, out = check(target=fp8_16, draft=fp8_16, dtp=2)
+    assert code == 0 and "split with their 16x32 block scales" in parallel_check(out)["detail"], out["errors"]
 
 
 def held_bytes(model) -> int:
@@ -612,10 +769,10 @@ def test_generate_refuses_a_tp_that_does_not_divide_the_heads(tmp_path, models):
 M, D, K = 64, 40, 3          # no-draft window [38, 63]
 
 
-def tp_generate_equals_transformers(tmp_path, target, draft, seed: int, **config) -> tuple[dict, str]:
+def tp_generate_equals_transformers(tmp_path, target, draft, seed: int, reference=None, **config) -> tuple[dict, str]:
     """`generate` over four requests (two crossing the drafter's limit D) with the `dp_config` keywords given:
-    every request's greedy tokens equal transformers' target-only ones and some sequence passes D - K. Returns the
-    summary and the job's output text."""
+    every request's greedy tokens equal transformers' target-only ones (of `reference`, default the target) and some
+    sequence passes D - K. Returns the summary and the job's output text."""
     lengths, max_tokens = [30, 9, 13, 33], [30, 12, 25, 20]
     prompts = prompts_of_lengths(lengths, seed=seed)
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
@@ -626,7 +783,7 @@ def tp_generate_equals_transformers(tmp_path, target, draft, seed: int, **config
     assert r.returncode == 0, r.stdout + r.stderr
     out = read_out(tmp_path / "out.jsonl")
     for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-        ref = hf_reference(target, p, min(n, M - len(p)))
+        ref = hf_reference(reference or target, p, min(n, M - len(p)))
         assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
     assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(prompts))
     return json.load(open(tmp_path / "s.json")), r.stdout + r.stderr
@@ -638,31 +795,38 @@ def copy_draft(tmp_path_factory, models):
     return make_model_dir(tmp_path_factory.mktemp("tp_draft") / "draft", models["tokenizer"], copy_of=models["target"])
 
 
-@pytest.mark.parametrize("dp,dp_sync,draft", [(1, "never", "copy"), (2, "always", "random")])
-def test_tp2_generate_equals_transformers(tmp_path, models, copy_draft, dp, dp_sync, draft):
+@pytest.mark.parametrize("dp,dp_sync,draft", [(1, "never", "fp8"), (2, "always", "random")])
+def test_tp2_generate_equals_transformers(tmp_path, models, fp8_targets, dp, dp_sync, draft):
     """dp x tp 2 processes (gloo): greedy float32 tokens equal transformers' greedy generate, with sequences that
     cross the drafter's limit (D = 40 < M = 64: lengths 38..63 draft nothing); at dp 2 in lockstep with every
-    collective checked (check_collectives: the TP all-reduces and each step package too)."""
+    collective checked (check_collectives: the TP all-reduces and each step package too), the draft model replicated on
+    every process. At dp 1 the target is a block-FP8 checkpoint (16 x 32 blocks: each process reads its whole blocks
+    and their scales, dequantized at load on the CPU; the reference is transformers on the dequantized weights) and the
+    draft model, the dequantized copy, is split over the TP group as the target (draft_tensor_parallel_size 2): its
+    drafts are the target's own tokens, so (nearly) every one is accepted."""
     lengths, max_tokens = [30, 4, 9, 13, 20, 33], [30, 3, 12, 25, 40, 20]
     prompts = prompts_of_lengths(lengths, seed=17)
     inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
                                               for i, (p, n) in enumerate(zip(prompts, max_tokens))])
-    cfg = dp_config(tmp_path, models["target"], copy_draft if draft == "copy" else models["draft"], dp=dp,
-                    dp_sync=dp_sync, k=K, M=M, D=D, check=dp == 2, parallel={"tensor_parallel_size": 2})
+    target, reference = fp8_targets["llama"] if draft == "fp8" else (models["target"], models["target"])
+    cfg = dp_config(tmp_path, target, reference if draft == "fp8" else models["draft"], dp=dp,
+                    dp_sync=dp_sync, k=K, M=M, D=D, check=dp == 2, parallel={"tensor_parallel_size": 2},
+                    speculative={"draft_tensor_parallel_size": 2 if draft == "fp8" else 1})
     r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
                       "--summary-json", tmp_path / "s.json")
     assert r.returncode == 0, r.stdout + r.stderr
     out = read_out(tmp_path / "out.jsonl")
     for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-        ref = hf_reference(models["target"], p, min(n, M - len(p)))
+        ref = hf_reference(reference, p, min(n, M - len(p)))
         assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
     assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(prompts))
     summary = json.load(open(tmp_path / "s.json"))
     assert [x["rank"] for x in summary["ranks"]] == list(range(dp))          # per DP rank
     assert sum(x["requests"] for x in summary["ranks"]) == len(prompts)
-    if draft == "copy":
-        assert summary["num_accepted_tokens"] > 0
+    if draft == "fp8":
+        assert summary["num_accepted_tokens"] >= 0.9 * summary["num_draft_tokens"] > 0, summary
     assert "TP rank 1 of 2" in r.stdout + r.stderr                          # every process's ready line
+    assert ("draft model split over 2 processes" in r.stdout + r.stderr) == (draft == "fp8")
 
 
 def test_tp2_eagle3_generate_equals_transformers(tmp_path, models, eagle_heads):
@@ -756,6 +920,44 @@ def test_serve_at_tp2_equals_generate(tmp_path, models):
         assert got == expected
     finally:
         server.stop()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU with FP8")
+def test_split_fp8_kept_fp8_on_a_gpu_equals_whole(tmp_path, models):
+    """FP8 kept FP8 on a GPU (bf16, W8A8) at tp 2, the two processes threads on one GPU: a 128 x 128-block checkpoint
+    and `quantization: fp8` over a Llama whose every split falls on a 128 boundary (2 heads of 128, intermediate 512):
+    each process's FP8 weights are its whole blocks (its slice quantized, for `quantization: fp8`: the same blocks), and
+    its logits equal the unsplit FP8 model's up to bf16 rounding of the partial sums."""
+    from specdp_cli.runtime.kv_cache import allocate_kv
+    from specdp_cli.runtime.models.loader import load_model
+    from specdp_cli.runtime.models.quant import FP8Weight
+    from specdp_cli.runtime.ops import AttnMeta
+    from test_fp8 import fp8_pair
+
+    src = make_model_dir(tmp_path / "wide", models["tokenizer"], layers=2, hidden=256, heads=2, kv_heads=2, seed=6)
+    checkpoint, _ = fp8_pair(src, (128, 128))
+    dev = torch.device("cuda")
+    ids = torch.tensor(prompts_of_lengths([21], seed=3)[0], device=dev)
+
+    def logits(path, quantization=None, tp=None):
+        model = load_model(str(path), torch.bfloat16, dev, 64, quantization=quantization, tp=tp)
+        o = model.layers[0].o
+        assert isinstance(o, FP8Weight) and o.weight.shape == (256, 256 // (tp.world if tp else 1))
+        allocate_kv(model, num_blocks=4, block_size=16)
+        n = len(ids)
+        meta = AttnMeta(positions=torch.arange(n, device=dev), slot_mapping=torch.arange(n, device=dev) + 16,
+                        block_table=torch.tensor([[1, 2, 3, 0]], dtype=torch.int32, device=dev), T=n)
+        with torch.no_grad():
+            return model.logits(model.forward(ids, meta)).float()
+
+    for path, quantization in ((checkpoint, None), (src, "fp8")):
+        whole = logits(path, quantization)
+        for rank, got in enumerate(on_threads(2, lambda m: logits(path, quantization, m))):
+            err = ((got - whole).norm() / whole.norm()).item()
+            assert err < 2e-2, (str(path), quantization, rank, err)
+            assert (got.argmax(-1) == whole.argmax(-1)).float().mean() > 0.9
 
 
 @pytest.mark.gpu

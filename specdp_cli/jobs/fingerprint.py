@@ -48,6 +48,8 @@ def job_parts(cfg: Config, plan: Plan) -> dict[str, str]:
     if cfg.parallel.tensor_parallel_size > 1:     # split sums round differently (bf16); left out at 1: old jobs resume
         decoding["tensor_parallel_size"] = cfg.parallel.tensor_parallel_size
     meth = METHODS[spec.method]
+    if meth.separate_lm and plan.draft_tensor_parallel_size > 1:    # a split drafter's drafts round differently too
+        decoding["draft_tensor_parallel_size"] = plan.draft_tensor_parallel_size
     if meth.drafts:
         decoding["k"] = spec.num_speculative_tokens
         # the step's k changes seeded sampled tokens (rejection sampling draws depend on the drafts)

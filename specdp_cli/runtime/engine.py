@@ -155,6 +155,8 @@ class Engine:
                            + (" (launch: " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in self.launch.items()) + ")"
                               if self.launch else "")
                            + f"; KV cache {num_blocks} blocks x {cfg.cache.block_size} tokens; {self.graphs} CUDA graphs"
+                           + (f"; draft model split over {self.tp.world} processes"
+                              if draft is not None and draft.tp is not None else "")
                            + (" (enforce_eager)" if cfg.enforce_eager and device.type == "cuda" else "")
                            + (f"; step sync over {dp.sync_transport}" if dp.lockstep else ""))
         self.step_no = 0
@@ -178,7 +180,9 @@ class Engine:
         ep = self.dp if plan.expert_parallel else None
         allocated_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         target = load_model(cfg.model, dtype, device, positions, ep=ep, quantization=cfg.quantization, tp=self.tp)
-        draft = (load_model(spec.model, dtype, device, positions, quantization=spec.quantization)
+        # the draft model replicated on every process of the TP group, or split over it as the target
+        draft = (load_model(spec.model, dtype, device, positions, quantization=spec.quantization,
+                            tp=self.tp if plan.draft_tensor_parallel_size > 1 else None)
                  if meth.separate_lm else None)
         head = (load_head(spec.method, cfg.model if meth.in_target else spec.model, target, dtype, device, positions,
                           ep) if meth.after_verify else None)

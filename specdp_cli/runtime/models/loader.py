@@ -9,7 +9,7 @@ from .decoder import CausalLM
 from .quant import fp8_load, quantization_of
 from .registry import UnsupportedModel, family_of
 from .rotary import rotary_tables, sliding_layer_tables
-from .tensor_parallel import shard_of
+from .tensor_parallel import fp8_refusal, shard_of
 from .weights import rank_experts, read_weights, weight_getter, weights_of
 
 
@@ -18,7 +18,8 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
     """Load a supported Hugging Face causal LM directory as specdp's decoder. `ep`: the DP group over
     which a mixture-of-experts model's routed experts are split (each rank reads only its own).
     `quantization` "fp8": quantize a high-precision checkpoint's linear layers at load (models/quant.py).
-    `tp`: the TP group (dist.TPGroup) over which attention and MLP are split (models/tensor_parallel.py)."""
+    `tp`: the TP group (dist.TPGroup) over which attention and MLP are split (models/tensor_parallel.py): a target,
+    or a draft model split as a target (speculative.draft_tensor_parallel_size)."""
     md = ModelDir.open(path, "model")
     fam = family_of(md.config)
     c = load_config(path, md.config, fam)
@@ -28,6 +29,9 @@ def load_model(path: str, dtype: torch.dtype, device: torch.device, max_len: int
         if not fam.tensor_parallel:
             raise UnsupportedModel(f"{path}: {fam.architecture} cannot be split over a TP group yet")
         shard = shard_of(md.config, tp.rank, tp.world)
+        why = fp8_refusal(md.tensor_headers, md.config, tp.world)
+        if why:
+            raise UnsupportedModel(f"{path}: {why}")
     w = read_weights(md.weight_files, device, weights_of(range(c.num_hidden_layers), experts), shard)
     quant = quantization_of(md.config)
     fp8 = fp8_load(quant, quantization, device, dtype, fam.model_type)

@@ -27,8 +27,16 @@ row-parallel (a head's v_head_dim columns); q_a_proj, kv_a_proj_with_mqa and the
 every head reads — are held whole. specdp caches each head's expanded key and value, so the KV cache splits with
 the heads.
 
-What the engine checks before loading (preflight: `refusal`), and what it loads (`Shard.cut`, read straight from
-the safetensors file: a process never holds another's slice).
+Block-FP8 checkpoints (models/quant.py): a weight [N, K] with one scale per bm x bn block is split with its scales,
+by output rows (column-parallel: the scales' rows N / bm) or input columns (row-parallel: the scales' columns
+K / bn). Every split must fall on a block boundary (`fp8_refusal`), so that each process holds whole blocks —
+exactly the blocks of the unsplit checkpoint. (`quantization: fp8` quantizes each process's slice as it loads.)
+
+A draft model split over the TP group (`speculative.draft_tensor_parallel_size` = tensor_parallel_size) is split
+exactly as a target of its family: the same `shard_of`, `Shard.cut` and `refusal`.
+
+What the engine checks before loading (preflight: `refusal`, `fp8_refusal`), and what it loads (`Shard.cut`, read
+straight from the safetensors file: a process never holds another's slice).
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ import re
 from dataclasses import dataclass
 
 from .naming import layer_index
+from .quant import QuantizationError, quantization_of
 
 COLUMN = {"self_attn.q_proj": "q", "self_attn.k_proj": "kv", "self_attn.v_proj": "kv", "mlp.gate_proj": "inter",
           "mlp.up_proj": "inter", "self_attn.q_b_proj": "q", "self_attn.kv_b_proj": "kv_b",
@@ -62,6 +71,7 @@ class Shard:
     shared_intermediate: int = 0     # the shared experts' intermediate size (DeepSeek; 0: none)
     latent: tuple[int, int, int] | None = None    # latent attention's per-head (nope, rope, value) widths
     vocab: int = 0                   # the vocabulary (vocab_size; 0: embedding and LM head held whole)
+    block: tuple[int, int] | None = None     # a block-FP8 checkpoint's weight_block_size (its scales cut with it)
 
     @property
     def vocab_rows(self) -> int:
@@ -119,7 +129,9 @@ class Shard:
 
     def cut(self, name: str) -> tuple[int, tuple[slice, ...]] | None:
         """(dimension, slices along it, joined in order) of checkpoint tensor `name` this process holds, or None:
-        it holds it whole."""
+        it holds it whole. A block-FP8 weight's `weight_scale_inv` is cut as its weight, in blocks."""
+        if name.endswith(SCALE) and self.block is not None:
+            return self._scale_cut(name[:-len(SCALE)])
         if self.vocab and self.is_vocab(name):
             return 0, (slice(*self._range("vocab")),)
         if layer_index(name) is None:
@@ -143,6 +155,25 @@ class Shard:
                 return 1, (slice(*self._range(kind)),)
         return None
 
+    def _scale_cut(self, weight: str) -> tuple[int, tuple[slice, ...]] | None:
+        """The block scales of `weight`'s slices: rows [a, b) of the weight are scale rows [a / bm, ceil(b / bm))
+        (columns likewise by bn). fp8_refusal has checked that every a falls on a block boundary."""
+        cut = self.cut(weight)
+        if cut is None:
+            return None
+        dim, parts = cut
+        b = self.block[0] if splits_rows(weight, dim) else self.block[1]
+        return dim, tuple(slice(sl.start // b, -(-sl.stop // b)) for sl in parts)
+
+
+SCALE = "_scale_inv"
+
+
+def splits_rows(weight: str, dim: int) -> bool:
+    """Whether a cut of `weight` along `dim` splits its output rows (column-parallel) rather than its input
+    columns (row-parallel): a matrix's dim 0, a fused experts tensor's [E, rows, columns] dim 1."""
+    return dim == (1 if _FUSED_EXPERTS.search(weight) else 0)
+
 
 def shard_of(config: dict, rank: int, size: int) -> Shard:
     heads = int(config["num_attention_heads"])
@@ -152,7 +183,16 @@ def shard_of(config: dict, rank: int, size: int) -> Shard:
     return Shard(rank, size, heads, heads if latent else int(config.get("num_key_value_heads") or heads),
                  int(config.get("head_dim") or int(config["hidden_size"]) // heads), int(config["intermediate_size"]),
                  expert_intermediate(config)[1], shared_intermediate(config), latent,
-                 int(config.get("vocab_size") or 0))
+                 int(config.get("vocab_size") or 0), fp8_block(config))
+
+
+def fp8_block(config: dict) -> tuple[int, int] | None:
+    """A block-FP8 checkpoint's weight_block_size (None: unquantized, or a quantization family_of refuses)."""
+    try:
+        q = quantization_of(config)
+    except QuantizationError:
+        return None
+    return None if q is None else q.block
 
 
 def is_latent(config: dict) -> bool:
@@ -192,26 +232,66 @@ def has_dense_mlp(config: dict) -> bool:
     return bool(config.get("mlp_only_layers")) or any((i + 1) % step for i in range(int(config["num_hidden_layers"])))
 
 
-def refusal(config: dict, tp: int) -> str | None:
-    """Why a target's shape cannot be split over tp processes (None: it can), as a sentence naming
-    tensor_parallel_size and what to change."""
+def refusal(config: dict, tp: int, field: str = "tensor_parallel_size", role: str = "target",
+            instead: str | None = None) -> str | None:
+    """Why a model's shape cannot be split over tp processes (None: it can), as a sentence naming `field` and what
+    to change (`instead`: the advice in place of choosing another tp — a drafter's is to stay replicated)."""
     heads = int(config.get("num_attention_heads") or 0)
     kv = int(config.get("num_key_value_heads") or heads)
     inter = int(config.get("intermediate_size") or 0)
+    e_field, expert = expert_intermediate(config)
     if heads % tp:
-        return (f"tensor_parallel_size {tp} does not divide the target's {heads} attention heads "
-                f"(num_attention_heads): choose a divisor of {heads}.")
-    if tp > kv and tp % kv and not is_latent(config):
-        return (f"tensor_parallel_size {tp} exceeds the target's {kv} KV heads but is not a multiple of them "
-                f"(each process must hold whole KV heads): choose a divisor or a multiple of {kv}.")
-    if inter % tp and has_dense_mlp(config):
-        return (f"tensor_parallel_size {tp} does not divide the target's intermediate_size {inter}: choose a "
-                f"divisor of it.")
-    field, expert = expert_intermediate(config)
+        why, advice = f"does not divide the {role}'s {heads} attention heads (num_attention_heads)", f"choose a divisor of {heads}"
+    elif tp > kv and tp % kv and not is_latent(config):
+        why, advice = (f"exceeds the {role}'s {kv} KV heads but is not a multiple of them (each process must hold "
+                       f"whole KV heads)", f"choose a divisor or a multiple of {kv}")
+    elif inter % tp and has_dense_mlp(config):
+        why, advice = f"does not divide the {role}'s intermediate_size {inter}", "choose a divisor of it"
     # (DeepSeek's shared experts, n_shared_experts x moe_intermediate_size columns, divide whenever these do)
-    if expert and expert % tp:
-        return (f"tensor_parallel_size {tp} does not divide the target's {field} {expert} (each routed expert's "
-                f"MLP columns are split over the TP group): choose a divisor of it.")
+    elif expert and expert % tp:
+        why, advice = (f"does not divide the {role}'s {e_field} {expert} (each routed expert's MLP columns are split "
+                       f"over the TP group)", "choose a divisor of it")
+    else:
+        return None
+    return f"{field} {tp} {why}: {instead or advice}."
+
+
+def fp8_refusal(headers: dict[str, tuple[str, list[int]]], config: dict, tp: int, field: str = "tensor_parallel_size",
+                instead: str | None = None) -> str | None:
+    """Why a block-FP8 checkpoint (tensor headers: name -> (dtype, shape)) cannot be split over tp processes (None:
+    it can): some process's slice of a quantized weight would start inside one of its blocks, where one scale
+    covers rows (columns) of two processes. The names' layer and expert numbers are folded: each shape is checked
+    once."""
+    block = fp8_block(config)
+    if tp <= 1 or block is None:
+        return None
+    shards = [shard_of(config, r, tp) for r in range(tp)]
+    seen = set()
+    for name, (_, shape) in headers.items():
+        if not name.endswith(SCALE) or name[:-len(SCALE)] not in headers:
+            continue
+        weight = name[:-len(SCALE)]
+        w_shape = headers[weight][1]
+        key = (re.sub(r"\.\d+\.", ".*.", weight), tuple(w_shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        for shard in shards:
+            cut = shard.cut(weight)
+            if cut is None or cut[0] >= len(w_shape):
+                break
+            dim, parts = cut
+            rows = splits_rows(weight, dim)
+            b, full = block[0 if rows else 1], w_shape[dim]
+            bad = next((sl for sl in parts if sl.start % b or (sl.stop % b and sl.stop != full)), None)
+            if bad is not None:
+                at = bad.start if bad.start % b else bad.stop
+                what = "output rows" if rows else "input columns"
+                return (f"{field} {tp} would split the {what} of {weight} (shape {list(w_shape)}) at {at}, inside "
+                        f"one of its FP8 blocks of {block[0]}x{block[1]} (one scale per block): each process must hold "
+                        f"whole blocks, so every split must fall on a multiple of {b}; "
+                        + (instead or "choose a tensor_parallel_size that splits them so, or use a high-precision "
+                                      "checkpoint") + ".")
     return None
 
 
