@@ -356,8 +356,10 @@ moe)
   # PART=1: one MoE layer's routed experts, the Triton kernels against PyTorch's grouped GEMM (and a tile sweep);
   #   the Qwen3-30B-A3B shape (8 layers) at batch 1, 16, 64 against the weight-read limit and Hugging Face;
   #   then the MoE GPU tests (kernels = reference, graphs = eager per MoE family).
-  # PART=2: the MoE demo (benchmarks/train_moe_pair.py, trained here on benchmarks/train_pair.py's corpus)
-  #   none / draft_model / mtp at batch 1 and 32 (k 4), and at k 1, 2, 3 at batch 1.
+  # PART=2: the MoE demo (benchmarks/train_moe_pair.py, trained here on benchmarks/train_pair.py's corpus: the
+  #   target with its MTP layer trained for recursive drafting, MOE_MINUTES (2.5), then the codepair draft
+  #   distilled from it, MOE_DRAFT_MINUTES (1.5): 4 minutes, plus the corpus' encoding and the evaluations)
+  #   none / draft_model / mtp at batch 1 and 32 (k 4), and at k MOE_KS (1 2 3) at batch 1.
   # PART=3: every GPU test. PART=4 (2 GPUs): expert parallelism, experts split vs replicated, in CUDA graphs.
   # PART=5: the end-to-end shapes alone (Qwen3-30B-A3B with a host / device split of its batch-1 step, then
   #   DeepSeek-V3).
@@ -382,12 +384,15 @@ moe)
        --batches 1,16,64 --json "$out/moe_shapes_deepseek.json" > /tmp/moe_shapes_ds.log 2>&1 || tail -20 /tmp/moe_shapes_ds.log
      sed -n '/^shape /,$p' /tmp/moe_shapes_ds.log ;;
   2) # the corpus is encoded by the tokenizer's threads (single-threaded it takes minutes)
-     TOKENIZERS_PARALLELISM=true timeout 280 python3 benchmarks/train_moe_pair.py --pair $P --corpus benchmarks/train_pair.py --out /tmp/moepair \
-       --minutes ${MOE_MINUTES:-2.5} > "$out/train_moe_pair.log" 2>&1 || tail -20 "$out/train_moe_pair.log"
-     tail -4 "$out/train_moe_pair.log"
+     TOKENIZERS_PARALLELISM=true timeout 420 python3 benchmarks/train_moe_pair.py --pair $P --corpus benchmarks/train_pair.py --out /tmp/moepair \
+       --minutes ${MOE_MINUTES:-2.5} --draft-minutes ${MOE_DRAFT_MINUTES:-1.5} > "$out/train_moe_pair.log" 2>&1 \
+       || tail -20 "$out/train_moe_pair.log"
+     cp /tmp/moepair/train_report.json "$out/" 2>/dev/null
+     grep -E '^(corpus:|mtp \{|draft \{)' "$out/train_moe_pair.log"
+     grep '^step ' "$out/train_moe_pair.log" | tail -1; grep '^draft step ' "$out/train_moe_pair.log" | tail -1
      offline moe_demo --pair /tmp/moepair --batches 1,32 --methods none,draft_model,mtp --k 4 --label moe-demo
      sed -n '/^method/,$p' /tmp/moe_demo.log
-     for k in 1 2 3; do
+     for k in ${MOE_KS:-1 2 3}; do
        offline moe_demo_k$k --pair /tmp/moepair --batches 1 --methods mtp,draft_model --k $k --label moe-demo
        sed -n '/^method/,$p' /tmp/moe_demo_k$k.log | tail -2
      done ;;
