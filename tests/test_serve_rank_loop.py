@@ -30,6 +30,14 @@ class OneTokenEngine:
     def add_request(self, req):
         self.waiting.append(req)
 
+    def abort(self, req_id):
+        for q in (self.running, self.waiting):
+            for r in q:
+                if r.id == req_id:
+                    q.remove(r)
+                    return True
+        return False
+
     @property
     def has_work(self):
         if not (self.running or self.waiting) and self.finished:
@@ -90,6 +98,39 @@ def test_every_step_reaches_the_frontend_and_an_idle_rank_waits():
     assert not rank.is_alive()
     # once idle, the loop asked for work a bounded number of times before it blocked (a spinning loop asks on and on)
     assert engine.idle_checks <= 4, engine.idle_checks
+
+
+def test_an_abort_answer_follows_the_tokens_sent_before_it():
+    """A step's tokens wait for the next step to go out; an abort's answer must not overtake them (the frontend
+    would see tokens of a finished request)."""
+    spec = new_link_spec("127.0.0.1")
+    listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(spec["authkey"]))
+    spec["port"] = listener.address[1]
+    engine = OneTokenEngine()
+    dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
+    rank = threading.Thread(target=serve_rank, args=(engine, dp, {"link": spec}), daemon=True)
+    rank.start()
+    conn = listener.accept()
+    assert conn.recv() == ("hello", 0)
+    params = {"max_tokens": 10**6, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
+    conn.send(("add", "r1", [1, 2, 3], params, None))
+    assert conn.poll(30) and conn.recv()[0] == "out"          # it runs
+    conn.send(("abort", "r1"))
+    conn.send(("shutdown",))
+    after_abort = None
+    while True:
+        assert conn.poll(30), "the rank stopped answering"
+        msg = conn.recv()
+        if msg == ("bye", 0):
+            break
+        for rid, new, fin, *_ in msg[1]:
+            if after_abort is not None:
+                after_abort.append((rid, new, fin))
+            if fin == "abort":
+                after_abort = []
+    assert after_abort == [], after_abort
+    rank.join(30)
+    assert not rank.is_alive()
 
 
 def _nodelay(fd: int) -> int:

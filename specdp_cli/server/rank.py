@@ -49,8 +49,12 @@ def serve_rank(engine, dp, job: dict) -> None:
     pending = []
 
     def flush() -> None:
-        if pending:
-            send(pending.pop())
+        while pending:
+            send(pending.pop(0))
+
+    def reply(msg) -> None:             # an answer to a frontend message, after the tokens already due
+        flush()
+        send(msg)
 
     shutting_down = False
     active = False            # lockstep: stepping together until a step finds no work on any rank
@@ -72,8 +76,6 @@ def serve_rank(engine, dp, job: dict) -> None:
             except queue.Empty:
                 break
         received += sum(1 for m in msgs if m != ("shutdown", "link lost"))
-        if msgs:
-            flush()
         for msg in msgs:
             kind = msg[0]
             if kind == "add":
@@ -82,11 +84,11 @@ def serve_rank(engine, dp, job: dict) -> None:
                     engine.add_request(engine.make_request(req_id, prompt_ids, SamplingParams.from_dict(params),
                                                            seed))
                 except RequestError as e:            # that request fails (a 500 naming why); the rank goes on
-                    send(("out", [(req_id, [], "error", str(e), None, None)], {}, _state(engine)))
+                    reply(("out", [(req_id, [], "error", str(e), None, None)], {}, _state(engine)))
             elif kind == "abort":
                 if engine.abort(msg[1]):
                     sent_state = _state(engine)
-                    send(("out", [(msg[1], [], "abort", None, None, None)], {}, sent_state))
+                    reply(("out", [(msg[1], [], "abort", None, None, None)], {}, sent_state))
             elif kind == "shutdown":
                 shutting_down = True
         if shutting_down and not dp.lockstep:
