@@ -44,6 +44,16 @@ def models(tmp_path_factory) -> dict:
     }
 
 
+@pytest.fixture(scope="module")
+def launches():
+    """This module's `dp_util.Launches`: tests' commands started ahead by the module's fixtures, all ended with it."""
+    from dp_util import Launches
+
+    pool = Launches()
+    yield pool
+    pool.close()
+
+
 def pytest_addoption(parser):
     parser.addoption("--search-seconds", type=float, default=None,
                      help="seconds of randomized search per DP size in test_search.py (default: the suite's budget)")

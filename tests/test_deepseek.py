@@ -7,7 +7,7 @@ equal one rank's."""
 import pytest
 import torch
 
-from dp_util import HARD_TIMEOUT_S, expert_parallel_equals_dp1
+from dp_util import HARD_TIMEOUT_S, expert_parallel_job, generate_args, lockstep_run_equals_dp1, selected
 from engine_util import (check_against_reference, load_cpu, make_config, make_engine, prefill_logits,
                          prompts_of_lengths, run_engine, transformers_logits)
 from helpers import make_deepseek_dir
@@ -131,9 +131,24 @@ def test_fp8_without_block_scales_is_refused():
                                                     "activation_scheme": "dynamic"}}) == "DeepseekV3ForCausalLM"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def deepseek_jobs(request, tmp_path_factory, models, launches) -> dict:
+    """The launched tests' commands, started when this module starts (while the in-process tests run):
+    {dp: (run directory, input, config, dp 1 reference config)}."""
+    jobs = {}
+    for p in selected(request, "test_expert_parallel_equals_dp1"):
+        tmp = tmp_path_factory.mktemp("deepseek_job")
+        target = request.getfixturevalue("deepseek")["many"]
+        inp, ref, cfg = expert_parallel_job(tmp, models, target, p["dp"], p["method"])
+        jobs[p["dp"]] = (tmp, inp, cfg, ref)
+        launches.start(p["dp"], *generate_args(tmp, inp, cfg))
+    return jobs
+
+
 @pytest.mark.timeout(HARD_TIMEOUT_S * 3)
 @pytest.mark.parametrize("dp,method", [(2, "draft_model"), (3, "ngram")])
-def test_expert_parallel_equals_dp1(tmp_path, models, deepseek, dp, method):
+def test_expert_parallel_equals_dp1(deepseek_jobs, launches, dp, method):
     """The routed experts split over the ranks (32 experts, top 4 of the best 2 of 4 groups: 16 + 16, or 11 + 11
     + 10), the shared expert on every rank added once: the outputs of one rank holding every expert."""
-    assert len(expert_parallel_equals_dp1(tmp_path, models, deepseek["many"], dp, method)) == dp
+    tmp_path, inp, cfg, ref = deepseek_jobs[dp]
+    assert len(lockstep_run_equals_dp1(tmp_path, inp, cfg, ref, launched=lambda: launches.result(dp))) == dp

@@ -27,18 +27,30 @@ def scenario(rng: random.Random) -> dict:
                           "max_tokens": rng.choice([1, 2, k, k + 1, rng.randint(1, 40)])} for L in lengths]}
 
 
-def test_random_scenarios_no_hang_no_difference(tmp_path, models):
+def test_random_scenarios_no_hang_no_difference(tmp_path, models, launches):
     rng = random.Random(20261129)
-    start, ran = time.monotonic(), 0
-    while ran < 2 or time.monotonic() - start < BUDGET_S:
+    start = time.monotonic()
+
+    def draw(i):
+        """Scenario i's run directory, input and config (the next draws of `rng`)."""
         sc = scenario(rng)
-        d = tmp_path / f"s{ran}"
+        d = tmp_path / f"s{i}"
         d.mkdir()
         inp = write_jsonl(d / "in.jsonl", sc["requests"])
         cfg = dp_config(d, models["target"], models["draft"], dp=sc["dp"], dp_sync=sc["dp_sync"], k=sc["k"],
                         M=sc["M"], D=sc["D"], method=sc["method"], max_num_seqs=rng.randint(1, 4))
+        return sc, d, inp, cfg
+
+    # the first two at once (a launch is nearly all start-up: they overlap), then one at a time within the budget
+    first = [draw(i) for i in range(2)]
+    for i, (_, d, inp, cfg) in enumerate(first):
+        launches.start(i, "generate", cfg, "--input", inp, "--output", d / "out.jsonl")
+    ran = 0
+    while ran < 2 or time.monotonic() - start < BUDGET_S:
+        sc, d, inp, cfg = first[ran] if ran < 2 else draw(ran)
         run_in_process(cfg, inp, d / "ref.jsonl")
-        r, secs = run_cli("generate", cfg, "--input", inp, "--output", d / "out.jsonl")
+        args = ("generate", cfg, "--input", inp, "--output", d / "out.jsonl")
+        r, secs = launches.result(ran) if ran < 2 else run_cli(*args)
         assert r.returncode == 0, (sc, r.stderr[-3000:])
         diff = same_tokens(read_out(d / "ref.jsonl"), read_out(d / "out.jsonl"))
         assert diff == [], (sc, diff)

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dp_util import HARD_TIMEOUT_S, dp_config, lockstep_run_equals_dp1, run_cli, text_rows, write_jsonl
+from dp_util import HARD_TIMEOUT_S, dp_config, generate_args, lockstep_run_equals_dp1, selected, text_rows, write_jsonl
 from engine_util import (check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine,
                          single_row_runner)
 from helpers import bigram_target, make_eagle_head
@@ -106,19 +106,41 @@ def test_seeded_sampling_does_not_depend_on_the_batch(models, eagle):
     assert [a[i].generated for i in a] != [c[i].generated for i in a]
 
 
-@pytest.mark.timeout(HARD_TIMEOUT_S * 2)
-def test_lockstep_dp2_equals_dp1_and_a_short_dummy_step_is_caught(tmp_path, models, eagle):
+@pytest.fixture(scope="module", autouse=True)
+def eagle_jobs(request, tmp_path_factory, models, eagle, launches) -> dict:
+    """The lockstep test's two commands (the job in lockstep; the same inputs with rank 0 running one drafter
+    forward over its padding batch) and the server test's server, started when this module starts, while the
+    in-process tests run."""
+    jobs = {}
+    if selected(request, "test_server_in_lockstep_equals_generate"):
+        from test_serve import free_port, server_config, start_server_ahead
+
+        tmp, port = tmp_path_factory.mktemp("eagle_serve"), free_port()
+        cfg = server_config(tmp, models, port, speculative={"method": "eagle", "model": str(eagle["head"])})
+        start_server_ahead(request, launches, "server", cfg, port)
+        jobs["server"] = (tmp, (cfg, port, lambda: launches.result("server")))
+    if not selected(request, "test_lockstep_dp2_equals_dp1_and_a_short_dummy_step_is_caught"):
+        return jobs
+    tmp = tmp_path_factory.mktemp("eagle_job")
     rows = text_rows(models["tokenizer"], [30, 4, 7, 10, 13], [30, 2, 9, 16, 5], seed=22)
-    inp = write_jsonl(tmp_path / "in.jsonl", rows)
-    cfg = dp_config(tmp_path, models["target"], eagle["head"], dp=2, dp_sync="always", method="eagle", k=3,
+    inp = write_jsonl(tmp / "in.jsonl", rows)
+    cfg = dp_config(tmp, models["target"], eagle["head"], dp=2, dp_sync="always", method="eagle", k=3,
                     M=64, D=40, check=True)
-    ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg)
+    launches.start("lockstep", *generate_args(tmp, inp, cfg))
+    fault = dp_config(tmp, models["target"], eagle["head"], dp=2, dp_sync="always", method="eagle", k=3,
+                      M=64, name="fault.yaml", timeout_s=60)
+    launches.start("fault", "generate", fault, "--input", inp, "--output", tmp / "f.jsonl",
+                   env={"SPECDP_FAULT": "single-dummy-forward:0"}, exclusive=True)   # rank 0 idles at the end
+    return {**jobs, "tmp": tmp, "inp": inp, "cfg": cfg}
+
+
+@pytest.mark.timeout(HARD_TIMEOUT_S * 2)
+def test_lockstep_dp2_equals_dp1_and_a_short_dummy_step_is_caught(eagle_jobs, launches):
+    ranks = lockstep_run_equals_dp1(eagle_jobs["tmp"], eagle_jobs["inp"], eagle_jobs["cfg"],
+                                    launched=lambda: launches.result("lockstep"))
     assert len({x["steps"] for x in ranks}) == 1 and any(x["padding_steps"] > 0 for x in ranks)
 
-    cfg = dp_config(tmp_path, models["target"], eagle["head"], dp=2, dp_sync="always", method="eagle", k=3,
-                    M=64, name="fault.yaml", timeout_s=60)
-    r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "f.jsonl",
-                      env={"SPECDP_FAULT": "single-dummy-forward:0"})   # rank 0 idles at the end
+    r, secs = launches.result("fault")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "out of step" in r.stderr and "rank 0 at step" in r.stderr and "drafter forward" in r.stderr, r.stderr
     assert secs < 60
@@ -174,10 +196,10 @@ def test_preemption_keeps_outputs(tmp_path, models, eagle, method):
 
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
-def test_server_in_lockstep_equals_generate(tmp_path, models, eagle):
+def test_server_in_lockstep_equals_generate(models, eagle_jobs):
     from test_serve import serving
 
-    with serving(tmp_path, models, speculative={"method": "eagle", "model": str(eagle["head"])}) as (
-            complete, expected, server):
+    tmp, ahead = eagle_jobs["server"]
+    with serving(tmp, models, ahead) as (complete, expected, server):
         assert complete() == expected
         assert server.metric("specdp:spec_decode_num_drafts") > 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dp_util import HARD_TIMEOUT_S, dp_config, lockstep_run_equals_dp1, text_rows, write_jsonl
+from dp_util import HARD_TIMEOUT_S, dp_config, generate_args, lockstep_run_equals_dp1, selected, text_rows, write_jsonl
 from engine_util import check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine
 from helpers import make_eagle3_head
 
@@ -144,11 +144,22 @@ def test_preflight_checks_the_target_layers(models, heads):
     assert any("use speculative.method: eagle3" in e for e in report(heads["small_vocab"], "eagle").errors)
 
 
-@pytest.mark.timeout(HARD_TIMEOUT_S * 2)
-def test_lockstep_dp3_equals_dp1(tmp_path, models, heads):
+@pytest.fixture(scope="module", autouse=True)
+def eagle3_job(request, tmp_path_factory, models, heads, launches) -> dict:
+    """The lockstep test's command, started when this module starts, while the in-process tests run."""
+    if not selected(request, "test_lockstep_dp3_equals_dp1"):
+        return {}
+    tmp = tmp_path_factory.mktemp("eagle3_job")
     rows = text_rows(models["tokenizer"], [30, 4, 7, 10, 13], [30, 2, 9, 16, 5], seed=23)
-    inp = write_jsonl(tmp_path / "in.jsonl", rows)
-    cfg = dp_config(tmp_path, models["target"], heads["small_vocab"], dp=3, dp_sync="always", method="eagle3", k=3,
+    inp = write_jsonl(tmp / "in.jsonl", rows)
+    cfg = dp_config(tmp, models["target"], heads["small_vocab"], dp=3, dp_sync="always", method="eagle3", k=3,
                     M=64, D=40, check=True)
-    ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg)
+    launches.start("lockstep", *generate_args(tmp, inp, cfg))
+    return {"tmp": tmp, "inp": inp, "cfg": cfg}
+
+
+@pytest.mark.timeout(HARD_TIMEOUT_S * 2)
+def test_lockstep_dp3_equals_dp1(eagle3_job, launches):
+    ranks = lockstep_run_equals_dp1(eagle3_job["tmp"], eagle3_job["inp"], eagle3_job["cfg"],
+                                    launched=lambda: launches.result("lockstep"))
     assert len(ranks) == 3 and len({x["steps"] for x in ranks}) == 1

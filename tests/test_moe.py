@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from dp_util import (HARD_TIMEOUT_S, dp_config, expert_parallel_equals_dp1, lockstep_run_equals_dp1, read_out, text_rows,
-                     write_jsonl)
+from dp_util import (HARD_TIMEOUT_S, dp_config, expert_parallel_job, generate_args, lockstep_run_equals_dp1, read_out,
+                     selected, text_rows, write_jsonl)
 from engine_util import check_against_reference, eos_variant, make_config, make_engine, prompts_of_lengths, run_engine
 from helpers import make_moe_dir
 
@@ -34,24 +34,66 @@ def test_greedy_equals_reference(models, moe, family, method):
     check_against_reference(moe[family], done, prompts, 30, M, family)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def moe_jobs(request, tmp_path_factory, models, launches) -> dict:
+    """Every selected launched test's command, and the server test's server, started when this module starts (two
+    at a time while the in-process tests run): {key: (run directory, input, config, dp 1 reference config or None)}
+    and the server's {"server": (run directory, models, `serving`'s ahead)}."""
+    jobs = {}
+
+    def add(key, tmp, inp, cfg, ref=None):
+        jobs[key] = (tmp, inp, cfg, ref)
+        launches.start(key, *generate_args(tmp, inp, cfg))
+
+    if selected(request, "test_dp2_is_lockstep_and_equals_dp1"):
+        tmp = tmp_path_factory.mktemp("moe_job")
+        inp = write_jsonl(tmp / "in.jsonl", text_rows(models["tokenizer"], [20, 4, 9, 13], [20, 3, 12, 7], seed=24))
+        add("lockstep", tmp, inp, dp_config(tmp, request.getfixturevalue("moe")["mixtral"], models["draft"], dp=2,
+                                            dp_sync="auto", k=3, M=64))
+    for p in selected(request, "test_expert_parallel_equals_dp1"):
+        tmp = tmp_path_factory.mktemp("moe_job")
+        inp, ref, cfg = expert_parallel_job(tmp, models, request.getfixturevalue("moe")["qwen3_moe"], p["dp"],
+                                            p["method"])
+        add(("ep", p["dp"]), tmp, inp, cfg, ref)
+    for p in selected(request, "test_expert_parallel_edges_equal_dp1"):
+        family, dp, n_short = p["family"], p["dp"], p["n_short"]
+        tmp, target = tmp_path_factory.mktemp("moe_job"), request.getfixturevalue("moe_eos")[family]
+        rows = text_rows(models["tokenizer"], [30] + SHORT[:n_short], [30, 9, 16, 5, 12][:1 + n_short], seed=22)
+        kw = dict(method="draft_model", k=3, M=64, D=40)
+        ref = dp_config(tmp, target, models["draft"], dp=1, name="ref.yaml", **kw)
+        cfg = dp_config(tmp, target, models["draft"], dp=dp, dp_sync="auto", check=True,
+                        parallel={"enable_expert_parallel": True}, **kw)
+        add(("edges", family), tmp, write_jsonl(tmp / "in.jsonl", rows), cfg, ref)
+    if selected(request, "test_expert_parallel_server_equals_generate"):
+        from test_serve import free_port, server_config, start_server_ahead
+
+        tmp, port = tmp_path_factory.mktemp("moe_serve"), free_port()
+        served = {**models, "target": request.getfixturevalue("moe")["mixtral"]}
+        cfg = server_config(tmp, served, port, parallel={"enable_expert_parallel": True, "dp_sync": "auto"})
+        start_server_ahead(request, launches, "server", cfg, port)
+        jobs["server"] = (tmp, served, (cfg, port, lambda: launches.result("server")))
+    return jobs
+
+
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
-def test_dp2_is_lockstep_and_equals_dp1(tmp_path, models, moe):
+def test_dp2_is_lockstep_and_equals_dp1(moe_jobs, launches):
     from specdp_cli.config import load_config
     from specdp_cli.preflight import run_preflight
 
-    inp = write_jsonl(tmp_path / "in.jsonl", text_rows(models["tokenizer"], [20, 4, 9, 13], [20, 3, 12, 7], seed=24))
-    cfg = dp_config(tmp_path, moe["mixtral"], models["draft"], dp=2, dp_sync="auto", k=3, M=64)
+    tmp_path, inp, cfg, _ = moe_jobs["lockstep"]
     plan = run_preflight(load_config(cfg)).plan
     assert plan.dp_sync == "always" and plan.policy == "dummy"
-    assert len({x["steps"] for x in lockstep_run_equals_dp1(tmp_path, inp, cfg)}) == 1
+    ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg, launched=lambda: launches.result("lockstep"))
+    assert len({x["steps"] for x in ranks}) == 1
 
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 3)
 @pytest.mark.parametrize("dp,method", [(2, "draft_model"), (3, "ngram")])
-def test_expert_parallel_equals_dp1(tmp_path, models, moe, dp, method):
+def test_expert_parallel_equals_dp1(moe_jobs, launches, dp, method):
     """The experts split over the ranks (64 experts, top 8: 32 + 32, or 22 + 21 + 21), tokens gathered and
     results reduce-scattered in every MoE forward: the outputs of one rank holding every expert."""
-    ranks = expert_parallel_equals_dp1(tmp_path, models, moe["qwen3_moe"], dp, method)
+    tmp_path, inp, cfg, ref = moe_jobs[("ep", dp)]
+    ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg, ref, launched=lambda: launches.result(("ep", dp)))
     held = [rank["expert_weight_bytes"] for rank in ranks]          # each rank holds its experts only
     assert held == ([held[0]] * 2 if dp == 2 else [held[0], held[0] * 21 // 22, held[0] * 21 // 22]) and held[0] > 0
 
@@ -70,17 +112,12 @@ def moe_eos(tmp_path_factory, moe):
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
 # each family once, each dp once (the EP code is the families' shared MoE layer; a pair of launches each)
 @pytest.mark.parametrize("family,dp,n_short", [("mixtral", 2, 4), ("qwen3_moe", 3, 1)])
-def test_expert_parallel_edges_equal_dp1(tmp_path, models, moe_eos, family, dp, n_short):
+def test_expert_parallel_edges_equal_dp1(moe_jobs, launches, family, dp, n_short):
     """Experts split over the ranks, with a drafter model: one long request crossing the no-draft window
     [38, 63] on one rank only, early stops, and (dp 3, two requests) a rank with no request that runs every
     forward over padding — the tokens of one rank holding every expert."""
-    rows = text_rows(models["tokenizer"], [30] + SHORT[:n_short], [30, 9, 16, 5, 12][:1 + n_short], seed=22)
-    inp = write_jsonl(tmp_path / "in.jsonl", rows)
-    kw = dict(method="draft_model", k=3, M=64, D=40)
-    ref = dp_config(tmp_path, moe_eos[family], models["draft"], dp=1, name="ref.yaml", **kw)
-    cfg = dp_config(tmp_path, moe_eos[family], models["draft"], dp=dp, dp_sync="auto", check=True,
-                    parallel={"enable_expert_parallel": True}, **kw)
-    ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg, ref)
+    tmp_path, inp, cfg, ref = moe_jobs[("edges", family)]
+    ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg, ref, launched=lambda: launches.result(("edges", family)))
     want = read_out(tmp_path / "ref.jsonl")
     long = want[json.dumps("r0")]
     assert long["prompt_tokens"] + long["completion_tokens"] > 40 - 3, "the long request never reached the window"
@@ -130,14 +167,14 @@ def test_each_rank_reads_only_its_experts(moe):
 
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
-def test_expert_parallel_server_equals_generate(tmp_path, models, moe):
+def test_expert_parallel_server_equals_generate(moe_jobs):
     """Serving with the experts split over 2 ranks: a rank that holds no request still takes part in every
     MoE forward with its padding batch, and completions equal `generate` on one rank with every expert; the
     command shows each rank's "ready in" line."""
     from test_serve import PROMPTS, serving
 
-    with serving(tmp_path, {**models, "target": moe["mixtral"]},
-                 parallel={"enable_expert_parallel": True, "dp_sync": "auto"}) as (complete, expected, server):
+    tmp, served, ahead = moe_jobs["server"]
+    with serving(tmp, served, ahead) as (complete, expected, server):
         assert complete(PROMPTS[:1]) == expected[:1]        # one request: the other rank serves padding only
         assert complete() == expected
         assert server.health() == 200

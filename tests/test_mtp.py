@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from dp_util import HARD_TIMEOUT_S, dp_config, lockstep_run_equals_dp1, read_out, run_cli, text_rows, write_jsonl
+from dp_util import (HARD_TIMEOUT_S, dp_config, generate_args, lockstep_run_equals_dp1, read_out, selected, text_rows,
+                     write_jsonl)
 from engine_util import (check_against_reference, eos_variant, hf_reference, make_config, make_engine,
                          prompts_of_lengths, run_engine, single_row_runner)
 from helpers import make_deepseek_dir, write_config
@@ -154,15 +155,45 @@ def ep_config(tmp_path, target, dp, **kw):
                      parallel={"enable_expert_parallel": True}, **kw)
 
 
+def fault_inputs(tmp_path, models):
+    """A long and a short request over 2 expert-parallel ranks: rank 1 idles once its request ends."""
+    return write_jsonl(tmp_path / "in.jsonl", text_rows(models["tokenizer"], [12, 3], [30, 2], seed=23))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mtp_jobs(request, tmp_path_factory, models, mtp, launches) -> dict:
+    """Every selected test's command, started when this module starts (two at a time while the in-process tests
+    above run): {key: (run directory, input, config, dp 1 reference config)}."""
+    jobs = {}
+    for p in selected(request, "test_expert_parallel_equals_dp1"):
+        dp, n_short = p["dp"], p["n_short"]
+        tmp, target = tmp_path_factory.mktemp("mtp_job"), request.getfixturevalue("eos_target")
+        inp = ep_inputs(tmp, models["tokenizer"], n_short)
+        ref = dp_config(tmp, target, None, dp=1, method="mtp", k=3, M=64, D=40, name="ref.yaml")
+        cfg = ep_config(tmp, target, dp, check=True)
+        jobs[("ep", dp)] = (tmp, inp, cfg, ref)
+        launches.start(("ep", dp), *generate_args(tmp, inp, cfg))
+    # (exclusive: the first test bounds the command's wall time)
+    faults = [(p["fault"], 60, True) for p in selected(request, "test_a_short_dummy_step_is_caught")]
+    faults += [(p["fault"] + ",no-guard", 8, False)
+               for p in selected(request, "test_without_the_guard_the_fault_cannot_finish")]
+    for fault, timeout_s, exclusive in faults:
+        tmp = tmp_path_factory.mktemp("mtp_fault")
+        inp, cfg = fault_inputs(tmp, models), ep_config(tmp, mtp["lora"], 2, timeout_s=timeout_s, name="fault.yaml")
+        jobs[fault] = (tmp, inp, cfg, None)
+        launches.start(fault, "generate", cfg, "--input", inp, "--output", tmp / "out.jsonl",
+                       env={"SPECDP_FAULT": fault}, exclusive=exclusive)
+    return jobs
+
+
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
 @pytest.mark.parametrize("dp,n_short", [(2, 4), (3, 1)])
-def test_expert_parallel_equals_dp1(tmp_path, models, eos_target, dp, n_short):
+def test_expert_parallel_equals_dp1(mtp_jobs, launches, dp, n_short):
     """The target's and the MTP layer's experts split over the ranks (3 ranks: 2 + 1 + 1): the tokens of one
     rank holding every expert, with the long request in the no-draft window on one rank only, early stops,
     and (dp 3, two requests) a rank that holds none and runs every forward over padding."""
-    inp = ep_inputs(tmp_path, models["tokenizer"], n_short)
-    ref = dp_config(tmp_path, eos_target, None, dp=1, method="mtp", k=3, M=64, D=40, name="ref.yaml")
-    ranks = lockstep_run_equals_dp1(tmp_path, inp, ep_config(tmp_path, eos_target, dp, check=True), ref)
+    tmp_path, inp, cfg, ref = mtp_jobs[("ep", dp)]
+    ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg, ref, launched=lambda: launches.result(("ep", dp)))
     want = read_out(tmp_path / "ref.jsonl")
     long = want[json.dumps("r0")]
     assert long["prompt_tokens"] + long["completion_tokens"] > 40 - 3, "the long request never reached the window"
@@ -174,19 +205,10 @@ def test_expert_parallel_equals_dp1(tmp_path, models, eos_target, dp, n_short):
         assert min(x["requests"] for x in ranks) == 0
 
 
-def run_fault(tmp_path, models, target, fault, timeout_s):
-    """A long and a short request over 2 expert-parallel ranks: rank 1 idles once its request ends."""
-    rows = text_rows(models["tokenizer"], [12, 3], [30, 2], seed=23)
-    inp = write_jsonl(tmp_path / "in.jsonl", rows)
-    cfg = ep_config(tmp_path, target, 2, timeout_s=timeout_s, name="fault.yaml")
-    return run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
-                   env={"SPECDP_FAULT": fault})
-
-
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
 @pytest.mark.parametrize("fault", ["skip-drafter:1", "single-dummy-forward:1"])
-def test_a_short_dummy_step_is_caught(tmp_path, models, mtp, fault):
-    r, secs = run_fault(tmp_path, models, mtp["lora"], fault, timeout_s=60)
+def test_a_short_dummy_step_is_caught(launches, fault):
+    r, secs = launches.result(fault)
     assert r.returncode == 1, r.stdout + r.stderr
     err = r.stderr
     assert "out of step" in err and "rank 0 at step" in err and "rank 1 at step" in err, err
@@ -197,16 +219,16 @@ def test_a_short_dummy_step_is_caught(tmp_path, models, mtp, fault):
 
 @pytest.mark.timeout(HARD_TIMEOUT_S * 2)
 @pytest.mark.parametrize("fault", ["single-dummy-forward:1"])      # (skip-drafter: the same collectives, one fewer)
-def test_without_the_guard_the_fault_cannot_finish(tmp_path, models, mtp, fault):
+def test_without_the_guard_the_fault_cannot_finish(mtp_jobs, launches, fault):
     """The MTP layer's forwards are real collectives: with the step sync's comparison switched off (test-only
     `no-guard`), rank 1 runs fewer of them — its first, which learns the verified positions, runs every step;
     the fault cuts the rest — while rank 0 waits in its second forward's MoE all-gather, and the job dies of
     the collective timeout (or the backend's error once rank 1 is gone) instead of producing output."""
-    r, _ = run_fault(tmp_path, models, mtp["lora"], fault + ",no-guard", timeout_s=8)
+    r, _ = launches.result(fault + ",no-guard")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "out of step" not in r.stderr and "rank 0 stopped:" in r.stderr, r.stderr
     assert "drafter forward 2/3" in r.stderr, r.stderr
-    assert not (tmp_path / "out.jsonl").exists()
+    assert not (mtp_jobs[fault + ",no-guard"][0] / "out.jsonl").exists()
 
 
 # -- validate config ------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dp_util import dp_config, run_cli, run_in_process, write_jsonl
+from dp_util import dp_config, generate_args, run_in_process, selected, write_jsonl
 from engine_util import check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine
 from helpers import make_eagle_head
 from specdp_cli.runtime.block_hash import block_hashes
@@ -89,22 +89,35 @@ def test_a_fully_cached_prompt_still_computes_its_last_token(models):
     assert all(blk not in seq.blocks[7:] for blk in a.blocks)         # a block of its own from the last token on
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cache_jobs(request, tmp_path_factory, models, launches) -> dict:
+    """The dp 2 commands of `test_dp2_with_caching_equals_dp1_and_keeps_its_hit_rate`, started when this module
+    starts (while the in-process tests run): {method: (run directory, input, drafter)}."""
+    jobs = {}
+    for p in selected(request, "test_dp2_with_caching_equals_dp1_and_keeps_its_hit_rate"):
+        method, tmp = p["method"], tmp_path_factory.mktemp("cache_job")
+        draft = models["draft"] if method == "draft_model" else make_eagle_head(tmp / "head", models["target"])
+        prompts = [g[i] for i in range(4) for g in (shared_prefix_prompts(4, seed=s) for s in (3, 5, 7, 9))]
+        inp = write_jsonl(tmp / "in.jsonl", [{"prompt": p, "max_tokens": 12} for p in prompts])
+        cfg = dp_config(tmp, models["target"], draft, method=method, dp=2, M=96, cache={"block_size": 4},
+                        max_num_seqs=2)
+        jobs[method] = (tmp, inp, draft)
+        launches.start(method, *generate_args(tmp, inp, cfg))
+    return jobs
+
+
 @pytest.mark.parametrize("method", ["draft_model", "eagle"])
-def test_dp2_with_caching_equals_dp1_and_keeps_its_hit_rate(tmp_path, models, method):
+def test_dp2_with_caching_equals_dp1_and_keeps_its_hit_rate(models, cache_jobs, launches, method):
     """Four groups of four prompts, each group sharing a 30-token prefix, interleaved in the input: dp 2 groups
     them by prefix when it splits the inputs, so it finds ≥ 90 % of what dp 1 finds; outputs equal caching off."""
-    draft = models["draft"] if method == "draft_model" else make_eagle_head(tmp_path / "head", models["target"])
-    prompts = [g[i] for i in range(4) for g in (shared_prefix_prompts(4, seed=s) for s in (3, 5, 7, 9))]
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p, "max_tokens": 12} for p in prompts])
+    tmp_path, inp, draft = cache_jobs[method]
     ref_cfg = dp_config(tmp_path, models["target"], draft, method=method, dp=1, M=96, name="ref.yaml",
                         cache={"enable_prefix_caching": False})
     run_in_process(ref_cfg, inp, tmp_path / "ref.jsonl")
     one = dp_config(tmp_path, models["target"], draft, method=method, dp=1, M=96, name="one.yaml", cache={"block_size": 4},
                     max_num_seqs=2)
     run_in_process(one, inp, tmp_path / "one.jsonl", "--summary-json", tmp_path / "one.json")
-    cfg = dp_config(tmp_path, models["target"], draft, method=method, dp=2, M=96, cache={"block_size": 4}, max_num_seqs=2)
-    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", "--summary-json",
-                   tmp_path / "s.json")
+    r, _ = launches.result(method)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = [json.loads(x)["token_ids"] for x in open(tmp_path / "ref.jsonl")]
     for out in ("one.jsonl", "out.jsonl"):

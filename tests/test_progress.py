@@ -9,7 +9,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from dp_util import HARD_TIMEOUT_S, dp_config, run_cli, write_jsonl
+from dp_util import HARD_TIMEOUT_S, dp_config, selected, write_jsonl
 from engine_util import check_against_reference, make_config, make_engine, prompts_of_lengths, run_engine
 from helpers import make_eagle_head
 from specdp_cli.cli import app
@@ -17,7 +17,7 @@ from specdp_cli.runtime.kv_cache import BlockPool
 from specdp_cli.runtime.progress import ProgressGuard
 from specdp_cli.runtime.sampling import SamplingParams
 from specdp_cli.runtime.scheduler import Request, Scheduler
-from test_serve import Server, free_port, server_config
+from test_serve import free_port, server_config, start_server_ahead
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory, models):
@@ -82,27 +82,39 @@ def test_generate_stalled_job_fails_and_keeps_finished_results(tmp_path, models,
     assert "Traceback" not in res.output
 
 
+@pytest.fixture(scope="module", autouse=True)
+def stalled_job(request, tmp_path_factory, models, launches):
+    """The lockstep test's command (rank 1's second request frozen) and the server test's server (rank 0's second
+    request frozen), started when this module starts, while the in-process tests run."""
+    if selected(request, "test_serve_stalled_request_gets_500_and_the_server_goes_on"):
+        port = free_port()
+        cfg = server_config(tmp_path_factory.mktemp("stalled_serve"), models, port)
+        start_server_ahead(request, launches, "server", cfg, port, SPECDP_FAULT="freeze:0:2")
+    if not selected(request, "test_generate_stalled_rank_stops_every_lockstep_rank"):
+        return None
+    tmp = tmp_path_factory.mktemp("stalled_job")
+    cfg = dp_config(tmp, models["target"], models["draft"], dp=2, dp_sync="always", max_num_seqs=2)
+    inp = write_jsonl(tmp / "in.jsonl", [{"id": i, "prompt": "for i in range(10):" * (i + 1)} for i in range(6)])
+    launches.start("stalled", "generate", cfg, "--input", inp, "--output", tmp / "out.jsonl",
+                   env={"SPECDP_FAULT": "freeze:1:2"}, exclusive=True)      # the test bounds its wall time
+    return tmp
+
+
 @pytest.mark.timeout(HARD_TIMEOUT_S + 30)
-def test_generate_stalled_rank_stops_every_lockstep_rank(tmp_path, models):
-    cfg = dp_config(tmp_path, models["target"], models["draft"], dp=2, dp_sync="always", max_num_seqs=2)
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": i, "prompt": "for i in range(10):" * (i + 1)} for i in range(6)])
-    out = tmp_path / "out.jsonl"
-    r, secs = run_cli("generate", cfg, "--input", inp, "--output", out, env={"SPECDP_FAULT": "freeze:1:2"})
+def test_generate_stalled_rank_stops_every_lockstep_rank(stalled_job, launches):
+    r, secs = launches.result("stalled")
     assert r.returncode == 1, r.stderr[-3000:]
     assert "job failed: no progress on rank 1 for" in r.stderr and "KV blocks held" in r.stderr, r.stderr[-3000:]
-    kept = [json.loads(x)["id"] for p in tmp_path.glob("out.jsonl.rank*.part") for x in open(p)]
+    kept = [json.loads(x)["id"] for p in stalled_job.glob("out.jsonl.rank*.part") for x in open(p)]
     assert len(kept) == 5                  # every request but the frozen one finished, and is kept
     assert secs < 60
 
 
 @pytest.mark.timeout(300)
-def test_serve_stalled_request_gets_500_and_the_server_goes_on(tmp_path, models, monkeypatch):
+def test_serve_stalled_request_gets_500_and_the_server_goes_on(launches):
     """dp 2 in lockstep: rank 0's second request stalls (one request at a time goes to rank 0, the least
     loaded); it gets an OpenAI 500 naming it, the server stays healthy and serves the next one alike."""
-    port = free_port()
-    cfg = server_config(tmp_path, models, port)
-    monkeypatch.setenv("SPECDP_FAULT", "freeze:0:2")
-    s = Server(cfg, port)
+    s = launches.result("server")
     try:
         body = {"prompt": "def add(a, b):", "max_tokens": 12, "temperature": 0}
         answers = [s.http("POST", "/v1/completions", body) for _ in range(3)]

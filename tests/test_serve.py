@@ -45,9 +45,10 @@ def server_config(tmp, models, port, **extra):
 
 
 class Server:
-    def __init__(self, cfg, port):
+    def __init__(self, cfg, port, environ=None):
+        """`specdp serve cfg` on `port`, once it answers; `environ`: its environment (default: this process's)."""
         self.port = port
-        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+        env = dict(os.environ if environ is None else environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
         env.pop("SPECDP_API_KEY", None)
         self.proc = subprocess.Popen([sys.executable, "-m", "specdp_cli", "serve", str(cfg)], env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -90,7 +91,23 @@ class Server:
     def stop(self):
         if self.proc.poll() is None:
             self.proc.kill()
-        self.out, self.err = self.proc.communicate()
+        if not hasattr(self, "out"):
+            self.out, self.err = self.proc.communicate()
+
+
+def start_server_ahead(request, launches, key, cfg, port, **env) -> None:
+    """`Server(cfg, port)` started among `launches` (a fixture's: it comes up while other tests run), with this
+    process's environment now plus `env`; `launches.result(key)` is the server once it answers. Stopped when the
+    calling fixture ends."""
+    launches.start(key, cfg, port, dict(os.environ, **env), fn=Server)
+
+    def stop():
+        try:
+            server = launches.result(key)
+        except Exception:  # noqa: BLE001 - it did not come up: the test that waits for it says so
+            return
+        server.stop()
+    request.addfinalizer(stop)
 
 
 def labels_of(series: str) -> dict:
@@ -98,17 +115,24 @@ def labels_of(series: str) -> dict:
 
 
 @contextlib.contextmanager
-def serving(tmp, models, **config_extra):
+def serving(tmp, models, ahead=None, **config_extra):
     """A dp-2 server over `server_config(..., **config_extra)`, with what `specdp generate` makes of
-    PROMPTS on one rank: yields (complete(prompts=PROMPTS) -> greedy texts, expected texts, Server)."""
-    port = free_port()
-    cfg = server_config(tmp, models, port, **config_extra)
+    PROMPTS on one rank: yields (complete(prompts=PROMPTS) -> greedy texts, expected texts, Server).
+    `ahead`: (config, port, the server) of one started ahead (`start_server_ahead`) over such a config."""
+    if ahead is None:
+        port = free_port()
+        cfg = server_config(tmp, models, port, **config_extra)
+
+        def started():
+            return Server(cfg, port)
+    else:
+        cfg, port, started = ahead
     inp = write_jsonl(tmp / "in.jsonl", [{"prompt": p, "max_tokens": 16} for p in PROMPTS])
     res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(inp), "--output", str(tmp / "o.jsonl"),
                                    "--dp", "1"])
     assert res.exit_code == 0, res.output
     expected = [json.loads(x)["text"] for x in open(tmp / "o.jsonl")]
-    server = Server(cfg, port)
+    server = started()
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
 
     def complete(prompts=PROMPTS):
@@ -526,23 +550,3 @@ def test_sigterm_drains_and_exits_0(server, client):
     t.join(60)
     assert "r" in got and got["r"].choices[0].finish_reason in ("stop", "length")      # drained, not cut
     assert server.proc.wait(60) == 0
-
-
-def test_killed_rank_turns_health_503_and_exits_1(tmp_path, models):
-    port = free_port()
-    s = Server(server_config(tmp_path, models, port), port)
-    try:
-        ranks = s.ranks()
-        assert len(ranks) == 2
-        t0 = time.monotonic()
-        ranks[1].kill()
-        saw_503 = False
-        while s.proc.poll() is None and time.monotonic() - t0 < 20 + 30:
-            if s.health() == 503:
-                saw_503 = True
-            time.sleep(0.1)
-        assert saw_503
-        assert s.proc.wait(5) == 1
-        assert time.monotonic() - t0 < 20 + 30
-    finally:
-        s.stop()

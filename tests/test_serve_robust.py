@@ -15,19 +15,33 @@ from typer.testing import CliRunner
 
 from dp_util import write_jsonl
 from specdp_cli.cli import app
-from test_serve import KEY, Server, free_port, server_config
+from test_serve import KEY, free_port, server_config, start_server_ahead
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = ["def add(a, b):", "for i in range(10):"]
 TIMEOUT_S = 6          # the servers' collective_timeout_s: the lockstep test waits past it
 
 
+@pytest.fixture(scope="module", autouse=True)
+def servers_ahead(request, tmp_path_factory, models, launches) -> dict:
+    """The server of each dp_sync mode that this session's tests use, started when this module starts: the second
+    comes up while the first one's tests run. {mode: (its directory, its config)}."""
+    modes = {item.callspec.params["server"] for item in request.session.items
+             if item.module is request.module and "server" in getattr(getattr(item, "callspec", None), "params", {})}
+    out = {}
+    for mode in ("never", "always"):
+        if mode in modes:
+            tmp, port = tmp_path_factory.mktemp(f"robust-{mode}"), free_port()
+            cfg = server_config(tmp, models, port, parallel={"dp_sync": mode, "collective_timeout_s": TIMEOUT_S})
+            start_server_ahead(request, launches, mode, cfg, port)
+            out[mode] = (tmp, cfg)
+    return out
+
+
 @pytest.fixture(scope="module", params=["never", "always"])
-def server(request, tmp_path_factory, models):
-    tmp = tmp_path_factory.mktemp(f"robust-{request.param}")
-    port = free_port()
-    cfg = server_config(tmp, models, port, parallel={"dp_sync": request.param, "collective_timeout_s": TIMEOUT_S})
-    s = Server(cfg, port)
+def server(request, models, servers_ahead, launches):
+    tmp, cfg = servers_ahead[request.param]
+    s = launches.result(request.param)
     s.models = models
     inp = write_jsonl(tmp / "in.jsonl", [{"prompt": p, "max_tokens": 12} for p in PROMPTS])
     res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(inp), "--output", str(tmp / "o.jsonl"),
@@ -248,29 +262,6 @@ def test_a_bug_in_a_handler_is_an_openai_500_and_serving_goes_on(models):
     assert client.get("/v1/models").status_code == 200
 
 
-def test_a_frozen_rank_is_reported_unresponsive(tmp_path, models):
-    """SIGSTOP on a rank: the other rank stops hearing its heartbeat within collective_timeout_s, the
-    server answers 503 and exits 1, and the message says the frozen rank is unresponsive, not killed."""
-    import signal as sig
-
-    port = free_port()
-    s = Server(server_config(tmp_path, models, port, parallel={"dp_sync": "never", "collective_timeout_s": 3}), port)
-    try:
-        frozen = [p for p in s.ranks() if "specdp_cli.rank" in " ".join(p.cmdline())]
-        assert len(frozen) == 2
-        frozen = sorted(frozen, key=lambda p: p.pid)[1]
-        frozen.send_signal(sig.SIGSTOP)
-        assert s.proc.wait(60) == 1
-        err = s.proc.stderr.read()
-        assert "is unresponsive" in err and "stopped (SIGSTOP" in err, err[-2000:]
-    finally:
-        try:
-            frozen.send_signal(sig.SIGCONT)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-        s.stop()
-
-
 def test_one_schema_same_error_text_from_generate_and_serve(server, tmp_path):
     """The server and a `generate` job check requests with the same code: the same bad request gets
     the same sentence (generate prefixes the line number)."""
@@ -302,3 +293,46 @@ def test_a_busy_port_is_refused_before_any_work(tmp_path, models):
                            timeout=60)
     assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
     assert "serving" not in r.stderr and time.monotonic() - t < 30
+
+
+# Last: each ends the module's server of its dp_sync mode (pytest runs a module-scoped fixture's tests by parameter,
+# in the file's order), which saves starting a server of its own.
+
+@pytest.mark.parametrize("server", ["never"], indirect=True)
+def test_a_frozen_rank_is_reported_unresponsive(server):
+    """SIGSTOP on a rank: the other rank stops hearing its heartbeat within collective_timeout_s, the
+    server answers 503 and exits 1, and the message says the frozen rank is unresponsive, not killed."""
+    import signal as sig
+
+    s = server
+    try:
+        frozen = [p for p in s.ranks() if "specdp_cli.rank" in " ".join(p.cmdline())]
+        assert len(frozen) == 2
+        frozen = sorted(frozen, key=lambda p: p.pid)[1]
+        frozen.send_signal(sig.SIGSTOP)
+        assert s.proc.wait(60) == 1
+        err = s.proc.stderr.read()
+        assert "is unresponsive" in err and "stopped (SIGSTOP" in err, err[-2000:]
+    finally:
+        try:
+            frozen.send_signal(sig.SIGCONT)
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+
+@pytest.mark.parametrize("server", ["always"], indirect=True)
+def test_killed_rank_turns_health_503_and_exits_1(server):
+    """A rank killed: /health turns 503 and the server exits 1 within collective_timeout_s + 30 s."""
+    s = server
+    ranks = s.ranks()
+    assert len(ranks) == 2
+    t0 = time.monotonic()
+    ranks[1].kill()
+    saw_503 = False
+    while s.proc.poll() is None and time.monotonic() - t0 < TIMEOUT_S + 30:
+        if s.health() == 503:
+            saw_503 = True
+        time.sleep(0.1)
+    assert saw_503
+    assert s.proc.wait(5) == 1
+    assert time.monotonic() - t0 < TIMEOUT_S + 30

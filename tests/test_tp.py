@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, write_jsonl
+from dp_util import HARD_TIMEOUT_S, dp_config, read_out, run_cli, selected, write_jsonl
 from engine_util import hf_reference, load_cpu, prefill_logits, prompts_of_lengths
 from helpers import make_deepseek_dir, make_eagle3_head, make_eagle_head, make_model_dir, make_moe_dir
 
@@ -769,24 +769,30 @@ def test_generate_refuses_a_tp_that_does_not_divide_the_heads(tmp_path, models):
 M, D, K = 64, 40, 3          # no-draft window [38, 63]
 
 
-def tp_generate_equals_transformers(tmp_path, target, draft, seed: int, reference=None, **config) -> tuple[dict, str]:
-    """`generate` over four requests (two crossing the drafter's limit D) with the `dp_config` keywords given:
-    every request's greedy tokens equal transformers' target-only ones (of `reference`, default the target) and some
-    sequence passes D - K. Returns the summary and the job's output text."""
-    lengths, max_tokens = [30, 9, 13, 33], [30, 12, 25, 20]
-    prompts = prompts_of_lengths(lengths, seed=seed)
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
-                                              for i, (p, n) in enumerate(zip(prompts, max_tokens))])
-    cfg = dp_config(tmp_path, target, draft, dp_sync="auto", k=K, M=M, D=D, **config)
-    r, _ = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
-                   "--summary-json", tmp_path / "s.json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = read_out(tmp_path / "out.jsonl")
-    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-        ref = hf_reference(reference or target, p, min(n, M - len(p)))
-        assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
-    assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(prompts))
-    return json.load(open(tmp_path / "s.json")), r.stdout + r.stderr
+class TPJob:
+    """A `generate` over requests of the given prompt lengths and max_tokens (two of the default four cross the
+    drafter's limit D) with the `dp_config` keywords given, started by `tp_jobs`."""
+
+    def __init__(self, tmp, target, draft, seed: int, lengths=(30, 9, 13, 33), max_tokens=(30, 12, 25, 20),
+                 env=None, reference=None, **config):
+        self.tmp, self.reference = tmp, reference or target
+        self.prompts, self.max_tokens = prompts_of_lengths(list(lengths), seed=seed), list(max_tokens)
+        inp = write_jsonl(tmp / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
+                                             for i, (p, n) in enumerate(zip(self.prompts, self.max_tokens))])
+        cfg = dp_config(tmp, target, draft, **{"dp_sync": "auto", "k": K, "M": M, "D": D, **config})
+        self.args = ("generate", cfg, "--input", inp, "--output", tmp / "out.jsonl", "--summary-json", tmp / "s.json")
+        self.env = env
+
+    def equals_transformers(self, r) -> tuple[dict, str]:
+        """The job ended well, every request's greedy tokens equal transformers' target-only ones (of `reference`,
+        default the target) and some sequence passes D - K. Returns the summary and the job's output text."""
+        assert r.returncode == 0, r.stdout + r.stderr
+        out = read_out(self.tmp / "out.jsonl")
+        for i, (p, n) in enumerate(zip(self.prompts, self.max_tokens)):
+            ref = hf_reference(self.reference, p, min(n, M - len(p)))
+            assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
+        assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(self.prompts))
+        return json.load(open(self.tmp / "s.json")), r.stdout + r.stderr
 
 
 @pytest.fixture(scope="module")
@@ -795,8 +801,53 @@ def copy_draft(tmp_path_factory, models):
     return make_model_dir(tmp_path_factory.mktemp("tp_draft") / "draft", models["tokenizer"], copy_of=models["target"])
 
 
+@pytest.fixture(scope="module", autouse=True)
+def tp_jobs(request, tmp_path_factory, models, launches) -> dict:
+    """The launched tests' jobs (4 processes for dp 2 x tp 2) and the server test's server, each selected one started
+    when this module starts: they run two at a time while the in-process tests above run, each test then checks its
+    own."""
+    jobs = {}
+
+    def add(key, target, draft, seed, exclusive=False, **kw):
+        job = jobs[key] = TPJob(tmp_path_factory.mktemp("tp_job"), target, draft, seed, **kw)
+        launches.start(key, *job.args, env=job.env, exclusive=exclusive)
+
+    if selected(request, "test_serve_at_tp2_equals_generate"):
+        from test_serve import free_port, server_config, start_server_ahead
+
+        tmp, port = tmp_path_factory.mktemp("tp_serve"), free_port()
+        cfg = server_config(tmp, models, port, parallel={"data_parallel_size": 1, "tensor_parallel_size": 2})
+        start_server_ahead(request, launches, "server", cfg, port)
+        jobs["server"] = (tmp, cfg, port)
+    fixture = request.getfixturevalue
+    for p in selected(request, "test_tp2_generate_equals_transformers"):
+        dp, dp_sync, draft = p["dp"], p["dp_sync"], p["draft"]
+        target, reference = fixture("fp8_targets")["llama"] if draft == "fp8" else (models["target"], models["target"])
+        add(("dense", dp), target, reference if draft == "fp8" else models["draft"], 17, reference=reference,
+            lengths=[30, 4, 9, 13, 20, 33], max_tokens=[30, 3, 12, 25, 40, 20], dp=dp, dp_sync=dp_sync,
+            check=dp == 2, parallel={"tensor_parallel_size": 2},
+            speculative={"draft_tensor_parallel_size": 2 if draft == "fp8" else 1})
+    if selected(request, "test_tp2_eagle3_generate_equals_transformers"):
+        add("eagle3", models["target"], fixture("eagle_heads")["eagle3"], 21, dp=1, method="eagle3", check=True,
+            parallel={"tensor_parallel_size": 2})
+    for p in selected(request, "test_tp2_moe_generate_equals_transformers"):
+        dp = p["dp"]
+        add(("moe", dp), fixture("moe_targets")["qwen3_moe"], models["draft"], 19, dp=dp, check=dp == 2,
+            parallel={"tensor_parallel_size": 2, "enable_expert_parallel": dp == 2})
+    for p in selected(request, "test_tp2_deepseek_mtp_generate_equals_transformers"):
+        dp = p["dp"]
+        add(("deepseek", dp), fixture("deepseek_targets")["lora"], None, 19, dp=dp, method="mtp", check=dp == 2,
+            parallel={"tensor_parallel_size": 2, "enable_expert_parallel": dp == 2})
+    for p in selected(request, "test_a_follower_that_decides_alone_is_named"):
+        # two requests of 20 tokens; a collective timeout of 5 s; alone (the test bounds the command's wall time)
+        add(("follower", p["fault"]), models["target"], models["draft"], 17, exclusive=True, lengths=[13, 20],
+            max_tokens=[20, 20], env={"SPECDP_FAULT": p["fault"]}, dp=1, dp_sync="always", D=None, timeout_s=5,
+            check=p["check"], parallel={"tensor_parallel_size": 2})
+    return jobs
+
+
 @pytest.mark.parametrize("dp,dp_sync,draft", [(1, "never", "fp8"), (2, "always", "random")])
-def test_tp2_generate_equals_transformers(tmp_path, models, fp8_targets, dp, dp_sync, draft):
+def test_tp2_generate_equals_transformers(tp_jobs, launches, dp, dp_sync, draft):
     """dp x tp 2 processes (gloo): greedy float32 tokens equal transformers' greedy generate, with sequences that
     cross the drafter's limit (D = 40 < M = 64: lengths 38..63 draft nothing); at dp 2 in lockstep with every
     collective checked (check_collectives: the TP all-reduces and each step package too), the draft model replicated on
@@ -804,83 +855,58 @@ def test_tp2_generate_equals_transformers(tmp_path, models, fp8_targets, dp, dp_
     and their scales, dequantized at load on the CPU; the reference is transformers on the dequantized weights) and the
     draft model, the dequantized copy, is split over the TP group as the target (draft_tensor_parallel_size 2): its
     drafts are the target's own tokens, so (nearly) every one is accepted."""
-    lengths, max_tokens = [30, 4, 9, 13, 20, 33], [30, 3, 12, 25, 40, 20]
-    prompts = prompts_of_lengths(lengths, seed=17)
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": p, "max_tokens": n}
-                                              for i, (p, n) in enumerate(zip(prompts, max_tokens))])
-    target, reference = fp8_targets["llama"] if draft == "fp8" else (models["target"], models["target"])
-    cfg = dp_config(tmp_path, target, reference if draft == "fp8" else models["draft"], dp=dp,
-                    dp_sync=dp_sync, k=K, M=M, D=D, check=dp == 2, parallel={"tensor_parallel_size": 2},
-                    speculative={"draft_tensor_parallel_size": 2 if draft == "fp8" else 1})
-    r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl",
-                      "--summary-json", tmp_path / "s.json")
-    assert r.returncode == 0, r.stdout + r.stderr
-    out = read_out(tmp_path / "out.jsonl")
-    for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-        ref = hf_reference(reference, p, min(n, M - len(p)))
-        assert out[json.dumps(f"r{i}")]["token_ids"] == ref, f"r{i} (prompt {len(p)} tokens)"
-    assert any(len(p) + len(out[json.dumps(f"r{i}")]["token_ids"]) > D - K for i, p in enumerate(prompts))
-    summary = json.load(open(tmp_path / "s.json"))
+    r, secs = launches.result(("dense", dp))
+    summary, log = tp_jobs[("dense", dp)].equals_transformers(r)
     assert [x["rank"] for x in summary["ranks"]] == list(range(dp))          # per DP rank
-    assert sum(x["requests"] for x in summary["ranks"]) == len(prompts)
+    assert sum(x["requests"] for x in summary["ranks"]) == 6
     if draft == "fp8":
         assert summary["num_accepted_tokens"] >= 0.9 * summary["num_draft_tokens"] > 0, summary
-    assert "TP rank 1 of 2" in r.stdout + r.stderr                          # every process's ready line
-    assert ("draft model split over 2 processes" in r.stdout + r.stderr) == (draft == "fp8")
+    assert "TP rank 1 of 2" in log                                          # every process's ready line
+    assert ("draft model split over 2 processes" in log) == (draft == "fp8")
 
 
-def test_tp2_eagle3_generate_equals_transformers(tmp_path, models, eagle_heads):
+def test_tp2_eagle3_generate_equals_transformers(tp_jobs, launches):
     """tp 2 x dp 1 with an EAGLE-3 head (draft vocabulary of 96 ids, the target's vocab-split embedding) replicated on
     both processes, every collective and the drafts checked across the group (check_collectives): greedy float32
     tokens equal transformers' target-only greedy generate, with sequences crossing the drafter's limit (D = 40 < M =
     64: lengths 38..63 draft nothing)."""
-    summary, log = tp_generate_equals_transformers(tmp_path, models["target"], eagle_heads["eagle3"], 21, dp=1,
-                                                   method="eagle3", check=True, parallel={"tensor_parallel_size": 2})
+    summary, log = tp_jobs["eagle3"].equals_transformers(launches.result("eagle3")[0])
     assert summary["num_draft_tokens"] > 0
     assert "TP rank 1 of 2" in log
 
 
 @pytest.mark.parametrize("dp", [1, 2])
-def test_tp2_moe_generate_equals_transformers(tmp_path, models, moe_targets, dp):
+def test_tp2_moe_generate_equals_transformers(tp_jobs, launches, dp):
     """A Qwen3-MoE (16 experts, top 4) at tp 2: every expert's columns split over the TP group, the MoE output
     all-reduced over it; at dp 2 the experts are split over the DP ranks too (expert parallelism: each of the 4
     processes holds half the columns of 8 experts), tokens gathered and reduce-scattered among the processes of one
     TP rank, in lockstep with every collective checked. Greedy float32 tokens equal transformers', with a drafter
     and sequences crossing the drafter's limit (D = 40 < M = 64)."""
-    target = moe_targets["qwen3_moe"]
-    summary, _ = tp_generate_equals_transformers(tmp_path, target, models["draft"], 19, dp=dp, check=dp == 2,
-                                                 parallel={"tensor_parallel_size": 2, "enable_expert_parallel": dp == 2})
+    summary, _ = tp_jobs[("moe", dp)].equals_transformers(launches.result(("moe", dp))[0])
     ranks = summary["ranks"]
     whole = 16 * 3 * 48 * 64 * 4 * 2                 # float32 routed experts of the two sparse layers
     assert [x["expert_weight_bytes"] for x in ranks] == [whole // (2 * dp)] * dp     # a leader's share
 
 
 @pytest.mark.parametrize("dp", [1, 2])
-def test_tp2_deepseek_mtp_generate_equals_transformers(tmp_path, deepseek_targets, dp):
+def test_tp2_deepseek_mtp_generate_equals_transformers(tp_jobs, launches, dp):
     """DeepSeek-V3 at tp 2 with method mtp: latent attention, dense layer, routed and shared experts and the MTP layer
     split over the TP group; every process runs the MTP layer's forwards over the rows its leader staged, the drafts
     the leader's (they reach the followers in the next step's package). At dp 2 the experts (the MTP layer's too) are
     split over the DP ranks as well, in lockstep with every collective checked. Greedy float32 tokens equal
     transformers' target-only greedy generate, with sequences crossing the drafter's limit (D = 40 < M = 64)."""
-    target = deepseek_targets["lora"]
-    summary, _ = tp_generate_equals_transformers(tmp_path, target, None, 19, dp=dp, method="mtp", check=dp == 2,
-                                                 parallel={"tensor_parallel_size": 2, "enable_expert_parallel": dp == 2})
+    summary, _ = tp_jobs[("deepseek", dp)].equals_transformers(launches.result(("deepseek", dp))[0])
     assert summary["num_draft_tokens"] > 0
     whole = 3 * 4 * 3 * 32 * 64 * 4                # float32 routed experts of the two sparse layers and the MTP layer
     assert [x["expert_weight_bytes"] for x in summary["ranks"]] == [whole // (2 * dp)] * dp     # a leader's share
 
 
 @pytest.mark.parametrize("fault,check", [("tp-alter:1:3", True), ("tp-skip:1:3", False)])
-def test_a_follower_that_decides_alone_is_named(tmp_path, models, fault, check):
+def test_a_follower_that_decides_alone_is_named(launches, fault, check):
     """tp-alter: a follower drafts nothing where its leader drafts (vLLM #49027's disagreement), caught at once by
     check_collectives comparing the step package; tp-skip: a follower misses a step package, so the two sides
     wait in different collectives until the collective timeout names each (TP rank, phase) — never a hang."""
-    inp = write_jsonl(tmp_path / "in.jsonl", [{"prompt": p, "max_tokens": 20}
-                                              for p in prompts_of_lengths([13, 20], seed=17)])
-    timeout = 5
-    cfg = dp_config(tmp_path, models["target"], models["draft"], dp=1, k=3, M=64, timeout_s=timeout, check=check,
-                    parallel={"tensor_parallel_size": 2})
-    r, secs = run_cli("generate", cfg, "--input", inp, "--output", tmp_path / "out.jsonl", env={"SPECDP_FAULT": fault})
+    r, secs = launches.result(("follower", fault))
     err = r.stdout + r.stderr
     assert r.returncode == 1, err
     if check:
@@ -892,7 +918,7 @@ def test_a_follower_that_decides_alone_is_named(tmp_path, models, fault, check):
     assert secs < 60, secs
 
 
-def test_serve_at_tp2_equals_generate(tmp_path, models):
+def test_serve_at_tp2_equals_generate(tp_jobs, launches):
     """`specdp serve` at dp 1 x tp 2: the leader serves, its follower runs each step's device work with it; greedy
     completions and a seeded sampled one (the sampling values travel in the step package) equal what one process
     generates."""
@@ -900,17 +926,16 @@ def test_serve_at_tp2_equals_generate(tmp_path, models):
     from typer.testing import CliRunner
 
     from specdp_cli.cli import app
-    from test_serve import KEY, PROMPTS, Server, free_port, server_config
+    from test_serve import KEY, PROMPTS
 
-    port = free_port()
-    cfg = server_config(tmp_path, models, port, parallel={"data_parallel_size": 1, "tensor_parallel_size": 2})
+    tmp_path, cfg, port = tp_jobs["server"]
     rows = [{"prompt": p, "max_tokens": 16} for p in PROMPTS] + [{"prompt": PROMPTS[0], "max_tokens": 12,
                                                                   "temperature": 0.8, "seed": 5}]
     res = CliRunner().invoke(app, ["generate", str(cfg), "--input", str(write_jsonl(tmp_path / "in.jsonl", rows)),
                                    "--output", str(tmp_path / "o.jsonl"), "--set", "parallel.tensor_parallel_size=1"])
     assert res.exit_code == 0, res.output
     expected = [json.loads(x)["text"] for x in open(tmp_path / "o.jsonl")]
-    server = Server(cfg, port)
+    server = launches.result("server")
     try:
         assert len(server.ranks()) == 2
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
