@@ -4,13 +4,15 @@ of itself for each command; the copy sets the test's environment, working folder
 files and runs `specdp_cli.cli.main`, a process of its own (the ranks it starts are fresh ones, as always).
 
 `run(args, env, cwd, timeout)` -> (returncode, stdout, stderr); a command still running after `timeout` is
-killed and `subprocess.TimeoutExpired` raised, as `subprocess.run` does. `python tests/cli_forks.py SOCKET` is
+killed and `subprocess.TimeoutExpired` raised, as `subprocess.run` does. `start(args, env, cwd)` -> the running
+command, used as a `subprocess.Popen` is (a server). `python tests/cli_forks.py SOCKET` is
 the helper: it listens on the Unix socket SOCKET and leaves when its stdin closes (the test process is gone).
 """
 from __future__ import annotations
 
 import os
 import pickle
+import select
 import selectors
 import signal
 import socket
@@ -19,12 +21,11 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 # what a `generate` / `validate config` command imports on its way (the rest it imports itself)
 PRELOAD = ("specdp_cli.cli", "specdp_cli.jobs.run_generate", "specdp_cli.launch", "specdp_cli.preflight",
            "transformers", "transformers.tokenization_utils_base", "transformers.tokenization_utils_tokenizers",
-           "transformers.models.auto.tokenization_auto")
+           "transformers.models.auto.tokenization_auto", "specdp_cli.server.run", "specdp_cli.server.app")
 
 
 def _send(sock: socket.socket, obj) -> None:
@@ -64,28 +65,89 @@ class Forks:
                 assert self._proc.stdout.readline() == b"ready\n", "the command's fork helper did not start"
             return self._path
 
-    def run(self, args: list[str], env: dict, cwd: str, timeout: float) -> tuple[int, str, str]:
-        path = self._started()
+    def start(self, args: list[str], env: dict, cwd: str) -> "Forked":
+        """`specdp ARGS` started: a process used as a `subprocess.Popen` is."""
         out_dir = tempfile.mkdtemp(prefix="specdp-cli-out-")
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(self._started())
         out, err = os.path.join(out_dir, "stdout"), os.path.join(out_dir, "stderr")
-        deadline = time.monotonic() + timeout
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.connect(path)
-            _send(sock, {"argv": list(args), "env": env, "cwd": cwd, "stdout": out, "stderr": err})
-            pid = _recv(sock)
-            sock.settimeout(max(0.0, deadline - time.monotonic()))
+        _send(sock, {"argv": list(args), "env": env, "cwd": cwd, "stdout": out, "stderr": err})
+        return Forked(sock, _recv(sock), out_dir, ["specdp", *args])
+
+    def run(self, args: list[str], env: dict, cwd: str, timeout: float) -> tuple[int, str, str]:
+        proc = self.start(args, env, cwd)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
+        out, err = proc.communicate()
+        return proc.returncode, out, err
+
+
+class Forked:
+    """A forked command as a `subprocess.Popen` (text mode, stdout and stderr captured) is used: pid, args,
+    returncode, poll, wait, send_signal, kill, communicate, and stderr.read() once it has ended."""
+
+    def __init__(self, sock: socket.socket, pid: int, out_dir: str, args: list[str]):
+        self.sock, self.pid, self.args, self._dir = sock, pid, args, out_dir
+        self.returncode: int | None = None
+        self.stderr = _Stream(os.path.join(out_dir, "stderr"))
+        self._output: tuple[str, str] | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select_ready(self.sock, 0):
+            self._ended()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select_ready(self.sock, timeout):
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            self._ended()
+        return self.returncode
+
+    def _ended(self) -> None:
+        code = _recv(self.sock)                     # None: killed by a signal before it could say
+        self.sock.close()
+        self.returncode = -signal.SIGKILL if code is None else code
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
             try:
-                code = _recv(sock)
-            except socket.timeout:
-                os.kill(pid, signal.SIGKILL)
-                raise subprocess.TimeoutExpired(["specdp", *args], timeout, _read(out), _read(err)) from None
-        stdout, stderr = _read(out), _read(err)
-        for f in (out, err):
-            os.unlink(f)
-        os.rmdir(out_dir)
-        if code is None:                                       # killed by a signal before it could say
-            code = -signal.SIGKILL
-        return code, stdout, stderr
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        if self._output is None:
+            files = [os.path.join(self._dir, name) for name in ("stdout", "stderr")]
+            self._output = (_read(files[0]), _read(files[1]))
+            for f in files:
+                if os.path.exists(f):
+                    os.unlink(f)
+            os.rmdir(self._dir)
+        return self._output
+
+
+class _Stream:
+    """A finished command's stderr, read as a pipe's would be."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def read(self) -> str:
+        return _read(self.path)
+
+
+def select_ready(sock: socket.socket, timeout: float | None) -> bool:
+    """Whether the command's end (its status, or the connection closed) arrived within `timeout` seconds."""
+    return bool(select.select([sock], [], [], timeout)[0])
 
 
 FORKS = Forks()

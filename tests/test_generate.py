@@ -272,18 +272,17 @@ def test_sigterm_stops_with_a_sentence_and_143(cfg, tmp_path, dp):
     folder; on the way each rank's start-up line was shown, and no progress bar (stderr is no terminal)."""
     import os
     import signal
-    import subprocess
-    import sys
     import time
+
+    from cli_forks import FORKS
 
     inp = write_jsonl(tmp_path / "many.jsonl", [{"prompt": f"def f{i}(x):", "max_tokens": 12} for i in range(400)])
     out = tmp_path / "o.jsonl"
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "specdp_cli", "generate", str(cfg), "--input", str(inp),
-                             "--output", str(out), "--dp", str(dp)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp),
-                                                GLOO_SOCKET_IFNAME="lo"))
+    # the command in a process of its own (as `python -m specdp_cli generate ...`, forked from a helper that imported it)
+    proc = FORKS.start(["generate", str(cfg), "--input", str(inp), "--output", str(out), "--dp", str(dp)],
+                       dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp), GLOO_SOCKET_IFNAME="lo"), os.getcwd())
     deadline = time.monotonic() + 120
     while not any(p.stat().st_size > 0 for p in tmp_path.glob("o.jsonl.rank*.part")):     # the job is running
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()

@@ -6,8 +6,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -17,6 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from cli_forks import FORKS
 from dp_util import write_jsonl
 from helpers import write_config
 from specdp_cli.cli import app
@@ -50,8 +49,7 @@ class Server:
         self.port = port
         env = dict(os.environ if environ is None else environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
         env.pop("SPECDP_API_KEY", None)
-        self.proc = subprocess.Popen([sys.executable, "-m", "specdp_cli", "serve", str(cfg)], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = FORKS.start(["serve", str(cfg)], env, os.getcwd())      # as `python -m specdp_cli serve cfg`
         deadline = time.monotonic() + 120
         while self.health() != 200:
             assert self.proc.poll() is None, self.proc.communicate()
