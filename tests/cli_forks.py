@@ -3,10 +3,10 @@ it imports (torch, transformers: about 4 of the ~12 CPU-seconds a 2-rank launch 
 of itself for each command; the copy sets the test's environment, working folder and argv, sends its output to
 files and runs `specdp_cli.cli.main`, a process of its own (the ranks it starts are fresh ones, as always).
 
-`run(args, env, cwd, timeout)` -> (returncode, stdout, stderr); a command still running after `timeout` is
-killed and `subprocess.TimeoutExpired` raised, as `subprocess.run` does. `start(args, env, cwd)` -> the running
-command, used as a `subprocess.Popen` is (a server). `python tests/cli_forks.py SOCKET` is
-the helper: it listens on the Unix socket SOCKET and leaves when its stdin closes (the test process is gone).
+`FORKS.run(args, env, cwd, timeout)` -> (returncode, stdout, stderr); a command still running after `timeout` is
+killed and `subprocess.TimeoutExpired` raised, as `subprocess.run` does. `FORKS.start(args, env, cwd)` -> the
+running command, used as a `subprocess.Popen` is (a server). `python tests/cli_forks.py SOCKET` is the helper: it
+listens on the Unix socket SOCKET and leaves when its stdin closes (the test process is gone).
 """
 from __future__ import annotations
 
