@@ -69,16 +69,22 @@ class OneTokenEngine:
         return outs
 
 
-def test_every_step_reaches_the_frontend_and_an_idle_rank_waits():
+def _rank_over_link(engine):
+    """A serving rank's loop over `engine` in a thread, linked to this test as its frontend: (link, thread)."""
     spec = new_link_spec("127.0.0.1")
     listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(spec["authkey"]))
     spec["port"] = listener.address[1]
-    engine = OneTokenEngine()
     dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
     rank = threading.Thread(target=serve_rank, args=(engine, dp, {"link": spec}), daemon=True)
     rank.start()
     conn = listener.accept()
     assert conn.recv() == ("hello", 0)
+    return conn, rank
+
+
+def test_every_step_reaches_the_frontend_and_an_idle_rank_waits():
+    engine = OneTokenEngine()
+    conn, rank = _rank_over_link(engine)
     params = {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
     conn.send(("add", "r1", [1, 2, 3], params, None))
     tokens, finish = [], None
@@ -103,15 +109,8 @@ def test_every_step_reaches_the_frontend_and_an_idle_rank_waits():
 def test_an_abort_answer_follows_the_tokens_sent_before_it():
     """A step's tokens wait for the next step to go out; an abort's answer must not overtake them (the frontend
     would see tokens of a finished request)."""
-    spec = new_link_spec("127.0.0.1")
-    listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(spec["authkey"]))
-    spec["port"] = listener.address[1]
     engine = OneTokenEngine()
-    dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
-    rank = threading.Thread(target=serve_rank, args=(engine, dp, {"link": spec}), daemon=True)
-    rank.start()
-    conn = listener.accept()
-    assert conn.recv() == ("hello", 0)
+    conn, rank = _rank_over_link(engine)
     params = {"max_tokens": 10**6, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
     conn.send(("add", "r1", [1, 2, 3], params, None))
     assert conn.poll(30) and conn.recv()[0] == "out"          # it runs
