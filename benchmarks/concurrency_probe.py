@@ -64,7 +64,7 @@ def child(a) -> None:
     engine = build(a, a.method, False, a.max_num_seqs)
     run(engine, prompts[:a.max_num_seqs], 16)                    # warm-up
     waited = [0.0]
-    to_host = engine._to_host
+    to_host = engine._read
 
     def timed_to_host(*args):
         t = time.perf_counter()
@@ -72,7 +72,7 @@ def child(a) -> None:
             return to_host(*args)
         finally:
             waited[0] += time.perf_counter() - t
-    engine._to_host = timed_to_host
+    engine._read = timed_to_host
     print("READY", flush=True)
     for line in sys.stdin:
         if line.strip() != "run":

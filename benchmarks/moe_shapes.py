@@ -113,6 +113,39 @@ def hf_row(model, tok, prompts, B: int, new: int) -> dict:
     return {"tok_s": n / secs, "s": secs}
 
 
+def engine_rows(a, shape: str, pair: str, mode: str, prompts, batches, limits, bw) -> list[dict]:
+    """specdp's rows of one shape, scheduler.async_scheduling `mode` (auto, on, off)."""
+    ns = SimpleNamespace(pair=pair, target=None, dtype="bfloat16", max_model_len=a.max_model_len, k=1,
+                         max_batched_tokens=8192, async_scheduling={"auto": None, "on": True, "off": False}[mode])
+    t = time.perf_counter()
+    engine = offline.build(ns, "none", False, max(batches))
+    build_s = time.perf_counter() - t
+    rows = []
+    for B in batches:
+        engine.scheduler.max_num_seqs = B
+        offline.run(engine, prompts[:B], 4)                         # warm-up
+        runs = []
+        for _ in range(a.repeats):
+            done, secs = offline.run(engine, prompts[:B], a.new)
+            runs.append(sum(len(s.generated) for s in done.values()) / secs)
+        step, total, active_routed = limits[B]
+        limit = B / (step / bw) if bw else None
+        med = statistics.median(runs)
+        rows.append({"shape": shape, "engine": "specdp" + (" sync" if mode == "off" else ""), "batch": B, "tok_s": med,
+                     "runs": runs, "async_scheduling": engine.async_sched, "step_bytes": step, "weight_bytes": total,
+                     "active_routed_bytes": active_routed, "limit_tok_s": limit,
+                     "pct_of_limit": med / limit * 100 if limit else None, "build_s": build_s, "graphs": engine.graphs})
+        print(json.dumps(rows[-1]), flush=True)
+        if str(B) in a.profile.split(","):
+            tag = "" if mode in ("auto", "on") else "_sync"
+            offline.profile(engine, prompts[:B], a.new,
+                            trace=f"{a.trace}_{shape}_b{B}{tag}.json" if a.trace else None)
+    del engine
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pair", required=True, help="the codepair directory (tokenizer, held-out prompts)")
@@ -128,6 +161,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="small models of the same families: a dry run")
     ap.add_argument("--profile", default="", help="batch sizes to profile a few steps of (torch.profiler tables)")
     ap.add_argument("--trace", default="", help="with --profile: a Chrome trace per profiled batch, this path + _bB.json")
+    ap.add_argument("--async-scheduling", default="auto",
+                    help="scheduler.async_scheduling: auto (on on a GPU), on, off, or on,off for rows of both")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     from transformers import AutoTokenizer
@@ -149,31 +184,8 @@ def main() -> None:
         del model
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-        ns = SimpleNamespace(pair=pair, target=None, dtype="bfloat16", max_model_len=a.max_model_len, k=1,
-                             max_batched_tokens=8192)
-        t = time.perf_counter()
-        engine = offline.build(ns, "none", False, need)
-        build_s = time.perf_counter() - t
-        for B in batches:
-            engine.scheduler.max_num_seqs = B
-            offline.run(engine, prompts[:B], 4)                         # warm-up
-            runs = []
-            for _ in range(a.repeats):
-                done, secs = offline.run(engine, prompts[:B], a.new)
-                runs.append(sum(len(s.generated) for s in done.values()) / secs)
-            step, total, active_routed = limits[B]
-            limit = B / (step / bw) if bw else None
-            med = statistics.median(runs)
-            rows.append({"shape": shape, "engine": "specdp", "batch": B, "tok_s": med, "runs": runs,
-                         "step_bytes": step, "weight_bytes": total, "active_routed_bytes": active_routed,
-                         "limit_tok_s": limit, "pct_of_limit": med / limit * 100 if limit else None, "build_s": build_s,
-                         "graphs": engine.graphs})
-            print(json.dumps(rows[-1]), flush=True)
-            if str(B) in a.profile.split(","):
-                offline.profile(engine, prompts[:B], a.new, trace=f"{a.trace}_{shape}_b{B}.json" if a.trace else None)
-        del engine
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
+        for mode in a.async_scheduling.split(","):
+            rows += engine_rows(a, shape, pair, mode, prompts, batches, limits, bw)
     meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
             "torch": torch.__version__,
             "transformers": __import__("transformers").__version__, "copy_bandwidth_Bps": bw, "new_tokens": a.new,

@@ -96,7 +96,8 @@ def build(a, method: str, eager: bool, max_seqs: int) -> Engine:
         "speculative": {"method": method, "num_speculative_tokens": a.k,
                         **({"model": os.path.join(a.pair, method if method.startswith("eagle") else "draft")}
                            if METHODS[method].loads else {})},
-        "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": a.max_batched_tokens}})
+        "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": a.max_batched_tokens,
+                      "async_scheduling": getattr(a, "async_scheduling", None)}})
     freeze_startup_heap()                  # as the CLI's ranks do
     return engine
 

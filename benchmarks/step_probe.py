@@ -57,7 +57,7 @@ def host_split(engine, prompts, new: int) -> dict:
     timed(engine.inputs, "stage", "stage")
     timed(engine, "_run_device_step", "device_launch")
     timed(engine, "_device_step", "device_step_eager")
-    timed(engine, "_to_host", "to_host_wait")
+    timed(engine, "_read", "to_host_wait")
     timed(engine, "_accept", "accept")
     timed(engine.drafter, "after_step", "after_step")
     c0 = engine.counters.steps

@@ -119,6 +119,8 @@ class ParallelConfig(_Strict):
 class SchedulerConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=1)
+    # schedule step N + 1 while the device runs step N (vLLM's name); None: on where it runs (a GPU, method none)
+    async_scheduling: Optional[bool] = None
 
 
 class CacheConfig(_Strict):

@@ -41,6 +41,7 @@ class Plan:
     model_name: str = ""
     num_blocks: Optional[int] = None              # KV blocks: cache.num_blocks, the CPU default, or None (a GPU sizes it)
     expert_parallel: bool = False                 # the target's routed experts are split over the DP ranks
+    async_scheduling: bool = False                # the host plans step N + 1 while the device runs step N
     speculation: Optional[dict] = None            # the step k's schedule: mode, ranges, k_values (spec_length.py)
     memory: Optional[dict] = None                 # the estimate preflight reports (see _memory)
 
@@ -141,7 +142,15 @@ def resolve(cfg: Config, dirs: tuple[ModelDir | None, ModelDir | None] | None = 
                 gpus=gpus,
                 model_name=cfg.server.model_name or (target.name if target else os.path.basename(cfg.model)),
                 num_blocks=memory["num_blocks"] if memory and memory["source"] != "gpu" else cfg.cache.num_blocks,
-                expert_parallel=expert_parallel, speculation=speculation(cfg), memory=memory)
+                expert_parallel=expert_parallel, speculation=speculation(cfg), memory=memory,
+                async_scheduling=async_scheduling(cfg, device))
+
+
+def async_scheduling(cfg: Config, device: str) -> bool:
+    """`scheduler.async_scheduling`, or by default on a GPU; only without drafts (a drafter needs each step's
+    accepted tokens before it proposes the next step's: preflight refuses true with one)."""
+    on = cfg.scheduler.async_scheduling
+    return (device == "cuda" if on is None else on) and not METHODS[cfg.speculative.method].drafts
 
 
 def draft_tp(cfg: Config) -> int:

@@ -55,6 +55,7 @@ class Report:
             "ok": self.ok,
             "policy": p.policy,
             "dp_sync": p.dp_sync,
+            "async_scheduling": p.async_scheduling,
             "drafter_max_model_len": p.drafter_max_model_len,
             "no_draft_window": p.no_draft_window,
             "speculation": p.speculation,
@@ -157,13 +158,29 @@ def run_preflight(cfg: Config) -> Report:
     s = cfg.scheduler
     per_seq = (k + 1) if meth.drafts else 1
     if s.max_num_batched_tokens < s.max_num_seqs * per_seq:
-        report.add("scheduler", [("warn", f"max_num_batched_tokens ({s.max_num_batched_tokens}) < max_num_seqs x "
-                                          f"(k + 1) = {s.max_num_seqs} x {per_seq}: a full batch's verification "
-                                          f"step exceeds the token budget; new prompts wait until sequences finish.")])
+        budget = ("warn", f"max_num_batched_tokens ({s.max_num_batched_tokens}) < max_num_seqs x (k + 1) = "
+                          f"{s.max_num_seqs} x {per_seq}: a full batch's verification step exceeds the token budget; "
+                          f"new prompts wait until sequences finish.")
     else:
-        report.add("scheduler", [("ok", f"max_num_seqs {s.max_num_seqs}, max_num_batched_tokens "
-                                        f"{s.max_num_batched_tokens} (prompts longer than that are prefilled in chunks).")])
+        budget = ("ok", f"max_num_seqs {s.max_num_seqs}, max_num_batched_tokens {s.max_num_batched_tokens} (prompts "
+                        f"longer than that are prefilled in chunks).")
+    report.add("scheduler", [budget, _async_scheduling(cfg, plan)])
     return report
+
+
+def _async_scheduling(cfg: Config, plan: Plan) -> tuple[str, str]:
+    asked, method = cfg.scheduler.async_scheduling, cfg.speculative.method
+    if asked and METHODS[method].drafts:
+        return ("error", f"scheduler.async_scheduling: true needs speculative.method none: method {method} drafts from "
+                         f"each step's accepted tokens, which the host reads before it plans the next step. Set "
+                         f"async_scheduling to false or leave it unset.")
+    if plan.async_scheduling:
+        return ("ok", "async scheduling: the host plans and stages each step while the device runs the one before "
+                      "(a step's tokens are read one step later).")
+    why = ("off (scheduler.async_scheduling: false)" if asked is False else
+           f"off: method {method} drafts from each step's accepted tokens" if METHODS[method].drafts else
+           "off on CPU (there the host runs the forwards itself; set scheduler.async_scheduling: true to use it)")
+    return ("ok", f"async scheduling {why}.")
 
 
 def _eagle_head(target: ModelDir | None, head: ModelDir, method: str) -> list[tuple[str, str]]:

@@ -10,7 +10,7 @@ from specdp_cli.cli import app
 
 runner = CliRunner()
 JSON_KEYS = {"ok", "policy", "dp_sync", "drafter_max_model_len", "no_draft_window", "kv_cache", "weights_per_token",
-             "quantization", "layout",
+             "quantization", "layout", "async_scheduling",
              "checks", "errors",
              "warnings", "speculation"}
 

@@ -48,14 +48,14 @@ from .model_runner import ModelRunner, capture_sizes, pad_rows
 from .output import OutputProcessor
 from .progress import NoProgressError, ProgressGuard, StalledPeerError, describe_stall
 from .sampling import SamplingParams, row_tensors, row_values, rows_on, verify
-from .scheduler import Request, Scheduler, Sequence, SpecStats
+from .scheduler import PENDING, Request, Scheduler, Sequence, SpecStats, StepPlan
 from .spec_length import SpecLength
 from .structured import GrammarCompiler
-from .step_inputs import FIRST, NDRAFT, NREAL, OUT, START, RowSpec, StepInputs
+from .step_inputs import FIRST, NDRAFT, NREAL, OUT, SRC, START, RowSpec, StepInputs
 from . import step_package
 from .step_package import StepPackage
-from .step_types import (WIDE_CHUNKS, WIDE_DRAFTER, DeviceResult, ScheduledStep, StepContext, StepOutput, StepSizes,
-                         StepSync)
+from .step_types import (WIDE_CHUNKS, WIDE_DRAFTER, DeviceResult, LaunchedStep, ScheduledStep, StepContext, StepOutput,
+                         StepSizes, StepSync)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHUNK_ROW_TOKENS = 16    # tokens per row in a step with prompt chunks (a chunk takes one row per 16 tokens)
@@ -77,6 +77,7 @@ class RankCounters:
         self.skipped_drafter_steps = 0
         self.generated_tokens = 0
         self.preemptions = 0
+        self.planned_ahead = 0       # async scheduling: steps planned before the previous step's results were read
         self.spec = SpecStats()
         self.weight_bytes: int | None = None       # device memory the loaded weights took (CUDA), None elsewhere
         self.expert_weight_bytes = 0               # of which routed experts (this rank's share under EP)
@@ -88,7 +89,7 @@ class RankCounters:
     def report(self, rank: int, requests: int) -> dict:
         return {"rank": rank, "requests": requests, "steps": self.steps, "padding_steps": self.padding_steps,
                 "skipped_drafter_steps": self.skipped_drafter_steps, "generated_tokens": self.generated_tokens,
-                "preemptions": self.preemptions, "weight_bytes": self.weight_bytes,
+                "preemptions": self.preemptions, "planned_ahead": self.planned_ahead, "weight_bytes": self.weight_bytes,
                 "expert_weight_bytes": self.expert_weight_bytes, "first_step_t": self.first_step_t,
                 "last_step_t": self.last_step_t, "spec": vars(self.spec),
                 "spec_length": self.spec_length.report() if self.spec_length else None,
@@ -127,6 +128,7 @@ class Engine:
         models = [m for m in (target, draft, head) if m is not None]
         t_loaded = time.time()
         self._build_runners(target, draft, head, meth)
+        self._init_async(plan.async_scheduling)
         self.vocab = target.vocab_size                  # the target's logits (a padded vocabulary: past the tokenizer)
         self.grammars = GrammarCompiler(self.output.tokenizer, self.vocab, self.output.eos)
         num_blocks = self._num_blocks(models)
@@ -227,6 +229,21 @@ class Engine:
         else:
             self.drafter = NoDrafter()
         self.runners = [self.target] + ([self.drafter.runner] if self.drafter.has_forward else [])
+
+    def _init_async(self, on: bool) -> None:
+        """Async scheduling (vLLM's name): the host schedules and stages step N + 1 while the device runs step N,
+        and reads step N's results while N + 1 runs. A row whose last token step N emits takes it on the device
+        (`last_tokens`, written at the end of every step's device work; the row's SRC column names N's row).
+        Results come back through two pinned buffers, used in turn, each with an event."""
+        self.async_sched = on
+        self._inflight: LaunchedStep | None = None     # the step whose device work is queued, results unread
+        self._drained: list[StepOutput] = []           # outputs of a step completed early, for step() to return
+        max_rows = self.row_sizes[-1]
+        self.last_tokens = torch.zeros(max_rows if on else 0, dtype=torch.long, device=self.device)
+        pin = self.device.type == "cuda"
+        cols = 2 * self.k + 2                           # tokens (<= k + 1), their count, proposed drafts (<= k)
+        self._tables = [torch.zeros(max_rows * cols, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._tb = 0
 
     def _capture_graphs(self) -> None:
         """On a GPU: a CUDA graph per forward size of each runner, and of each step kind's whole device work.
@@ -416,9 +433,11 @@ class Engine:
         rows = []
         for i, ((s, _), n) in enumerate(zip(plan.decode, drafts.n)):
             d_start, d_toks, n = self.drafter.catch_up(s, n, self.T_chunk) if n else (0, [], 0)
-            toks = [s.tokens[-1]] + (drafts.host[i][:n] if drafts.host is not None else [])
+            # a last token still on the device (async scheduling) is fed there, from the row that emits it
+            last, src = (0, s.pending_row) if s.pending else (s.tokens[-1], -1)
+            toks = [last] + (drafts.host[i][:n] if drafts.host is not None else [])
             rows.append(RowSpec(s, start=s.L - 1, tokens=toks, n_real=1 + n, first_pos=s.L, n_drafts=n,
-                                d_start=d_start, d_tokens=tuple(d_toks)))
+                                d_start=d_start, d_tokens=tuple(d_toks), src=src))
         W = self.T_chunk
         for s, start, end in plan.prefill:
             pre = self.drafter.prefills(s)
@@ -437,20 +456,55 @@ class Engine:
         lockstep: every rank returns None from the same step). `received`: a server rank's count of
         frontend messages; `while_device_runs`: host work (e.g. writing the last step's results) done while
         the device runs this step, off the step's critical path — in lockstep, uneven host work is time the
-        other ranks wait."""
+        other ranks wait.
+
+        With async scheduling the step's device work is still running when step returns, and the outputs
+        returned are those of the step before it, read while this one runs (a step's outputs come one call
+        later; the last ones with the call that finds no more work)."""
         sched = self._schedule(received)
         synced = self.dp.sync_step(sched.sync, sched.step)
         if self.dp.lockstep:
             synced = [StepSync._make(row) for row in synced]
         sizes = self.agree(synced, sched.step, sched.k)
         if sizes is None:
-            return None
+            # (a step still on the device holds only rows of finished sequences here: any rank with a live
+            # row says it has work; in lockstep a rank with outputs to return does too, so all return None)
+            outputs = self._drained + (self._complete() if self._inflight is not None else [])
+            self._drained = []
+            return outputs or None
         # the drafter phase runs when it drafts, when an EAGLE head learns the verified positions (every
         # step: their features exist only now), or when some rank feeds it prompt chunks or a catch-up
         drafter_runs = self.drafter.has_forward and bool(sizes.K or self.drafter.after_verify
                                                          or any(f.feeds_drafter for f in synced))
-        result = self._execute(sched, sizes, drafter_runs, while_device_runs)
-        return self._update(sched, sizes, result)
+        launched = self._launch(sched, sizes, drafter_runs)
+        if while_device_runs is not None:
+            while_device_runs()
+        if self.spec_len.adaptive:
+            self._plan_k(sched.sync.batch)
+        outputs, self._drained = self._drained, []
+        if self._inflight is not None:
+            outputs += self._complete()        # the step before, read while this one runs
+        if self.async_sched:
+            self._inflight = launched
+        else:
+            outputs += self._finish(launched)
+        return outputs
+
+    def _plan(self) -> StepPlan:
+        """The scheduler's plan. With a step still on the device (async scheduling) the next one is planned
+        before that step's results are read when it can be: nothing has to be preempted, no running request
+        needs its tokens on the host first (a grammar, penalties or other logits processing, log-probabilities,
+        the freeze fault), and the plan has rows. Otherwise that step is completed first (step returns its
+        outputs)."""
+        if self._inflight is not None:
+            if self.faults.frozen_id is None and not any(s.req.special or s.req.grammar is not None
+                                                         for s in self.scheduler.running):
+                plan = self.scheduler.schedule(preempt=False)
+                if plan is not None and (plan.decode or plan.prefill):
+                    self.counters.planned_ahead += 1
+                    return plan
+            self._drained += self._complete()
+        return self.scheduler.schedule()
 
     def _schedule(self, received: int) -> ScheduledStep:
         """This rank's part of the step: the scheduler's rows, the drafter forwards it plans, its sync row."""
@@ -466,7 +520,7 @@ class Engine:
             c.first_step_t = time.time()
         t_start = time.perf_counter()
         k = self.scheduler.k_step = self.k_next
-        plan = self.scheduler.schedule()
+        plan = self._plan()
         c.preemptions += plan.preempted
         drafting = [(s, ke) for s, ke in plan.decode if ke >= 1]
         K = self.drafter_forwards(drafting, bool(plan.decode or plan.prefill), k)
@@ -479,13 +533,14 @@ class Engine:
         # adaptive: the preference worked out while the last step ran (`_plan_k`); fixed k and ranges: now
         preferred = self.k_pref if sl.adaptive else sl.preferred(batch, pad_rows(max(batch, 1), self.row_sizes))
         wide = (WIDE_CHUNKS if plan.prefill else 0) | (WIDE_DRAFTER if any(len(r.d_tokens) > 2 for r in rows) else 0)
-        sync = StepSync(len(rows), K, 1 + k if (K or any(n_drafts)) else 1, wide, int(bool(rows) or self.has_work),
-                        received, batch, preferred, int(any(r.d_tokens for r in rows)), int(self._stalled is not None))
+        # (in lockstep, outputs still to return count as work: every rank then returns None from the same step)
+        has_work = bool(rows) or self.has_work or (self.dp.lockstep and bool(self._drained))
+        sync = StepSync(len(rows), K, 1 + k if (K or any(n_drafts)) else 1, wide, int(has_work), received, batch,
+                        preferred, int(any(r.d_tokens for r in rows)), int(self._stalled is not None))
         return ScheduledStep(step, k, plan, rows, n_drafts, sync, t_start)
 
-    def _execute(self, sched: ScheduledStep, sizes: StepSizes, drafter_runs: bool,
-                 while_device_runs: Callable[[], None] | None) -> DeviceResult:
-        """The step's device work over the agreed sizes, and its one copy back to the host."""
+    def _launch(self, sched: ScheduledStep, sizes: StepSizes, drafter_runs: bool) -> LaunchedStep:
+        """The step's device work over the agreed sizes, queued with its one copy back to the host."""
         rows, step = sched.rows, sched.step
         self.inputs.stage(rows, sizes.R_pad)
         n_decode = len(sched.plan.decode)
@@ -500,14 +555,8 @@ class Engine:
             step_package.send(self.tp, pkg, self.inputs)
             self.tp.verify(pkg.decision(), step, "step package")
         ctx = self._context(pkg, rows)
-        out, n_out, proposed, logprobs = self._run_device_step(ctx)
-        if while_device_runs is not None:
-            while_device_runs()
-        if self.spec_len.adaptive:
-            self._plan_k(sched.sync.batch)
-        table = self._to_host(out, n_out, proposed, len(rows))
-        if logprobs is not None:
-            logprobs = tuple(t[:len(rows)].cpu().numpy() for t in logprobs)
+        table, logprobs = self._run_device_step(ctx)
+        host, event = self._copy_out(table, len(rows))
         if self.drafter.after_verify:
             drafter_padding = drafter_runs and not rows
         else:
@@ -515,7 +564,34 @@ class Engine:
         if not rows or drafter_padding:
             self.counters.padding_steps += 1          # some forward of the step ran over padding rows only
         self.drafter.after_step(ctx)
-        return DeviceResult(table, out.shape[1], proposed is not None, logprobs)
+        for s, _start, end in sched.plan.prefill:     # the prompt positions the step writes
+            s.target_len = end
+            self.scheduler.commit(s)
+        if self.async_sched:       # the token each row emits counts in its sequence's L until it is read
+            for i, r in enumerate(rows):
+                if i < n_decode or r.done:
+                    r.seq.tokens.append(PENDING)
+                    r.seq.pending += 1
+                    r.seq.pending_row = i
+        return LaunchedStep(sched, sizes, host, event, sizes.T_dec, self._proposes(ctx),
+                            tuple(t[:len(rows)] for t in logprobs) if logprobs is not None else None)
+
+    def _complete(self) -> list[StepOutput]:
+        """Read the results of the step still on the device (waiting for it) and keep its books."""
+        launched, self._inflight = self._inflight, None
+        return self._finish(launched)
+
+    def _finish(self, launched: LaunchedStep) -> list[StepOutput]:
+        return self._update(launched.sched, launched.sizes, self._read(launched))
+
+    @staticmethod
+    def _read(launched: LaunchedStep) -> DeviceResult:
+        """A launched step's results on the host (waiting for its device work)."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        table = launched.table.numpy() if launched.table is not None else ()
+        logprobs = tuple(t.cpu().numpy() for t in launched.logprobs) if launched.logprobs is not None else None
+        return DeviceResult(table, launched.W, launched.proposed, logprobs)
 
     def _context(self, pkg: StepPackage, rows: list[RowSpec]) -> StepContext:
         """What the step's device work reads, from its package (a TP follower's: no rows of its own)."""
@@ -554,18 +630,26 @@ class Engine:
     def _update(self, sched: ScheduledStep, sizes: StepSizes, result: DeviceResult) -> list[StepOutput]:
         """Bookkeeping: accepted tokens, stops and frees, the adaptive k's measurements, the progress guard."""
         c, plan, rows, W = self.counters, sched.plan, sched.rows, result.W
-        for s, _start, end in plan.prefill:
-            s.target_len = end
-            self.scheduler.commit(s)
         n_decode = len(plan.decode)
         outputs = []
         verified = []                       # (drafts, accepted) of each drafting row: the acceptance averages
         frozen = self.faults.frozen_id      # fault injection (`freeze`): None unless a request is frozen
+        live = False
         for i, (row, res) in enumerate(zip(rows, result.table)):
+            s = row.seq
+            if s.finish_reason is not None:     # finished or aborted while this step ran (async scheduling): void
+                continue
+            live = True
             if i < n_decode or row.done:
-                new = [] if frozen is not None and i < n_decode and row.seq.req.id == frozen else \
+                later = max(s.drop_pending() - 1, 0)   # async scheduling: tokens of steps launched after this one
+                new = [] if frozen is not None and i < n_decode and s.req.id == frozen else \
                     [int(t) for t in res[:res[W]]]
-                outputs.append(self._accept(row.seq, row.n_drafts, new, self._logprobs(result.logprobs, i, row, new)))
+                out = self._accept(s, row.n_drafts, new, self._logprobs(result.logprobs, i, row, new))
+                outputs.append(out)
+                if later and not out.finished:
+                    s.tokens += [PENDING] * later
+                    s.pending = later
+                    s.target_len += later        # the later steps write these positions
                 if row.n_drafts:
                     verified.append((row.n_drafts, int(res[W]) - 1))
                 if result.proposed:
@@ -589,7 +673,7 @@ class Engine:
                 progressed = True
             elif out.new_tokens:
                 progressed = True
-        if self.progress.after_step(bool(rows) or bool(self.scheduler.waiting), progressed):
+        if self.progress.after_step(live or bool(self.scheduler.waiting), progressed):
             outputs += self._stall(sched.step)
         c.steps += 1
         c.last_step_t = time.time()
@@ -628,7 +712,11 @@ class Engine:
         self.k_pref = sl.preferred(batch, pad_rows(max(batch, 1), self.row_sizes),
                                    self._rows_left if draining else None)
 
-    def _run_device_step(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _proposes(self, ctx: StepContext) -> bool:
+        """The step's drafter proposes the next step's drafts after verification (an EAGLE head, an MTP layer)."""
+        return ctx.drafter_runs and self.drafter.after_verify
+
+    def _run_device_step(self, ctx: StepContext) -> tuple[torch.Tensor, tuple | None]:
         """An all-greedy step of a kind captured at start-up replays one CUDA graph of its whole
         device work; any other step runs its forwards' graphs one by one."""
         sz = ctx.sizes
@@ -690,7 +778,8 @@ class Engine:
         proposes after it). Reads only the staged inputs; returns (tokens [R_pad, T_dec], how many
         of them each row emits [R_pad], the next step's drafts [R_pad, K] or None, the log-probabilities
         of the tokens or None). What a request asks of the distribution (logits_process.py) changes the
-        verified logits; log-probabilities are the target's own (as vLLM reports them by default)."""
+        verified logits; log-probabilities are the target's own (as vLLM reports them by default). The first three
+        come as one table [R_pad, T_dec + 1 (+ K)], the rows the step's one device-to-host copy reads."""
         sz, inp, t = ctx.sizes, ctx.inputs, self.target
         R, T, W = sz.R_pad, sz.T, sz.T_dec
         drafts = probs = None
@@ -702,18 +791,38 @@ class Engine:
         n = inp.col(NDRAFT, R)
         t.set_rows(R, inp.target_ids(R, T), inp.col(START, R), inp.col(NREAL, R), inp.col(OUT, R))
         ids = t.ids[:R * T].view(R, T)
+        if self.async_sched:       # last tokens the host has not read yet: from the rows of the step before
+            self._feed(ids, inp.col(SRC, R))
         if drafts is not None and W > 1:
             ids[:, 1:W] = torch.where(n.view(R, 1) > 0, drafts, ids[:, 1:W])
         logits = t.forward(R, T, ctx.graphs)[:, :W]
         drafted = ids[:, 1:W]
         verified = logits if ctx.adjust is None else ctx.adjust.apply(logits, drafted, n)
         out, n_out = verify(verified, drafted, n, probs, ctx.rt, inp.col(FIRST, R))
-        proposed = None
-        if ctx.drafter_runs and self.drafter.after_verify:
-            proposed = self.drafter.propose_after(ctx, out, n_out)
+        if self.async_sched:       # each row's last emitted token, for the next step's rows to read
+            self._record_last(out, n_out)
+        cols = [out, n_out.view(R, 1)]
+        if self._proposes(ctx):
+            cols.append(self.drafter.propose_after(ctx, out, n_out))
             if self.tp is not None and self.tp.check:     # (a follower's go unused: the leader's travel next step)
-                self._check_drafts(ctx.step, proposed)
-        return out, n_out, proposed, token_logprobs(logits, out, ctx.logprobs) if ctx.logprobs >= 0 else None
+                self._check_drafts(ctx.step, cols[-1])
+        return torch.cat(cols, 1), token_logprobs(logits, out, ctx.logprobs) if ctx.logprobs >= 0 else None
+
+    def _feed(self, ids: torch.Tensor, src: torch.Tensor) -> None:
+        """ids[r, 0] = the last token row src[r] of the step before emitted, where src[r] >= 0."""
+        if ids.is_cuda:
+            from .triton_kernels import feed_tokens
+            feed_tokens(ids, src, self.last_tokens)
+        else:
+            ids[:, 0] = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids[:, 0])
+
+    def _record_last(self, out: torch.Tensor, n_out: torch.Tensor) -> None:
+        R = out.shape[0]
+        if out.is_cuda:
+            from .triton_kernels import last_tokens
+            last_tokens(out, n_out, self.last_tokens)
+        else:
+            self.last_tokens[:R].copy_(out.gather(1, (n_out - 1).clamp(min=0).view(R, 1)).view(R))
 
     def _check_drafts(self, step: int, drafts: torch.Tensor) -> None:
         """check_collectives under tensor parallelism: the drafts that feed the target's forward are the same on
@@ -724,12 +833,21 @@ class Engine:
             return
         self.tp.verify((f"drafts crc32={zlib.crc32(drafts.cpu().numpy().tobytes())}",), step, "drafts")
 
-    @staticmethod
-    def _to_host(out: torch.Tensor, n_out: torch.Tensor, proposed: torch.Tensor | None, n: int):
-        """The step's one device-to-host copy: each row's tokens, how many of them count, and the
-        drafts proposed for its next step (EAGLE)."""
-        cols = [out[:n], n_out[:n].view(-1, 1)] + ([proposed[:n]] if proposed is not None else [])
-        return torch.cat(cols, 1).cpu().numpy()
+    def _copy_out(self, table: torch.Tensor, n: int):
+        """The step's one device-to-host copy, queued: the first n rows of its table (each row's tokens, how many
+        of them count, and the drafts proposed for its next step). On CUDA into a pinned buffer (two, used in
+        turn: the previous step's may still be read) with an event to wait for: (host tensor, event or None)."""
+        if n == 0:
+            return None, None
+        table = table[:n]
+        if table.device.type != "cuda":
+            return table, None
+        self._tb ^= 1
+        host = self._tables[self._tb][:table.numel()].view(table.shape)
+        host.copy_(table, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
 
     @staticmethod
     def _logprobs(result: tuple | None, i: int, row, new: list[int]) -> list | None:

@@ -31,6 +31,9 @@ from .kv_cache import BlockPool
 from .sampling import SamplingParams
 
 
+PENDING = -1        # async scheduling: a token the device has not returned yet (Sequence.pending)
+
+
 @dataclass
 class Request:
     id: Any
@@ -83,6 +86,11 @@ class Sequence:
         self.target_len = 0          # positions held in the target's KV cache
         self.draft_len = 0           # positions held in the drafter's KV cache
         self.next_drafts: list[int] = []   # drafts proposed after the last verification (EAGLE), for the next step
+        # async scheduling: the tokens of steps still on the device stand at the end of `tokens` as PENDING, so
+        # that L already counts them when the next step is scheduled; pending_row is the row of the latest step
+        # launched, whose emitted token the device feeds to this sequence's next row
+        self.pending = 0
+        self.pending_row = -1
         self.finish_reason: str | None = None
         self.error: str | None = None          # why the engine failed it (finish_reason "error")
         self.stop_text_end: int | None = None   # where a matched stop string starts in the text
@@ -101,6 +109,14 @@ class Sequence:
     @property
     def L(self) -> int:
         return len(self.tokens)
+
+    def drop_pending(self) -> int:
+        """Take the PENDING tokens off the end (their step's results are being read, or the sequence is dropped);
+        returns how many there were."""
+        n = self.pending
+        del self.tokens[len(self.tokens) - n:]
+        self.pending = 0
+        return n
 
     @property
     def generated(self) -> list[int]:
@@ -165,8 +181,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> StepPlan:
-        preempted = self._grow_running()
+    def schedule(self, preempt: bool = True) -> StepPlan | None:
+        """The step's plan; None when it would have to preempt a sequence and `preempt` is off (async
+        scheduling plans a step ahead only when nothing has to be preempted)."""
+        preempted = self._grow_running(preempt)
+        if preempted < 0:
+            return None
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             hit = self._cached_prefix(seq)
@@ -184,7 +204,9 @@ class Scheduler:
                 self.pool.queries += seq.prefill_len
                 self.pool.hits += seq.cached_tokens
             self.running.append(seq)
-        decode = [(s, min(s.k_eff(self.k, self.D), self.k_step)) for s in self.running if not s.in_prefill]
+        # (a sequence whose pending token brings it to its limit finishes with that token: no row)
+        decode = [(s, min(s.k_eff(self.k, self.D), self.k_step)) for s in self.running
+                  if not s.in_prefill and s.L < s.limit]
         budget = self.max_batched_tokens - sum(1 + ke for _, ke in decode)
         rows = self.max_rows - len(decode)
         prefill = []
@@ -235,14 +257,17 @@ class Scheduler:
         written = s.prefill_len if s.in_prefill else s.L + s.k_eff(self.k, self.D)
         return min(written + self.lookahead, s.limit - 1)
 
-    def _grow_running(self) -> int:
+    def _grow_running(self, preempt: bool = True) -> int:
         """Give every decoding sequence the blocks this step writes, preempting the newest
-        sequences while the pool is short. Returns how many were preempted."""
+        sequences while the pool is short. Returns how many were preempted (-1: one had to be and
+        `preempt` is off)."""
         preempted = 0
         i = 0
         while i < len(self.running):
             s = self.running[i]
             need = 0 if s.in_prefill else self.pool.blocks_for(self.kv_positions(s)) - len(s.blocks)
+            if need > self.pool.num_free and not preempt:
+                return -1
             while need > self.pool.num_free:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -278,5 +303,6 @@ class Scheduler:
         for s in self.running:
             if s.req.id == req_id:
                 self.remove(s)
+                s.drop_pending()
                 return True, s
         return False, None

@@ -15,8 +15,8 @@ import torch
 from .scheduler import Sequence
 
 # columns: target token ids [T_MAX], drafter token ids [T_MAX], then one integer each
-START, NREAL, OUT, DSTART, DNREAL, DOUT, LEN, NDRAFT, FIRST, NEXT = range(10)
-N_INTS = 10
+START, NREAL, OUT, DSTART, DNREAL, DOUT, LEN, NDRAFT, FIRST, NEXT, SRC = range(11)
+N_INTS = 11
 
 
 @dataclass
@@ -33,6 +33,8 @@ class RowSpec:
     done: bool = False            # a row ending a prompt: it draws the sequence's next token
     next_token: int = -1          # the token after a prompt row's last one: known (>= 0), drawn this step (-2);
                                   # -1 for a decode row (an EAGLE head's inputs are the tokens shifted by one)
+    src: int = -1                 # async scheduling: the row of the step still on the device whose last emitted
+                                  # token is this row's first (the host does not know it yet); -1: tokens[0]
 
 
 class StepInputs:
@@ -41,17 +43,28 @@ class StepInputs:
         self.t_max = t_max
         self.tids, self.dids, self.ints = 0, t_max, 2 * t_max
         cols = 2 * t_max + N_INTS
-        self.host = torch.zeros((max_rows, cols), dtype=torch.long, pin_memory=pin)
+        # two host buffers, used in turn: with async scheduling a step is staged while the copy of the one
+        # before it may still wait on the device's queue (the one before that has finished: the engine has
+        # read its results)
+        self._hosts = [torch.zeros((max_rows, cols), dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._bt_hosts = [torch.zeros((max_rows, max_blocks), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._cur = 0
         self.dev = torch.zeros((max_rows, cols), dtype=torch.long, device=device)
-        self.bt_host = torch.zeros((max_rows, max_blocks), dtype=torch.int32, pin_memory=pin)
         self.block_table = torch.zeros((max_rows, max_blocks), dtype=torch.int32, device=device)
-        self._h = self.host.numpy()
-        self._bt = self.bt_host.numpy()
+
+    @property
+    def host(self) -> torch.Tensor:
+        return self._hosts[self._cur]
+
+    @property
+    def bt_host(self) -> torch.Tensor:
+        return self._bt_hosts[self._cur]
 
     def stage(self, rows: list[RowSpec], R_pad: int) -> None:
         """Fill the first R_pad rows (one numpy assignment per field, not per row: a step's host
         time matters as much as its device time) and send them to the device."""
-        h, bt, o, n = self._h, self._bt, self.ints, len(rows)
+        self._cur ^= 1
+        h, bt, o, n = self.host.numpy(), self.bt_host.numpy(), self.ints, len(rows)
         h[:R_pad] = 0
         bt[:R_pad] = 0
         if n:
@@ -63,8 +76,8 @@ class StepInputs:
             if d_width:
                 h[:n, self.dids:self.dids + d_width] = _padded([r.d_tokens for r in rows], d_width)
             h[:n, o:o + N_INTS] = [(r.start, r.n_real, r.out_start, r.d_start, len(r.d_tokens),
-                                    max(len(r.d_tokens) - 1, 0), r.seq.L, r.n_drafts, r.first_pos, r.next_token)
-                                   for r in rows]
+                                    max(len(r.d_tokens) - 1, 0), r.seq.L, r.n_drafts, r.first_pos, r.next_token,
+                                    r.src) for r in rows]
             blocks = [r.seq.blocks for r in rows]
             nb = max(map(len, blocks))
             if nb:
@@ -88,6 +101,7 @@ class StepInputs:
 
     def stage_received(self, block: torch.Tensor, R: int) -> None:
         """Stage R rows a TP leader sent (`staged`) and send them to the device, as `stage` does."""
+        self._cur ^= 1
         c = self.host.shape[1]
         self.host[:R].copy_(block[:, :c])
         self.bt_host[:R].copy_(block[:, c:])

@@ -77,6 +77,19 @@ class DeviceResult:
     logprobs: tuple | None = None     # (emitted tokens' log-probabilities [n, W], top ids [n, W, k], top values)
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step whose device work is queued: its schedule, sizes, and where its results land on the host (a view
+    of a pinned buffer, valid once `event` has completed; event None: already there)."""
+    sched: ScheduledStep
+    sizes: StepSizes
+    table: object                     # torch.Tensor [rows, W + 1 (+ K)] on the host, or None (no rows)
+    event: object                     # torch.cuda.Event or None
+    W: int
+    proposed: bool
+    logprobs: tuple | None            # device tensors (their copy waits for the step), or None
+
+
 @dataclass
 class StepOutput:
     seq: Sequence

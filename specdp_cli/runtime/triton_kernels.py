@@ -149,6 +149,38 @@ def forward_layout(start, n_real, out_start, block_table, T: int, W: int, block_
 
 
 # ---------------------------------------------------------------------------------------------
+# async scheduling: tokens the host has not read yet go from one step's rows to the next step's on the device
+
+@triton.jit
+def _feed_tokens_kernel(ids_ptr, src_ptr, last_ptr, R, stride_ids, stride_src, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    src = tl.load(src_ptr + r * stride_src, mask=r < R, other=-1)
+    fed = (r < R) & (src >= 0)
+    tok = tl.load(last_ptr + tl.where(fed, src, 0), mask=fed, other=0)
+    tl.store(ids_ptr + r * stride_ids, tok, mask=fed)
+
+
+def feed_tokens(ids, src, last) -> None:
+    """ids[r, 0] = last[src[r]] for the rows with src[r] >= 0 (ids [R, T], src [R], last [rows] long)."""
+    R = ids.shape[0]
+    _feed_tokens_kernel[(1,)](ids, src, last, R, ids.stride(0), src.stride(0), BLOCK=_pow2(R), num_warps=4)
+
+
+@triton.jit
+def _last_tokens_kernel(out_ptr, n_ptr, last_ptr, R, stride_out, BLOCK: tl.constexpr):
+    r = tl.arange(0, BLOCK)
+    n = tl.load(n_ptr + r, mask=r < R, other=1)
+    tok = tl.load(out_ptr + r * stride_out + tl.maximum(n - 1, 0), mask=r < R, other=0)
+    tl.store(last_ptr + r, tok, mask=r < R)
+
+
+def last_tokens(out, n_out, last) -> None:
+    """last[r] = out[r, n_out[r] - 1]: each row's last emitted token (out [R, W], n_out [R] long)."""
+    R = out.shape[0]
+    _last_tokens_kernel[(1,)](out, n_out, last, R, out.stride(0), BLOCK=_pow2(R), num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
 # rotary embedding + KV store
 
 @triton.jit

@@ -1,0 +1,175 @@
+"""Async scheduling (`scheduler.async_scheduling`): the host plans step N + 1 before step N's tokens are read, the
+device feeding each row the token the step before emitted. On the CPU the forwards run as they are queued, so these
+tests check the bookkeeping — tokens equal transformers' and the synchronous engine's, through chunked prefill,
+sequences reaching M, eos, seeded sampling, preemption, aborts and requests that need their tokens first."""
+import pytest
+import torch
+
+from engine_util import check_against_reference, eos_variant, make_config, make_engine, prompts_of_lengths, run_engine
+from specdp_cli.runtime.sampling import SamplingParams
+
+LENGTHS = [3, 9, 17, 26, 33, 41, 50, 57, 62]   # M = 64: the longest prompts reach M within a few tokens
+
+
+def engine_for(models, on, **kw):
+    cfg, plan = make_config(models["target"], method="none", M=kw.pop("M", 64), max_num_seqs=kw.pop("seqs", 4),
+                            max_batched=kw.pop("batched", 24), scheduler={"async_scheduling": on}, **kw)
+    assert plan.async_scheduling is on
+    return make_engine(cfg, plan)
+
+
+def test_greedy_equals_reference(models):
+    engine = engine_for(models, True)
+    prompts = prompts_of_lengths(LENGTHS)
+    done = run_engine(engine, prompts, max_tokens=30)
+    check_against_reference(models["target"], done, prompts, 30, 64)
+    c = engine.counters
+    assert c.planned_ahead > c.steps // 2, (c.planned_ahead, c.steps)
+    assert not engine.scheduler.running and all(s.pending == 0 for s in done.values())
+
+
+def run_both(models, prompts, max_tokens, params=None, **kw):
+    """The same requests through the engine with async scheduling off and on: ({index: Sequence} each, the async
+    engine)."""
+    out = []
+    for on in (False, True):
+        engine = engine_for(models, on, **kw)
+        out.append(run_engine(engine, prompts, max_tokens=max_tokens, **dict(params or {})))
+    return out[0], out[1], engine
+
+
+def same(a: dict, b: dict) -> None:
+    for i in a:
+        assert (b[i].generated, b[i].finish_reason) == (a[i].generated, a[i].finish_reason), i
+
+
+def test_eos_and_seeded_sampling_equal_the_synchronous_engine(models, tmp_path):
+    """A sequence that stops on eos leaves a void row in the step already planned after it; seeded sampling draws
+    the same tokens (its draws belong to the request and position, not to when the host learns them)."""
+    prompts = prompts_of_lengths([6, 11, 19, 23, 8, 30], seed=4)
+    tdir = eos_variant(models["target"], prompts, tmp_path / "t")
+    sync, asyn, engine = run_both({**models, "target": tdir}, prompts, 20)
+    same(sync, asyn)
+    assert any(s.finish_reason == "stop" for s in asyn.values())
+    sync, asyn, _ = run_both(models, prompts, 20, dict(temperature=0.9, top_p=0.95, top_k=50, seed=7))
+    same(sync, asyn)
+
+
+def test_preemption_through_async_scheduling(models):
+    """A pool far smaller than the sequences need: a step that would preempt is planned only after the step on the
+    device is read (nothing is preempted with a token pending); tokens equal the roomy synchronous run's."""
+    prompts = prompts_of_lengths([5, 14, 23, 9, 30, 18, 11, 26], seed=7)
+    roomy = run_engine(engine_for(models, False, seqs=6, batched=64), prompts, max_tokens=30)
+    engine = engine_for(models, True, seqs=6, batched=64, cache={"block_size": 4, "num_blocks": 24})
+    tight = run_engine(engine, prompts, max_tokens=30)
+    assert engine.counters.preemptions > 0 and engine.counters.planned_ahead > 0
+    assert engine.pool.num_free == 24
+    same(roomy, tight)
+
+
+def test_abort_while_a_step_is_on_the_device(models):
+    """A request aborted between steps, its next step already planned: that row is void, the others go on."""
+    prompts = prompts_of_lengths([7, 12, 20], seed=9)
+    ref = run_engine(engine_for(models, False), prompts, max_tokens=12)
+    engine = engine_for(models, True)
+    for i, p in enumerate(prompts):
+        engine.add_request(engine.make_request(i, p, SamplingParams(max_tokens=12), None))
+    done, seqs, steps = {}, {}, 0
+    while engine.has_work:
+        steps += 1
+        if steps == 4:
+            assert engine._inflight is not None and engine.abort(1)
+        for out in engine.step():
+            seqs[out.seq.req.id] = out.seq
+            assert steps < 4 or out.seq.req.id != 1         # its row in the step on the device is void
+            if out.finished:
+                done[out.seq.req.id] = out.seq
+    assert engine.step() is None
+    assert seqs[1].finish_reason == "abort" and seqs[1].pending == 0 and -1 not in seqs[1].tokens and set(done) == {0, 2}
+    for i in (0, 2):
+        assert done[i].generated == ref[i].generated
+    assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_requests_that_need_their_tokens_first(models):
+    """Penalties, log-probabilities and a grammar read a sequence's tokens on the host: while one runs, each step
+    waits for the last one's tokens; mixed with plain requests, every request's tokens equal the synchronous
+    engine's."""
+    import json
+    prompts = prompts_of_lengths([6, 13, 21, 9], seed=3)
+    fields = [{}, {"repetition_penalty": 1.3}, {"logprobs": 2}, {}]
+    results = []
+    for on in (False, True):
+        engine = engine_for(models, on)
+        for i, (p, f) in enumerate(zip(prompts, fields)):
+            engine.add_request(engine.make_request(i, p, SamplingParams.from_dict({"max_tokens": 10, **f}), None))
+        done = {}
+        while engine.has_work:
+            for out in engine.step():
+                if out.finished:
+                    done[out.seq.req.id] = out.seq
+        results.append(done)
+    same(*results)
+    assert json.dumps(results[0][2].logprobs) == json.dumps(results[1][2].logprobs)
+
+
+def test_preflight(models):
+    """On by default only where it pays (a GPU; here the CPU: off), refused with a drafter, named in the report."""
+    from specdp_cli.config import validate
+    from specdp_cli.preflight import run_preflight
+    base = {"model": str(models["target"]), "max_model_len": 64, "device": "cpu", "dtype": "float32"}
+    report = run_preflight(validate({**base, "speculative": {"method": "none"}}))
+    assert report.ok and report.to_json()["async_scheduling"] is False
+    report = run_preflight(validate({**base, "speculative": {"method": "draft_model", "model": str(models["draft"]),
+                                                             "num_speculative_tokens": 3},
+                                     "scheduler": {"async_scheduling": True}}))
+    assert not report.ok and any("scheduler.async_scheduling" in e and "method none" in e for e in report.errors)
+
+
+@pytest.mark.timeout(300)
+def test_lockstep_ranks_plan_ahead_alike(models, launches, tmp_path):
+    """dp 3 in lockstep (every collective checked), async scheduling on, inputs for two ranks: the tokens equal the
+    synchronous dp 1 run's, every rank (the idle one too) runs the same steps, and the ranks planned ahead."""
+    from dp_util import dp_config, generate_args, lockstep_run_equals_dp1, text_rows, write_jsonl
+    inp = write_jsonl(tmp_path / "in.jsonl", text_rows(models["tokenizer"], [20, 4], [20, 9], seed=26))
+    ref = dp_config(tmp_path, models["target"], None, dp=1, method="none", name="ref.yaml",
+                    scheduler={"async_scheduling": False})
+    cfg = dp_config(tmp_path, models["target"], None, dp=3, method="none", check=True,
+                    scheduler={"async_scheduling": True})
+    launches.start("lockstep", *generate_args(tmp_path, inp, cfg))
+    ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg, ref, launched=lambda: launches.result("lockstep"))
+    assert len({r["steps"] for r in ranks}) == 1 and min(r["requests"] for r in ranks) == 0
+    assert all(r["planned_ahead"] > 0 for r in ranks if r["requests"])
+
+
+def interpreted_feed_checks() -> None:
+    from specdp_cli.runtime import triton_kernels as tk
+    g = torch.Generator().manual_seed(0)
+    cols = torch.randint(0, 50, (6, 3), generator=g)
+    ids = torch.randint(0, 50, (6, 4), generator=g)
+    src = cols[:, 1]                                           # a strided column, as the staged rows' SRC
+    src.copy_(torch.tensor([2, -1, 0, 5, -1, 1]))
+    last = torch.randint(100, 200, (8,), generator=g)
+    want = ids.clone()
+    want[:, 0] = torch.where(src >= 0, last[src.clamp(min=0)], ids[:, 0])
+    tk.feed_tokens(ids, src, last)
+    assert torch.equal(ids, want), (ids, want)
+    out, n_out = torch.randint(0, 50, (5, 3), generator=g), torch.tensor([1, 3, 2, 1, 3])
+    tk.last_tokens(out, n_out, last)
+    assert torch.equal(last[:5], out[torch.arange(5), n_out - 1])
+    print("interpreted feed kernels: ok")
+
+
+def test_feed_kernels_under_the_triton_interpreter():
+    """The CUDA path's two token-feeding kernels against the torch expressions the CPU runs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    pytest.importorskip("triton")
+    here = Path(__file__).parent
+    code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; import test_async_scheduling as t; "
+            f"t.interpreted_feed_checks()")
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
