@@ -8,6 +8,12 @@ replayed (what a decode step does), timed with CUDA events; "GB/s" is the bytes 
 Usage: python benchmarks/moe_kernel.py [--shapes qwen3_30b_a3b,deepseek_v3] [--tokens 1,16,64,256] [--sweep]
            [--dtype bfloat16] --json OUT.json
 (prompt chunks: --tokens 2048,8192)
+
+--routing times only a layer's routing for few tokens, old (cuBLAS router logits, the top-k kernel, `_align_kernel`)
+against new (`router_logits`' matrix-vector kernel, top-k fused with the small align; DeepSeek: its grouped top-k
+and the small align), and each kernel alone, with router variants; each graph holds 20 calls back to back (as
+a decode step's layers run), the time is per call:
+    python benchmarks/moe_kernel.py --routing --shapes qwen3_30b_a3b,deepseek_v3 --tokens 1,2,4,8,16 --json OUT.json
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import offline  # noqa: E402
 from moe_expert_count import all_experts  # noqa: E402
 from specdp_cli.runtime.models.moe import MoE  # noqa: E402
+from specdp_cli.runtime import moe_kernels as mk  # noqa: E402
 from specdp_cli.runtime.moe_kernels import routed_experts, softmax_topk, tiles  # noqa: E402
 
 SHAPES = {   # experts, top_k, hidden, expert width
@@ -132,6 +139,66 @@ def graph_time(fn, reps: int = 50) -> float:
     return times[len(times) // 2]
 
 
+def graph_time_per_call(fn, calls: int = 20, reps: int = 30) -> float:
+    """Median µs per call of `calls` calls of fn captured back to back in one CUDA graph."""
+    return graph_time(lambda: [fn() for _ in range(calls)], reps) / calls
+
+
+def routing_rows(shapes: list[str], tokens: list[int], dtype: torch.dtype) -> list[dict]:
+    """Old routing vs new, and each kernel alone, per shape and token count (see the module docstring)."""
+    rows = []
+    torch.manual_seed(0)
+    for shape in shapes:
+        E, K, H, _ = SHAPES[shape]
+        sigmoid = shape.startswith("deepseek")
+        router = torch.randn(E, H, device="cuda", dtype=torch.float32 if sigmoid else dtype) * H ** -0.5
+        bias = torch.randn(E, device="cuda") * 0.1
+        for N in tokens:
+            x = torch.randn(N, H, device="cuda", dtype=dtype)
+            P = N * K
+            bm = mk.block_m(P, E)
+            out_dt = torch.float32 if sigmoid else None
+
+            def old_logits():
+                return F.linear(x.float(), router) if sigmoid else F.linear(x, router)
+
+            def topk(logits):
+                if sigmoid:
+                    return mk.grouped_sigmoid_topk(logits, bias, K, 8, 4, True, 2.5)
+                return softmax_topk(logits, K, True)
+
+            logits = old_logits()
+            idx = topk(logits)[1].view(-1)
+            new_logits = mk.router_logits(x, router, out_dt)
+            err = (new_logits.float() - logits.float()).abs().max().item()
+            same = (new_logits == logits).float().mean().item()
+            variants = {
+                "old: F.linear + top-k + _align_kernel": lambda: mk.align(topk(old_logits())[1].view(-1), E, bm,
+                                                                           small=False),
+                "new: router_logits + " + ("top-k + small align" if sigmoid else "fused top-k/align"):
+                    (lambda: mk.align(topk(mk.router_logits(x, router, out_dt))[1].view(-1), E, bm)) if sigmoid else
+                    (lambda: mk.softmax_topk_aligned(mk.router_logits(x, router), K, True, range(E), bm)),
+                "router F.linear": old_logits,
+                "router_logits (default)": lambda: mk.router_logits(x, router, out_dt),
+                "top-k kernel": lambda: topk(logits),
+                "_align_kernel": lambda: mk.align(idx, E, bm, small=False),
+                "small align": lambda: mk.align(idx, E, bm, small=True),
+            }
+            if not sigmoid:
+                variants["fused top-k/align"] = lambda: mk.softmax_topk_aligned(logits, K, True, range(E), bm)
+                variants["new unfused: router_logits + top-k + small align"] = lambda: mk.align(
+                    softmax_topk(mk.router_logits(x, router), K, True)[1].view(-1), E, bm)
+            for be, bk in ((1, None), (4, None), (1, 256)):
+                variants[f"router_logits block_e={be} block_k={bk}"] = (
+                    lambda be=be, bk=bk: mk.router_logits(x, router, out_dt, block_e=be, block_k=bk))
+            for name, fn in variants.items():
+                row = {"shape": shape, "tokens": N, "variant": name, "us": graph_time_per_call(fn),
+                       "logits_max_abs_diff": err, "logits_equal_frac": same}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3_30b_a3b,deepseek_v3")
@@ -139,9 +206,21 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--all-experts-max-e", type=int, default=128, help="time the old path up to this many experts")
+    ap.add_argument("--routing", action="store_true", help="time the routing kernels only, old against new")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     dtype = getattr(torch, a.dtype)
+    if a.routing:
+        rows = routing_rows(a.shapes.split(","), [int(t) for t in a.tokens.split(",")], dtype)
+        meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                "dtype": a.dtype, "argv": sys.argv[1:]}
+        with open(a.json, "w") as fh:
+            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+        print(f"{'shape':<15}{'tokens':>7} {'variant':<60}{'µs':>8}  logits vs F.linear: equal, max diff")
+        for r in rows:
+            print(f"{r['shape']:<15}{r['tokens']:>7} {r['variant'][:60]:<60}{r['us']:>8.2f}  "
+                  f"{r['logits_equal_frac']:.4f} {r['logits_max_abs_diff']:.1e}")
+        return
     bw = offline.copy_bandwidth()
     rows = []
     torch.manual_seed(0)

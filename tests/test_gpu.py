@@ -267,6 +267,71 @@ def test_routing_kernels_match_reference():
         assert torch.allclose(w0.gather(1, a.indices), w1.cpu().gather(1, b.indices), atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_kernel_matches_linear(dtype):
+    """The router's matrix-vector kernel (up to ROUTER_MAX_TOKENS tokens) against F.linear: float32 within
+    rounding, bf16 logits equal (a rare one an ulp off: another order of the float32 sums); DeepSeek's float32
+    logits from bf16 activations and a float32 router; a CUDA graph replays it on new activations."""
+    import torch.nn.functional as F
+    from specdp_cli.runtime.moe_kernels import ROUTER_MAX_TOKENS, router_logits
+    g = torch.Generator().manual_seed(0)
+    for N, E, H in ((1, 128, 2048), (3, 128, 2048), (8, 60, 1000), (ROUTER_MAX_TOKENS, 256, 7168)):
+        x = torch.randn(N, H, generator=g).to(dtype).cuda()
+        router = (torch.randn(E, H, generator=g) * H ** -0.5).to(dtype).cuda()
+        out, ref = router_logits(x, router), F.linear(x, router)
+        assert out.dtype == dtype
+        if dtype == torch.float32:
+            assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (N, (out - ref).abs().max())
+        else:
+            assert ((out.float() - ref.float()).abs() <= ref.float().abs() * 2 ** -7).all(), N     # an ulp at most
+            assert (out == ref).float().mean() > 0.95, (N, (out == ref).float().mean())
+        out32 = router_logits(x, router.float(), torch.float32)
+        assert torch.allclose(out32, F.linear(x.float(), router.float()), rtol=1e-5, atol=1e-5), N
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = router_logits(x, router)
+    x.copy_(x.flip(0) * 2)
+    graph.replay()
+    assert torch.equal(out, router_logits(x, router))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,top_k", [(1, 8), (5, 8), (16, 8), (17, 8), (40, 2), (100, 2)])
+def test_moe_small_routing_paths(dtype, tokens, top_k):
+    """A softmax top-k MoE on CUDA through MoE.__call__: the router's matrix-vector kernel (up to 16 tokens), top-k
+    fused with the small align (up to 128 pairs; beyond: softmax_topk and `_align_kernel`), a held subset of the
+    experts (the others held elsewhere). The same routing as the separate kernels, a valid grouping, the sum of
+    the reference, and a CUDA graph replays it on new activations as eager runs it."""
+    from test_kernels_interpreted import check_grouping
+    from specdp_cli.runtime.models.moe import MoE, SoftmaxTopK
+    from specdp_cli.runtime.moe_kernels import align, block_m
+    g = torch.Generator().manual_seed(tokens)
+    E, H, I, lo, hi = 64, 256, 96, 16, 48
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).cuda()
+
+    moe = MoE(SoftmaxTopK(rnd(E, H, scale=H ** -0.5), top_k, True), rnd(hi - lo, 2 * I, H, scale=H ** -0.5),
+              rnd(hi - lo, H, I, scale=I ** -0.5), False, range(lo, hi))
+    x = rnd(tokens, H)
+    w, idx, aligned = moe.route_cuda(x)
+    w0, i0 = moe.route(x)                                    # the separate kernels
+    assert torch.equal(idx, i0) and torch.allclose(w, w0, rtol=1e-6, atol=1e-7)
+    held = idx - lo
+    bm = block_m(idx.numel(), hi - lo)
+    for grouping in ([aligned] if aligned is not None else []) + [align(held.view(-1), hi - lo, bm)]:
+        check_grouping(held.view(-1).cpu(), hi - lo, bm, *(t.cpu() for t in grouping))
+    out = moe(x)
+    ref = moe.routed_reference(x, w.to(dtype), held)
+    assert rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe(x)
+    x.copy_(x.flip(0) * 2)
+    graph.replay()
+    assert torch.equal(out, moe(x))
+
+
 @pytest.mark.parametrize("family,method", [("mixtral", "draft_model"), ("qwen3_moe", "draft_model"),
                                            ("deepseek_v3", "draft_model"), ("deepseek_v3", "mtp")])
 def test_moe_graphs_equal_eager_float32(models, tmp_path, family, method):

@@ -1,6 +1,7 @@
 """The rotary / norm and routed-expert Triton kernels under Triton's interpreter (TRITON_INTERPRET=1, CPU) against
-the torch paths CPU runs: Qwen3's per-head q/k norms inside the rotary-and-store kernel, and the routed experts with
-a token's experts partly held elsewhere (expert parallelism). float32 (the interpreter's bf16 dot is not the GPU's:
+the torch paths CPU runs: Qwen3's per-head q/k norms inside the rotary-and-store kernel, the routed experts with
+a token's experts partly held elsewhere (expert parallelism) through both align kernels, and the routing kernels
+(router logits, the small align, softmax top-k fused with it). float32 (the interpreter's bf16 dot is not the GPU's:
 tests/test_gpu.py checks bf16 there)."""
 import os
 import subprocess
@@ -12,6 +13,7 @@ import torch
 
 def interpreted_checks() -> None:
     from specdp_cli.runtime import ops, triton_kernels as tk
+    from specdp_cli.runtime.models.moe import MoE
     from specdp_cli.runtime.moe_kernels import routed_experts
 
     g = torch.Generator().manual_seed(0)
@@ -28,22 +30,82 @@ def interpreted_checks() -> None:
         for a, b in ((out, ref), (k2, kc), (v2, vc)):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (norms is not None, (a - b).abs().max())
 
-    N, hidden, inter, E, K = 5, 64, 32, 16, 4
-    x = torch.randn(N, hidden, generator=g)
+    hidden, inter, E, K = 64, 32, 16, 4
     gate_up, down = torch.randn(E, 2 * inter, hidden, generator=g) / 8, torch.randn(E, hidden, inter, generator=g) / 8
-    w = torch.rand(N, K, generator=g)
-    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
-    idx[1, 2], idx[3, 0] = -1, E + 2                      # experts held on another rank
-    ref = torch.zeros_like(x)
-    for t in range(N):
-        for j in range(K):
-            e = int(idx[t, j])
-            if 0 <= e < E:
-                a = x[t] @ gate_up[e].T
-                ref[t] += w[t, j] * ((torch.nn.functional.silu(a[:inter]) * a[inter:]) @ down[e].T)
-    out = routed_experts(x, w, idx, gate_up, down)
-    assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (out - ref).abs().max()
+    moe = MoE(None, gate_up, down, True, range(E))
+    for N in (5, 40):                          # 20 pairs: the small align; 160: `_align_kernel`
+        x = torch.randn(N, hidden, generator=g)
+        w = torch.rand(N, K, generator=g)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+        idx[1, 2], idx[3, 0] = -1, E + 2                      # experts held on another rank
+        ref = torch.zeros_like(x)
+        for t in range(N):
+            for j in range(K):
+                e = int(idx[t, j])
+                if 0 <= e < E:
+                    a = x[t] @ gate_up[e].T
+                    ref[t] += w[t, j] * ((torch.nn.functional.silu(a[:inter]) * a[inter:]) @ down[e].T)
+        out = routed_experts(x, w, idx, gate_up, down)
+        assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (N, (out - ref).abs().max())
+        assert torch.allclose(out, moe.routed_reference(x, w, idx), rtol=1e-5, atol=1e-5), N
+    routing_checks(g)
     print("interpreted kernels: ok")
+
+
+def check_grouping(idx: torch.Tensor, E: int, block_m: int, pairs: torch.Tensor, block_expert: torch.Tensor) -> None:
+    """pairs / block_expert group the held pairs of idx [P] (outside [0, E): held elsewhere) as moe_kernels says:
+    each held pair once, in a block of its expert; blocks of at most block_m pairs, padded with P; -1 past the
+    used blocks, as many as the experts' counts need."""
+    P = idx.numel()
+    used = int((block_expert >= 0).sum())
+    assert (block_expert[:used] >= 0).all() and (block_expert[used:] == -1).all(), block_expert
+    held = (idx >= 0) & (idx < E)
+    counts = torch.bincount(idx[held], minlength=E)
+    assert used == int(((counts + block_m - 1) // block_m).sum()), (used, counts)
+    slots = pairs[:used * block_m].view(used, block_m)
+    assert ((slots >= 0) & (slots <= P)).all(), slots            # pair ids or the sentinel: no stale slots
+    real = slots != P
+    assert (idx[slots.clamp(max=P - 1)][real] == block_expert[:used, None].expand_as(slots)[real]).all()
+    assert torch.equal(slots[real].sort().values, torch.arange(P)[held])      # each held pair exactly once
+
+
+def routing_checks(g: torch.Generator) -> None:
+    """The router's matrix-vector kernel against F.linear; the small align (random experts with repeats, some held
+    elsewhere, P not a power of 2) and `_align_kernel` give valid groupings; softmax top-k fused with the align
+    chooses as the torch reference does."""
+    import torch.nn.functional as F
+    from specdp_cli.runtime import moe_kernels as mk
+
+    for N, E, H, kw in ((1, 128, 256, {}), (3, 24, 100, {}), (16, 128, 256, {}), (7, 30, 200, dict(block_e=4)),
+                        (16, 8, 64, dict(block_e=2, block_k=32))):
+        x, router = torch.randn(N, H, generator=g), torch.randn(E, H, generator=g)
+        out = mk.router_logits(x, router, **kw)
+        assert out.dtype == torch.float32 and torch.allclose(out, F.linear(x, router), rtol=1e-5, atol=1e-4), N
+    x, router = torch.randn(5, 96, generator=g).to(torch.bfloat16), torch.randn(40, 96, generator=g)
+    out = mk.router_logits(x, router, torch.float32)       # DeepSeek: bf16 activations, a float32 router
+    assert out.dtype == torch.float32 and torch.allclose(out, F.linear(x.float(), router), rtol=1e-5, atol=1e-4)
+
+    for P, E, bm in ((1, 8, 16), (37, 6, 16), (64, 128, 16), (100, 5, 16), (128, 12, 4), (128, 64, 16)):
+        idx = torch.randint(-3, E + 3, (P,), generator=g)        # repeats, and experts held elsewhere
+        max_blocks = mk.align_shape(P, E, bm)
+        pairs = torch.full((max_blocks * bm,), -7, dtype=torch.int32)     # stale contents the kernel must not leave
+        block_expert = torch.full((max_blocks,), -7, dtype=torch.int32)
+        mk._align_small_kernel[(1,)](idx, pairs, block_expert, P, E, max_blocks, BLOCK_M=bm, P_BLOCK=mk._pow2(P),
+                                     B_BLOCK=mk._pow2(max_blocks))
+        check_grouping(idx, E, bm, pairs, block_expert)
+        check_grouping(idx, E, bm, *mk.align(idx, E, bm))
+    idx = torch.randint(-2, 12, (200,), generator=g)
+    check_grouping(idx, 10, 16, *mk.align(idx, 10, 16))           # beyond SMALL_P: `_align_kernel`
+
+    for N, E_all, K, renorm, experts in ((1, 128, 8, True, range(128)), (16, 128, 8, True, range(32, 96)),
+                                         (5, 24, 3, False, range(24)), (50, 8, 2, True, range(2, 6))):
+        logits = torch.randn(N, E_all, generator=g)
+        w, idx, (pairs, block_expert) = mk.softmax_topk_aligned(logits, K, renorm, experts, 16)
+        w0, i0 = torch.topk(torch.softmax(logits, -1), K, -1)
+        if renorm:
+            w0 = w0 / w0.sum(-1, keepdim=True)
+        assert torch.equal(idx, i0) and torch.allclose(w, w0, rtol=1e-6, atol=1e-7), (N, E_all)
+        check_grouping(idx.view(-1) - experts.start, len(experts), 16, pairs, block_expert)
 
 
 def test_kernels_under_the_triton_interpreter():

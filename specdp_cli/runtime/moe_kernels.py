@@ -5,7 +5,9 @@ tests compare against).
 A forward's N tokens choose top_k experts each: P = N * top_k token-expert pairs (pair p is token p // top_k).
 1. `_align_kernel` (one program) groups the pairs by expert into blocks of BLOCK_M: `pairs` lists, block by
    block, the pair ids of one expert (padded with P), `block_expert` each block's expert (-1 for the blocks
-   past the last). Pairs whose expert this rank does not hold (expert parallelism) join no block.
+   past the last). Pairs whose expert this rank does not hold (expert parallelism) join no block. Up to
+   SMALL_P pairs `_align_small_kernel` does it in registers instead (or the routing kernel itself does:
+   `softmax_topk_aligned`).
 2. `_up_kernel`: per (block, column block) one grouped GEMM of the block's tokens with its expert's gate and
    up rows, the activation fused (SiLU-and-mul, or GPT-OSS's clamped SwiGLU): act [P, I] by pair.
 3. `_down_kernel`: act @ down^T (+ bias) times the pair's routing weight: y [P, hidden] by pair.
@@ -60,6 +62,74 @@ def _align_kernel(idx_ptr, pairs_ptr, block_expert_ptr, count_ptr, rank_ptr, P, 
         bb = b0 + b
         expert = tl.sum(((ends[None, :] <= bb[:, None]) & (ebins[None, :] < E)).to(tl.int32), 1)
         tl.store(block_expert_ptr + bb, tl.where(bb < total, expert, -1), mask=bb < max_blocks)
+
+
+# Up to SMALL_P pairs (decode and verify steps: 16 tokens of top-8) the grouping is a [P, P] comparison in one
+# program's registers: no atomics, no barriers, nothing written but the used blocks and the -1 past them. Beyond,
+# the matrix no longer fits in registers: `_align_kernel`.
+SMALL_P = 128
+
+
+@triton.jit
+def _align_pairs(pid, e, held, P, max_blocks, pairs_ptr, block_expert_ptr, BLOCK_M: tl.constexpr,
+                 B_BLOCK: tl.constexpr):
+    """`_align_kernel`'s pairs and block_expert from a vector of pairs in registers: pid their ids (the pairs in
+    any order, padded with lanes that are not held), e their held experts, held whether this rank holds them.
+    Within an expert the pairs keep their id order."""
+    same = (e[:, None] == e[None, :]) & held[:, None] & held[None, :]
+    rank = tl.sum((same & (pid[None, :] < pid[:, None])).to(tl.int32), 1)       # pairs of i's expert before i
+    count = tl.sum(same.to(tl.int32), 1)
+    starts = held & (rank % BLOCK_M == 0)                                        # the pairs that open a block
+    first = tl.sum(((e[None, :] < e[:, None]) & starts[None, :]).to(tl.int32), 1)   # blocks of the experts below
+    pos = first * BLOCK_M + rank
+    tl.store(pairs_ptr + pos, pid, mask=held)
+    tl.store(block_expert_ptr + pos // BLOCK_M, e, mask=starts)
+    # an expert's last pair pads the rest of its block with the sentinel P
+    m = 1 + tl.arange(0, BLOCK_M)
+    pad = ((pos % BLOCK_M)[:, None] + m[None, :] < BLOCK_M) & (held & (rank == count - 1))[:, None]
+    tl.store(pairs_ptr + pos[:, None] + m[None, :], tl.where(pad, P, 0), mask=pad)
+    b = tl.arange(0, B_BLOCK)
+    total = tl.sum(starts.to(tl.int32), 0)
+    tl.store(block_expert_ptr + b, tl.full([B_BLOCK], -1, tl.int32), mask=(b >= total) & (b < max_blocks))
+
+
+@triton.jit
+def _align_small_kernel(idx_ptr, pairs_ptr, block_expert_ptr, P, E, max_blocks, BLOCK_M: tl.constexpr,
+                        P_BLOCK: tl.constexpr, B_BLOCK: tl.constexpr):
+    p = tl.arange(0, P_BLOCK)
+    e = tl.load(idx_ptr + p, mask=p < P, other=-1).to(tl.int32)
+    _align_pairs(p, e, (p < P) & (e >= 0) & (e < E), P, max_blocks, pairs_ptr, block_expert_ptr, BLOCK_M, B_BLOCK)
+
+
+def _align_warps(lanes: int) -> int:
+    # the [P, P] matrices take about 2 registers a cell (ptxas for sm_90): at most 32 cells a thread, no spills
+    return min(16, max(4, lanes * lanes // 1024))
+
+
+def align_shape(P: int, E: int, block_m: int) -> int:
+    """The most blocks P pairs over E held experts fill: every block full but each expert's last."""
+    return triton.cdiv(P, block_m) + min(E, P)
+
+
+def align(idx: torch.Tensor, E: int, block_m: int, small: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs of idx [P] (held experts; outside [0, E): held elsewhere) grouped by expert in blocks of block_m:
+    (pairs [max_blocks * block_m] int32, block_expert [max_blocks] int32), as the module docstring says. `small`:
+    `_align_small_kernel` (default up to SMALL_P pairs) or `_align_kernel`."""
+    P = idx.numel()
+    max_blocks = align_shape(P, E, block_m)
+    pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=idx.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=idx.device)
+    if small is None:
+        small = P <= SMALL_P
+    if small:
+        _align_small_kernel[(1,)](idx, pairs, block_expert, P, E, max_blocks, BLOCK_M=block_m, P_BLOCK=_pow2(P),
+                                  B_BLOCK=_pow2(max_blocks), num_warps=_align_warps(_pow2(P)))
+    else:
+        counts = torch.empty(_pow2(E), dtype=torch.int32, device=idx.device)
+        ranks = torch.empty(P, dtype=torch.int32, device=idx.device)
+        _align_kernel[(1,)](idx, pairs, block_expert, counts, ranks, P, E, max_blocks, BLOCK_M=block_m, CHUNK=1024,
+                            E_BLOCK=_pow2(E), B_CHUNK=max(16, min(64, 8192 // _pow2(E))), num_warps=4)
+    return pairs, block_expert
 
 
 @triton.jit
@@ -176,9 +246,13 @@ def _sum_kernel(y_ptr, idx_ptr, out_ptr, TOPK, H, E, stride_y, stride_o, K_BLOCK
 # flight to stream the chosen experts' weights at 85-95 % of the copy bandwidth from 16 tokens on, and within 10 % of
 # the best tile at 1 token; matrix-vector kernels (one program per pair, no grouping) lost at 1 token. Prompt chunks
 # (hundreds of pairs per expert) are bound by compute: taller blocks.
+def block_m(P: int, E: int) -> int:
+    return 16 if P / max(E, 1) <= 32 else 64
+
+
 def tiles(P: int, E: int, I: int, H: int, dtype: torch.dtype) -> dict:
     per_expert = P / max(E, 1)
-    if per_expert <= 32:
+    if block_m(P, E) == 16:
         t = dict(BLOCK_M=16, UP_N=32 if per_expert <= 8 else 64, DOWN_N=64, BLOCK_K=128, warps=4, stages=4)
     else:
         t = dict(BLOCK_M=64, UP_N=64, DOWN_N=128, BLOCK_K=64, warps=8, stages=3)
@@ -190,13 +264,15 @@ def tiles(P: int, E: int, I: int, H: int, dtype: torch.dtype) -> dict:
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                    down_bias: torch.Tensor | None = None, act: str = "silu", alpha: float = 1.702,
-                   limit: float = 7.0, round_weights: bool = False, tile: dict | None = None) -> torch.Tensor:
+                   limit: float = 7.0, round_weights: bool = False, tile: dict | None = None,
+                   aligned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """sum over each token's chosen experts of weight * expert(x): x [N, hidden]; weights [N, top_k] float32
     (`round_weights`: rounded to x's dtype first, as Qwen3-MoE does); experts [N, top_k] indices into the held
     experts (outside [0, E'): held elsewhere, skipped); gate_up [E', 2I, hidden] (gate rows, then up rows), down
     [E', hidden, I]; optional biases [E', 2I], [E', hidden]; act "silu" (SiLU-and-mul) or "swiglu_oai" (GPT-OSS's
     clamped SwiGLU with alpha and limit). gate_up and down may be FP8 (models/quant.FP8Weight: float8 weights with
-    their 128-column block scales, read as weight-only FP8: the activations stay in x's dtype)."""
+    their 128-column block scales, read as weight-only FP8: the activations stay in x's dtype). `aligned`: the
+    pairs already grouped in blocks of the tile's BLOCK_M (`align`, or `softmax_topk_aligned`)."""
     fp8 = not isinstance(gate_up, torch.Tensor)
     if fp8:
         gu_s, gu_rows, gate_up = gate_up.scale, gate_up.rows, gate_up.weight
@@ -223,13 +299,9 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     db_stride = down_bias.stride(0) if down_bias is not None else 0
     ACT = 0 if act == "silu" else 1
     BM = t["BLOCK_M"]
-    max_blocks = triton.cdiv(P, BM) + min(E, P)
-    pairs = torch.empty(max_blocks * BM, dtype=torch.int32, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    counts = torch.empty(_pow2(E), dtype=torch.int32, device=dev)
-    ranks = torch.empty(P, dtype=torch.int32, device=dev)
-    _align_kernel[(1,)](idx, pairs, block_expert, counts, ranks, P, E, max_blocks, BLOCK_M=BM, CHUNK=1024,
-                        E_BLOCK=_pow2(E), B_CHUNK=max(16, min(64, 8192 // _pow2(E))), num_warps=4)
+    max_blocks = align_shape(P, E, BM)
+    pairs, block_expert = aligned or align(idx, E, BM)
+    assert block_expert.numel() == max_blocks and pairs.numel() == max_blocks * BM, "aligned for another tile"
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     gss = gu_s.stride() if fp8 else (0, 0, 0)
     _up_kernel[(max_blocks, triton.cdiv(I, t["UP_N"]))](
@@ -340,3 +412,106 @@ def grouped_sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, g
                                            TOPK=top_k, K_BLOCK=_pow2(top_k), RENORM=renormalize,
                                            num_warps=4 if E >= 256 else 1)
     return w, idx
+
+
+@triton.jit
+def _softmax_topk_align_kernel(logits_ptr, w_ptr, idx_ptr, pairs_ptr, block_expert_ptr, N, E_ALL, stride_l, start,
+                               E, max_blocks, TOPK: tl.constexpr, K_BLOCK: tl.constexpr, N_BLOCK: tl.constexpr,
+                               E_BLOCK: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr,
+                               B_BLOCK: tl.constexpr):
+    # `_softmax_topk_kernel` for every token at once (a row each), then `_align_pairs` over its choices
+    t = tl.arange(0, N_BLOCK)
+    e = tl.arange(0, E_BLOCK)
+    ok = e[None, :] < E_ALL
+    logit = tl.load(logits_ptr + t[:, None] * stride_l + e[None, :], mask=(t[:, None] < N) & ok, other=0.0)
+    logit = tl.where(ok, logit.to(tl.float32), float("-inf"))
+    p = tl.exp(logit - tl.max(logit, 1)[:, None])
+    prob = tl.where(ok, p / tl.sum(p, 1)[:, None], -1.0)
+    kk = tl.arange(0, K_BLOCK)
+    wv = tl.zeros([N_BLOCK, K_BLOCK], dtype=tl.float32)
+    iv = tl.zeros([N_BLOCK, K_BLOCK], dtype=tl.int32)
+    for j in tl.static_range(TOPK):
+        best = tl.max(prob, 1)
+        arg = tl.min(tl.where(prob == best[:, None], e[None, :], E_BLOCK), 1)
+        wv = tl.where(kk[None, :] == j, best[:, None], wv)
+        iv = tl.where(kk[None, :] == j, arg[:, None], iv)
+        prob = tl.where(e[None, :] == arg[:, None], -2.0, prob)
+    if RENORM:
+        wv = wv / tl.sum(wv, 1)[:, None]
+    pair = t[:, None] * TOPK + kk[None, :]
+    valid = (t[:, None] < N) & (kk[None, :] < TOPK)
+    tl.store(w_ptr + pair, wv, mask=valid)
+    tl.store(idx_ptr + pair, iv.to(tl.int64), mask=valid)
+    held = iv - start
+    valid = valid & (held >= 0) & (held < E)
+    _align_pairs(tl.reshape(pair, [N_BLOCK * K_BLOCK]), tl.reshape(held, [N_BLOCK * K_BLOCK]),
+                 tl.reshape(valid, [N_BLOCK * K_BLOCK]), N * TOPK, max_blocks, pairs_ptr, block_expert_ptr, BLOCK_M,
+                 B_BLOCK)
+
+
+def fused_routing_fits(N: int, top_k: int) -> bool:
+    """Whether `softmax_topk_aligned` takes N tokens: its pairs' lanes (powers of 2 of N and top_k) fit SMALL_P."""
+    return 0 < N and _pow2(N) * _pow2(top_k) <= SMALL_P
+
+
+def softmax_topk_aligned(logits: torch.Tensor, top_k: int, renormalize: bool, experts: range, block_m: int):
+    """`softmax_topk` and `align` of its choices in one program (`fused_routing_fits`): (weights, experts [N, k]
+    int64 (all experts' numbering), (pairs, block_expert) for the `experts` held here)."""
+    N, E_all = logits.shape
+    P, E = N * top_k, len(experts)
+    assert fused_routing_fits(N, top_k), (N, top_k)
+    w = torch.empty((N, top_k), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((N, top_k), dtype=torch.int64, device=logits.device)
+    max_blocks = align_shape(P, E, block_m)
+    pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=logits.device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=logits.device)
+    _softmax_topk_align_kernel[(1,)](logits, w, idx, pairs, block_expert, N, E_all, logits.stride(0), experts.start, E,
+                                     max_blocks, TOPK=top_k, K_BLOCK=_pow2(top_k), N_BLOCK=_pow2(N), E_BLOCK=_pow2(E_all),
+                                     RENORM=renormalize, BLOCK_M=block_m, B_BLOCK=_pow2(max_blocks),
+                                     num_warps=_align_warps(_pow2(N) * _pow2(top_k)))
+    return w, idx, (pairs, block_expert)
+
+
+# ---------------------------------------------------------------------------------------------
+# the router's logits for a few tokens. cuBLAS runs x @ router^T for a decode step as a GEMM of a few tiles that
+# read the router at a fraction of the bandwidth; here one program per BLOCK_E experts reads their rows once for
+# all N tokens.
+
+# Every program also reads all N tokens' x (16 tokens of hidden 2048: 64 KB, 16 times its router row), which
+# grows with N while the router does not; 16 tokens of top-8 is also the fused routing's bound (SMALL_P).
+ROUTER_MAX_TOKENS = 16
+
+
+@triton.jit
+def _router_kernel(x_ptr, w_ptr, out_ptr, N, E, H, stride_x, stride_w, stride_o, N_BLOCK: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    t = tl.arange(0, N_BLOCK)
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([N_BLOCK, BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + k
+        w = tl.load(w_ptr + e[:, None] * stride_w + kk[None, :], mask=(e[:, None] < E) & (kk[None, :] < H), other=0.0)
+        a = tl.load(x_ptr + t[:, None] * stride_x + kk[None, :], mask=(t[:, None] < N) & (kk[None, :] < H), other=0.0)
+        acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
+    tl.store(out_ptr + t[:, None] * stride_o + e[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(t[:, None] < N) & (e[None, :] < E))
+
+
+def router_logits(x: torch.Tensor, router: torch.Tensor, dtype: torch.dtype | None = None,
+                  block_e: int | None = None, block_k: int | None = None) -> torch.Tensor:
+    """F.linear(x, router) for x [N, hidden] of at most ROUTER_MAX_TOKENS tokens: float32 products and sums, the
+    logits [N, E] rounded to `dtype` (default x's, as F.linear returns them; DeepSeek: float32 from a float32
+    router, x read as x.float()). block_e experts per program, block_k columns per step (defaults by N)."""
+    N, H = x.shape
+    E = router.shape[0]
+    assert N <= ROUTER_MAX_TOKENS and router.stride(1) == 1, (N, router.stride())
+    x = x if x.stride(1) == 1 else x.contiguous()
+    out = torch.empty((N, E), dtype=dtype or x.dtype, device=x.device)
+    if N:
+        nb = _pow2(N)
+        be = block_e or (1 if nb <= 4 else nb // 4)
+        bk = block_k or min(_pow2(H), max(64, 8192 // (nb * be)))    # the product tile: 64 floats a thread
+        _router_kernel[(triton.cdiv(E, be),)](x, router, out, N, E, H, x.stride(0), router.stride(0), out.stride(0),
+                                              N_BLOCK=nb, BLOCK_E=be, BLOCK_K=bk, num_warps=4)
+    return out

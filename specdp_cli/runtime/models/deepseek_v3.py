@@ -23,7 +23,7 @@ from ..ops import AttnMeta
 from .decoder import CausalLM, Layer, mlp_weights
 from .heads import TargetFeatureHead
 from .llama import refuse_activation
-from .moe import MoE, load_experts
+from .moe import MoE, load_experts, router_logits
 from .quant import FP8Load, quantization_of
 from .registry import Family, UnsupportedModel
 from .tensor_parallel import shard_of
@@ -48,11 +48,11 @@ class SigmoidRouting:
     scaling: float
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.router)
         if x.is_cuda:
             from ..moe_kernels import grouped_sigmoid_topk
-            return grouped_sigmoid_topk(logits, self.bias, self.top_k, self.groups, self.topk_group, self.renormalize,
-                                        self.scaling)
+            return grouped_sigmoid_topk(router_logits(x, self.router, torch.float32), self.bias, self.top_k,
+                                        self.groups, self.topk_group, self.renormalize, self.scaling)
+        logits = F.linear(x.float(), self.router)
         scores = torch.sigmoid(logits)
         choice = scores + self.bias
         N, E = choice.shape
