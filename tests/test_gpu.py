@@ -189,6 +189,31 @@ def test_graphs_through_preemption(models):
     assert [tight[i].generated for i in range(8)] == [roomy[i].generated for i in range(8)]
 
 
+def test_async_scheduling_equals_sync_in_graphs(models, tmp_path):
+    """Async scheduling on the GPU (the step planned ahead, its tokens fed on the device, results through pinned
+    buffers and events) against the synchronous engine, both in CUDA graphs, float32: greedy (sequences reaching M,
+    some stopping on eos), seeded sampling, and a pool small enough to preempt."""
+    from engine_util import eos_variant
+    prompts = prompts_of_lengths([3, 9, 17, 26, 33, 41, 50, 57, 62])
+    target = eos_variant(models["target"], prompts, tmp_path / "t")
+    out = {}
+    for on in (False, True):
+        for cache in (ROOM, {"block_size": 4, "num_blocks": 40}):
+            cfg, plan = make_config(target, method="none", M=64, max_num_seqs=4, max_batched=24, device="cuda",
+                                    cache=cache, scheduler={"async_scheduling": on})
+            engine = cuda_engine(cfg, plan)
+            assert engine.async_sched is on and engine.graphs > 0
+            greedy = run_engine(engine, prompts, max_tokens=30)
+            sampled = run_engine(engine, prompts, max_tokens=20, temperature=0.8, top_p=0.95, seed=5)
+            out[on, cache["num_blocks"]] = [(greedy[i].generated, greedy[i].finish_reason, sampled[i].generated)
+                                            for i in range(len(prompts))]
+            assert (engine.counters.planned_ahead > engine.counters.steps // 2) is on
+            if cache is not ROOM:
+                assert engine.counters.preemptions > 0
+    assert any(r[1] == "stop" for r in out[False, 512])
+    assert out[True, 512] == out[False, 512] == out[True, 40] == out[False, 40]
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_lockstep_dp2_nccl_with_checked_collectives(tmp_path, models):
     rows = [{"prompt": f"def f{i}(x):\n    return x *", "max_tokens": 4 + 5 * i} for i in range(5)]
