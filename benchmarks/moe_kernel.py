@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import offline  # noqa: E402
 from moe_expert_count import all_experts  # noqa: E402
-from specdp_cli.runtime.models.moe import MoE  # noqa: E402
+from specdp_cli.runtime.models.moe import MoE, router_logits as pick_router  # noqa: E402
 from specdp_cli.runtime import moe_kernels as mk  # noqa: E402
 from specdp_cli.runtime.moe_kernels import routed_experts, softmax_topk, tiles  # noqa: E402
 
@@ -176,8 +176,8 @@ def routing_rows(shapes: list[str], tokens: list[int], dtype: torch.dtype) -> li
                 "old: F.linear + top-k + _align_kernel": lambda: mk.align(topk(old_logits())[1].view(-1), E, bm,
                                                                            small=False),
                 "new: router_logits + " + ("top-k + small align" if sigmoid else "fused top-k/align"):
-                    (lambda: mk.align(topk(mk.router_logits(x, router, out_dt))[1].view(-1), E, bm)) if sigmoid else
-                    (lambda: mk.softmax_topk_aligned(mk.router_logits(x, router), K, True, range(E), bm)),
+                    (lambda: mk.align(topk(pick_router(x, router, out_dt))[1].view(-1), E, bm)) if sigmoid else
+                    (lambda: mk.softmax_topk_aligned(pick_router(x, router), K, True, range(E), bm)),
                 "router F.linear": old_logits,
                 "router_logits (default)": lambda: mk.router_logits(x, router, out_dt),
                 "top-k kernel": lambda: topk(logits),

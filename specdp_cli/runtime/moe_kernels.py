@@ -477,9 +477,11 @@ def softmax_topk_aligned(logits: torch.Tensor, top_k: int, renormalize: bool, ex
 # read the router at a fraction of the bandwidth; here one program per BLOCK_E experts reads their rows once for
 # all N tokens.
 
-# Every program also reads all N tokens' x (16 tokens of hidden 2048: 64 KB, 16 times its router row), which
-# grows with N while the router does not; 16 tokens of top-8 is also the fused routing's bound (SMALL_P).
-ROUTER_MAX_TOKENS = 16
+# Every program also reads all N tokens' x (8 tokens of hidden 2048: 32 KB, 8 times its router row), which grows
+# with N while the router does not. Measured on an H200 (benchmarks/moe_kernel.py --routing, one expert a program):
+# Qwen3-30B-A3B's router 2.0 / 3.6 / 5.9 us at 1 / 8 / 16 tokens against cuBLAS's 4.9 / 5.3 / 5.0; DeepSeek-V3's
+# 10.0 against 20.0 at 8 tokens, even at 16. More experts a program lost at every size.
+ROUTER_MAX_TOKENS = 8
 
 
 @triton.jit
@@ -500,17 +502,18 @@ def _router_kernel(x_ptr, w_ptr, out_ptr, N, E, H, stride_x, stride_w, stride_o,
 
 def router_logits(x: torch.Tensor, router: torch.Tensor, dtype: torch.dtype | None = None,
                   block_e: int | None = None, block_k: int | None = None) -> torch.Tensor:
-    """F.linear(x, router) for x [N, hidden] of at most ROUTER_MAX_TOKENS tokens: float32 products and sums, the
-    logits [N, E] rounded to `dtype` (default x's, as F.linear returns them; DeepSeek: float32 from a float32
-    router, x read as x.float()). block_e experts per program, block_k columns per step (defaults by N)."""
+    """F.linear(x, router) for x [N, hidden] (models/moe.py takes it up to ROUTER_MAX_TOKENS tokens): float32
+    products and sums, the logits [N, E] rounded to `dtype` (default x's, as F.linear returns them; DeepSeek:
+    float32 from a float32 router, x read as x.float()). block_e experts per program, block_k columns per step
+    (defaults by N)."""
     N, H = x.shape
     E = router.shape[0]
-    assert N <= ROUTER_MAX_TOKENS and router.stride(1) == 1, (N, router.stride())
+    assert router.stride(1) == 1, router.stride()
     x = x if x.stride(1) == 1 else x.contiguous()
     out = torch.empty((N, E), dtype=dtype or x.dtype, device=x.device)
     if N:
         nb = _pow2(N)
-        be = block_e or (1 if nb <= 4 else nb // 4)
+        be = block_e or 1
         bk = block_k or min(_pow2(H), max(64, 8192 // (nb * be)))    # the product tile: 64 floats a thread
         _router_kernel[(triton.cdiv(E, be),)](x, router, out, N, E, H, x.stride(0), router.stride(0), out.stride(0),
                                               N_BLOCK=nb, BLOCK_E=be, BLOCK_K=bk, num_warps=4)
