@@ -10,8 +10,8 @@ Usage: python benchmarks/moe_kernel.py [--shapes qwen3_30b_a3b,deepseek_v3] [--t
 (prompt chunks: --tokens 2048,8192)
 
 --routing times only a layer's routing for few tokens, old (cuBLAS router logits, the top-k kernel, `_align_kernel`)
-against new (`router_logits`' matrix-vector kernel, top-k fused with the small align; DeepSeek: its grouped top-k
-and the small align), and each kernel alone, with router variants; each graph holds 20 calls back to back (as
+against new (`router_logits`' matrix-vector kernel up to ROUTER_MAX_TOKENS, the top-k kernel (DeepSeek: its grouped
+top-k), the small align), and each kernel alone, with router variants; each graph holds 20 calls back to back (as
 a decode step's layers run), the time is per call:
     python benchmarks/moe_kernel.py --routing --shapes qwen3_30b_a3b,deepseek_v3 --tokens 1,2,4,8,16 --json OUT.json
 """
@@ -175,19 +175,14 @@ def routing_rows(shapes: list[str], tokens: list[int], dtype: torch.dtype) -> li
             variants = {
                 "old: F.linear + top-k + _align_kernel": lambda: mk.align(topk(old_logits())[1].view(-1), E, bm,
                                                                            small=False),
-                "new: router_logits + " + ("top-k + small align" if sigmoid else "fused top-k/align"):
-                    (lambda: mk.align(topk(pick_router(x, router, out_dt))[1].view(-1), E, bm)) if sigmoid else
-                    (lambda: mk.softmax_topk_aligned(pick_router(x, router), K, True, range(E), bm)),
+                "new: router_logits + top-k + small align":
+                    lambda: mk.align(topk(pick_router(x, router, out_dt))[1].view(-1), E, bm),
                 "router F.linear": old_logits,
                 "router_logits (default)": lambda: mk.router_logits(x, router, out_dt),
                 "top-k kernel": lambda: topk(logits),
                 "_align_kernel": lambda: mk.align(idx, E, bm, small=False),
                 "small align": lambda: mk.align(idx, E, bm, small=True),
             }
-            if not sigmoid:
-                variants["fused top-k/align"] = lambda: mk.softmax_topk_aligned(logits, K, True, range(E), bm)
-                variants["new unfused: router_logits + top-k + small align"] = lambda: mk.align(
-                    softmax_topk(mk.router_logits(x, router), K, True)[1].view(-1), E, bm)
             for be, bk in ((1, None), (4, None), (1, 256)):
                 variants[f"router_logits block_e={be} block_k={bk}"] = (
                     lambda be=be, bk=bk: mk.router_logits(x, router, out_dt, block_e=be, block_k=bk))

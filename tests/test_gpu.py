@@ -323,10 +323,10 @@ def test_router_kernel_matches_linear(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,top_k", [(1, 8), (5, 8), (16, 8), (17, 8), (40, 2), (100, 2)])
 def test_moe_small_routing_paths(dtype, tokens, top_k):
-    """A softmax top-k MoE on CUDA through MoE.__call__: the router's matrix-vector kernel (up to 16 tokens), top-k
-    fused with the small align (up to 128 pairs; beyond: softmax_topk and `_align_kernel`), a held subset of the
-    experts (the others held elsewhere). The same routing as the separate kernels, a valid grouping, the sum of
-    the reference, and a CUDA graph replays it on new activations as eager runs it."""
+    """A softmax top-k MoE on CUDA through MoE.__call__: the router's matrix-vector kernel (up to ROUTER_MAX_TOKENS
+    tokens), the small align (up to SMALL_P pairs; beyond: `_align_kernel`), a held subset of the experts (the
+    others held elsewhere). Valid groupings from both aligns, the sum of the reference, and a CUDA graph replays it
+    on new activations as eager runs it."""
     from test_kernels_interpreted import check_grouping
     from specdp_cli.runtime.models.moe import MoE, SoftmaxTopK
     from specdp_cli.runtime.moe_kernels import align, block_m
@@ -339,13 +339,11 @@ def test_moe_small_routing_paths(dtype, tokens, top_k):
     moe = MoE(SoftmaxTopK(rnd(E, H, scale=H ** -0.5), top_k, True), rnd(hi - lo, 2 * I, H, scale=H ** -0.5),
               rnd(hi - lo, H, I, scale=I ** -0.5), False, range(lo, hi))
     x = rnd(tokens, H)
-    w, idx, aligned = moe.route_cuda(x)
-    w0, i0 = moe.route(x)                                    # the separate kernels
-    assert torch.equal(idx, i0) and torch.allclose(w, w0, rtol=1e-6, atol=1e-7)
+    w, idx = moe.route(x)
     held = idx - lo
     bm = block_m(idx.numel(), hi - lo)
-    for grouping in ([aligned] if aligned is not None else []) + [align(held.view(-1), hi - lo, bm)]:
-        check_grouping(held.view(-1).cpu(), hi - lo, bm, *(t.cpu() for t in grouping))
+    for small in (True, False):
+        check_grouping(held.view(-1).cpu(), hi - lo, bm, *(t.cpu() for t in align(held.view(-1), hi - lo, bm, small)))
     out = moe(x)
     ref = moe.routed_reference(x, w.to(dtype), held)
     assert rel(out, ref) < (1e-5 if dtype == torch.float32 else 2e-2)

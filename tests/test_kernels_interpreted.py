@@ -97,16 +97,6 @@ def routing_checks(g: torch.Generator) -> None:
     idx = torch.randint(-2, 12, (200,), generator=g)
     check_grouping(idx, 10, 16, *mk.align(idx, 10, 16))           # beyond SMALL_P: `_align_kernel`
 
-    for N, E_all, K, renorm, experts in ((1, 128, 8, True, range(128)), (16, 128, 8, True, range(32, 96)),
-                                         (5, 24, 3, False, range(24)), (50, 8, 2, True, range(2, 6))):
-        logits = torch.randn(N, E_all, generator=g)
-        w, idx, (pairs, block_expert) = mk.softmax_topk_aligned(logits, K, renorm, experts, 16)
-        w0, i0 = torch.topk(torch.softmax(logits, -1), K, -1)
-        if renorm:
-            w0 = w0 / w0.sum(-1, keepdim=True)
-        assert torch.equal(idx, i0) and torch.allclose(w, w0, rtol=1e-6, atol=1e-7), (N, E_all)
-        check_grouping(idx.view(-1) - experts.start, len(experts), 16, pairs, block_expert)
-
 
 def test_kernels_under_the_triton_interpreter():
     here = Path(__file__).parent

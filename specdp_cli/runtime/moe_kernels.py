@@ -6,8 +6,7 @@ A forward's N tokens choose top_k experts each: P = N * top_k token-expert pairs
 1. `_align_kernel` (one program) groups the pairs by expert into blocks of BLOCK_M: `pairs` lists, block by
    block, the pair ids of one expert (padded with P), `block_expert` each block's expert (-1 for the blocks
    past the last). Pairs whose expert this rank does not hold (expert parallelism) join no block. Up to
-   SMALL_P pairs `_align_small_kernel` does it in registers instead (or the routing kernel itself does:
-   `softmax_topk_aligned`).
+   SMALL_P pairs `_align_small_kernel` does it in registers instead.
 2. `_up_kernel`: per (block, column block) one grouped GEMM of the block's tokens with its expert's gate and
    up rows, the activation fused (SiLU-and-mul, or GPT-OSS's clamped SwiGLU): act [P, I] by pair.
 3. `_down_kernel`: act @ down^T (+ bias) times the pair's routing weight: y [P, hidden] by pair.
@@ -264,15 +263,13 @@ def tiles(P: int, E: int, I: int, H: int, dtype: torch.dtype) -> dict:
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
                    down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                    down_bias: torch.Tensor | None = None, act: str = "silu", alpha: float = 1.702,
-                   limit: float = 7.0, round_weights: bool = False, tile: dict | None = None,
-                   aligned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   limit: float = 7.0, round_weights: bool = False, tile: dict | None = None) -> torch.Tensor:
     """sum over each token's chosen experts of weight * expert(x): x [N, hidden]; weights [N, top_k] float32
     (`round_weights`: rounded to x's dtype first, as Qwen3-MoE does); experts [N, top_k] indices into the held
     experts (outside [0, E'): held elsewhere, skipped); gate_up [E', 2I, hidden] (gate rows, then up rows), down
     [E', hidden, I]; optional biases [E', 2I], [E', hidden]; act "silu" (SiLU-and-mul) or "swiglu_oai" (GPT-OSS's
     clamped SwiGLU with alpha and limit). gate_up and down may be FP8 (models/quant.FP8Weight: float8 weights with
-    their 128-column block scales, read as weight-only FP8: the activations stay in x's dtype). `aligned`: the
-    pairs already grouped in blocks of the tile's BLOCK_M (`align`, or `softmax_topk_aligned`)."""
+    their 128-column block scales, read as weight-only FP8: the activations stay in x's dtype)."""
     fp8 = not isinstance(gate_up, torch.Tensor)
     if fp8:
         gu_s, gu_rows, gate_up = gate_up.scale, gate_up.rows, gate_up.weight
@@ -300,8 +297,7 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     ACT = 0 if act == "silu" else 1
     BM = t["BLOCK_M"]
     max_blocks = align_shape(P, E, BM)
-    pairs, block_expert = aligned or align(idx, E, BM)
-    assert block_expert.numel() == max_blocks and pairs.numel() == max_blocks * BM, "aligned for another tile"
+    pairs, block_expert = align(idx, E, BM)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     gss = gu_s.stride() if fp8 else (0, 0, 0)
     _up_kernel[(max_blocks, triton.cdiv(I, t["UP_N"]))](
@@ -412,64 +408,6 @@ def grouped_sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, g
                                            TOPK=top_k, K_BLOCK=_pow2(top_k), RENORM=renormalize,
                                            num_warps=4 if E >= 256 else 1)
     return w, idx
-
-
-@triton.jit
-def _softmax_topk_align_kernel(logits_ptr, w_ptr, idx_ptr, pairs_ptr, block_expert_ptr, N, E_ALL, stride_l, start,
-                               E, max_blocks, TOPK: tl.constexpr, K_BLOCK: tl.constexpr, N_BLOCK: tl.constexpr,
-                               E_BLOCK: tl.constexpr, RENORM: tl.constexpr, BLOCK_M: tl.constexpr,
-                               B_BLOCK: tl.constexpr):
-    # `_softmax_topk_kernel` for every token at once (a row each), then `_align_pairs` over its choices
-    t = tl.arange(0, N_BLOCK)
-    e = tl.arange(0, E_BLOCK)
-    ok = e[None, :] < E_ALL
-    logit = tl.load(logits_ptr + t[:, None] * stride_l + e[None, :], mask=(t[:, None] < N) & ok, other=0.0)
-    logit = tl.where(ok, logit.to(tl.float32), float("-inf"))
-    p = tl.exp(logit - tl.max(logit, 1)[:, None])
-    prob = tl.where(ok, p / tl.sum(p, 1)[:, None], -1.0)
-    kk = tl.arange(0, K_BLOCK)
-    wv = tl.zeros([N_BLOCK, K_BLOCK], dtype=tl.float32)
-    iv = tl.zeros([N_BLOCK, K_BLOCK], dtype=tl.int32)
-    for j in tl.static_range(TOPK):
-        best = tl.max(prob, 1)
-        arg = tl.min(tl.where(prob == best[:, None], e[None, :], E_BLOCK), 1)
-        wv = tl.where(kk[None, :] == j, best[:, None], wv)
-        iv = tl.where(kk[None, :] == j, arg[:, None], iv)
-        prob = tl.where(e[None, :] == arg[:, None], -2.0, prob)
-    if RENORM:
-        wv = wv / tl.sum(wv, 1)[:, None]
-    pair = t[:, None] * TOPK + kk[None, :]
-    valid = (t[:, None] < N) & (kk[None, :] < TOPK)
-    tl.store(w_ptr + pair, wv, mask=valid)
-    tl.store(idx_ptr + pair, iv.to(tl.int64), mask=valid)
-    held = iv - start
-    valid = valid & (held >= 0) & (held < E)
-    _align_pairs(tl.reshape(pair, [N_BLOCK * K_BLOCK]), tl.reshape(held, [N_BLOCK * K_BLOCK]),
-                 tl.reshape(valid, [N_BLOCK * K_BLOCK]), N * TOPK, max_blocks, pairs_ptr, block_expert_ptr, BLOCK_M,
-                 B_BLOCK)
-
-
-def fused_routing_fits(N: int, top_k: int) -> bool:
-    """Whether `softmax_topk_aligned` takes N tokens: its pairs' lanes (powers of 2 of N and top_k) fit SMALL_P."""
-    return 0 < N and _pow2(N) * _pow2(top_k) <= SMALL_P
-
-
-def softmax_topk_aligned(logits: torch.Tensor, top_k: int, renormalize: bool, experts: range, block_m: int):
-    """`softmax_topk` and `align` of its choices in one program (`fused_routing_fits`): (weights, experts [N, k]
-    int64 (all experts' numbering), (pairs, block_expert) for the `experts` held here)."""
-    N, E_all = logits.shape
-    P, E = N * top_k, len(experts)
-    assert fused_routing_fits(N, top_k), (N, top_k)
-    w = torch.empty((N, top_k), dtype=torch.float32, device=logits.device)
-    idx = torch.empty((N, top_k), dtype=torch.int64, device=logits.device)
-    max_blocks = align_shape(P, E, block_m)
-    pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=logits.device)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=logits.device)
-    _softmax_topk_align_kernel[(1,)](logits, w, idx, pairs, block_expert, N, E_all, logits.stride(0), experts.start, E,
-                                     max_blocks, TOPK=top_k, K_BLOCK=_pow2(top_k), N_BLOCK=_pow2(N), E_BLOCK=_pow2(E_all),
-                                     RENORM=renormalize, BLOCK_M=block_m, B_BLOCK=_pow2(max_blocks),
-                                     num_warps=_align_warps(_pow2(N) * _pow2(top_k)))
-    return w, idx, (pairs, block_expert)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -63,11 +63,11 @@ class GptOssMoE(MoE):
         glu = gate * torch.sigmoid(gate * self.alpha)
         return F.linear((up + 1) * glu, self.down[j], self.down_bias[j])
 
-    def routed_kernel(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor, aligned=None) -> torch.Tensor:
+    def routed_kernel(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
         from ..moe_kernels import routed_experts
         return routed_experts(x, w, held, self.gate_up, self.down, self.gate_up_bias, self.down_bias,
                               act="swiglu_oai", alpha=self.alpha, limit=self.limit,
-                              round_weights=not self.float_weights, aligned=aligned)
+                              round_weights=not self.float_weights)
 
     @property
     def nbytes(self) -> int:

@@ -35,12 +35,6 @@ class SoftmaxTopK:
             w = w / w.sum(-1, keepdim=True)
         return w, idx
 
-    def aligned(self, x: torch.Tensor, experts: range, block_m: int):
-        """On CUDA for few pairs (moe_kernels.fused_routing_fits): the weights, the experts and the pairs grouped by held
-        expert in blocks of block_m (moe_kernels.align), the last two from one kernel."""
-        from ..moe_kernels import softmax_topk_aligned
-        return softmax_topk_aligned(router_logits(x, self.router), self.top_k, self.renormalize, experts, block_m)
-
 
 def router_logits(x: torch.Tensor, router: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """F.linear(x, router) (in `dtype`: default x's) on CUDA; for a few tokens moe_kernels' matrix-vector kernel."""
@@ -77,11 +71,11 @@ class MoE:
         # the share of this process's columns of each expert (and of the shared experts'), all-reduced over the TP
         # group; the router is whole on every process, so all of them route every token alike.
         x = h if self.ep is None else self.ep.ep_all_gather(h)
-        w, idx, aligned = self.route_cuda(x) if x.is_cuda else (*self.route(x), None)
+        w, idx = self.route(x)
         # index into the held experts; outside [0, E'): held elsewhere
         held = idx - self.experts.start if self.experts.start else idx
         if x.is_cuda:
-            out = self.routed_kernel(x, w, held, aligned)
+            out = self.routed_kernel(x, w, held)
         else:
             out = self.routed_reference(x, w if self.float_weights else w.to(x.dtype), held)
         if self.ep is not None:
@@ -92,21 +86,10 @@ class MoE:
             out = self.tp.all_reduce(out)
         return out
 
-    def route_cuda(self, x: torch.Tensor):
-        """route(x), and for a softmax top-k over few pairs the pairs grouped by held expert in the same kernel
-        (else None: routed_experts groups them)."""
-        from ..moe_kernels import block_m, fused_routing_fits
-        N = x.shape[0]
-        if isinstance(self.route, SoftmaxTopK) and fused_routing_fits(N, self.route.top_k):
-            return self.route.aligned(x, self.experts, block_m(N * self.route.top_k, len(self.experts)))
-        return (*self.route(x), None)
-
-    def routed_kernel(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor, aligned=None) -> torch.Tensor:
-        """The grouped kernels (CUDA); w float32, rounded to x's dtype inside unless `float_weights`; `aligned`:
-        the pairs already grouped (moe_kernels.routed_experts)."""
+    def routed_kernel(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """The grouped kernels (CUDA); w float32, rounded to x's dtype inside unless `float_weights`."""
         from ..moe_kernels import routed_experts
-        return routed_experts(x, w, held, self.gate_up, self.down, round_weights=not self.float_weights,
-                              aligned=aligned)
+        return routed_experts(x, w, held, self.gate_up, self.down, round_weights=not self.float_weights)
 
     def routed_reference(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
         """Each held expert that some token chose, once over those tokens, added in expert order as
