@@ -85,7 +85,8 @@ def test_abort_while_a_step_is_on_the_device(models):
             if out.finished:
                 done[out.seq.req.id] = out.seq
     assert engine.step() is None
-    assert seqs[1].finish_reason == "abort" and seqs[1].pending == 0 and -1 not in seqs[1].tokens and set(done) == {0, 2}
+    assert seqs[1].finish_reason == "abort" and seqs[1].pending == 0 and -1 not in seqs[1].tokens
+    assert set(done) == {0, 2}
     for i in (0, 2):
         assert done[i].generated == ref[i].generated
     assert engine.pool.num_free == engine.pool.num_blocks
@@ -128,21 +129,24 @@ def test_preflight(models):
 
 @pytest.mark.timeout(300)
 def test_lockstep_ranks_plan_ahead_alike(models, launches, tmp_path):
-    """dp 3 in lockstep (every collective checked), async scheduling on, inputs for two ranks: the tokens equal the
-    synchronous dp 1 run's, every rank (the idle one too) runs the same steps, and the ranks planned ahead."""
+    """dp 2 in lockstep (every collective checked), async scheduling on, a long and a short request (one rank idles
+    once its request is done): the tokens equal the synchronous dp 1 run's, both ranks run the same steps, and
+    both planned ahead."""
     from dp_util import dp_config, generate_args, lockstep_run_equals_dp1, text_rows, write_jsonl
     inp = write_jsonl(tmp_path / "in.jsonl", text_rows(models["tokenizer"], [20, 4], [20, 9], seed=26))
     ref = dp_config(tmp_path, models["target"], None, dp=1, method="none", name="ref.yaml",
                     scheduler={"async_scheduling": False})
-    cfg = dp_config(tmp_path, models["target"], None, dp=3, method="none", check=True,
+    cfg = dp_config(tmp_path, models["target"], None, dp=2, method="none", check=True,
                     scheduler={"async_scheduling": True})
     launches.start("lockstep", *generate_args(tmp_path, inp, cfg))
     ranks = lockstep_run_equals_dp1(tmp_path, inp, cfg, ref, launched=lambda: launches.result("lockstep"))
-    assert len({r["steps"] for r in ranks}) == 1 and min(r["requests"] for r in ranks) == 0
-    assert all(r["planned_ahead"] > 0 for r in ranks if r["requests"])
+    assert len({r["steps"] for r in ranks}) == 1 and [r["requests"] for r in ranks] == [1, 1]
+    assert all(r["planned_ahead"] > 0 for r in ranks)
 
 
 def interpreted_feed_checks() -> None:
+    """The CUDA path's two token-feeding kernels against the torch expressions the CPU runs (under Triton's
+    interpreter: test_kernels_interpreted.py runs it)."""
     from specdp_cli.runtime import triton_kernels as tk
     g = torch.Generator().manual_seed(0)
     cols = torch.randint(0, 50, (6, 3), generator=g)
@@ -158,18 +162,3 @@ def interpreted_feed_checks() -> None:
     tk.last_tokens(out, n_out, last)
     assert torch.equal(last[:5], out[torch.arange(5), n_out - 1])
     print("interpreted feed kernels: ok")
-
-
-def test_feed_kernels_under_the_triton_interpreter():
-    """The CUDA path's two token-feeding kernels against the torch expressions the CPU runs."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    pytest.importorskip("triton")
-    here = Path(__file__).parent
-    code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; import test_async_scheduling as t; "
-            f"t.interpreted_feed_checks()")
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr

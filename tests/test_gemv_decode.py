@@ -1,9 +1,8 @@
 """benchmarks/gemv_decode.py's matrix-vector kernel under Triton's interpreter (TRITON_INTERPRET=1, CPU) against
 F.linear, float32 (the interpreter's bf16 is not the GPU's; the script checks bf16 on the GPU): 1..8 tokens, N and
 K not multiples of the tiles (masked K, clamped rows and tokens), the default tile and the sweep's kinds (several
-rows a program, the sum deferred to after the loop), an x with a row stride."""
-import os
-import subprocess
+rows a program, the sum deferred to after the loop), an x with a row stride (`interpreted_checks`, run in
+test_kernels_interpreted.py's interpreter process); and the benchmark's tile plan."""
 import sys
 from pathlib import Path
 
@@ -31,15 +30,6 @@ def interpreted_checks() -> None:
     gd.gemv(x[:, 10:160], w, out)                               # row stride 200, written into a given buffer
     assert torch.allclose(out, F.linear(x[:, 10:160], w), rtol=1e-5, atol=1e-4)
     print("gemv interpreted: ok")
-
-
-def test_gemv_under_the_triton_interpreter():
-    here = Path(__file__).parent
-    code = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent / 'benchmarks')!r}]; "
-            f"import test_gemv_decode as t; t.interpreted_checks()")
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
 
 
 def test_plan_tiles():

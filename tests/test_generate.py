@@ -103,8 +103,9 @@ def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
     assert s["acceptance_rate"] is None or 0 <= s["acceptance_rate"] <= 1
     assert len(s["ranks"]) == 1 and set(s["ranks"][0]) == {"rank", "requests", "steps", "padding_steps",
                                                            "skipped_drafter_steps", "generated_tokens", "preemptions",
-                                                           "weight_bytes", "expert_weight_bytes", "graphs", "engine_s",
-                                                           "start_offset_s", "gc_collections", "gc_pause_s", "prefix_cache"}
+                                                           "planned_ahead", "weight_bytes", "expert_weight_bytes",
+                                                           "graphs", "engine_s", "start_offset_s", "gc_collections",
+                                                           "gc_pause_s", "prefix_cache"}
     # start-up froze the heap: what collections came after it are counted, and are short
     assert s["ranks"][0]["gc_collections"] >= 0 and 0 <= s["ranks"][0]["gc_pause_s"] < s["engine_s"]
     assert s["ranks"][0]["start_offset_s"] == 0 and abs(s["ranks"][0]["engine_s"] - s["engine_s"]) < 1e-9
