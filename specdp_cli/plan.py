@@ -148,9 +148,11 @@ def resolve(cfg: Config, dirs: tuple[ModelDir | None, ModelDir | None] | None = 
 
 def async_scheduling(cfg: Config, device: str) -> bool:
     """`scheduler.async_scheduling`, or by default on a GPU; only without drafts (a drafter needs each step's
-    accepted tokens before it proposes the next step's: preflight refuses true with one)."""
+    accepted tokens before it proposes the next step's) and without tensor parallelism (not tested yet): preflight
+    refuses true with either."""
     on = cfg.scheduler.async_scheduling
-    return (device == "cuda" if on is None else on) and not METHODS[cfg.speculative.method].drafts
+    return ((device == "cuda" if on is None else on) and not METHODS[cfg.speculative.method].drafts
+            and cfg.parallel.tensor_parallel_size <= 1)
 
 
 def draft_tp(cfg: Config) -> int:

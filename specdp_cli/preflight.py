@@ -174,11 +174,15 @@ def _async_scheduling(cfg: Config, plan: Plan) -> tuple[str, str]:
         return ("error", f"scheduler.async_scheduling: true needs speculative.method none: method {method} drafts from "
                          f"each step's accepted tokens, which the host reads before it plans the next step. Set "
                          f"async_scheduling to false or leave it unset.")
+    if asked and cfg.parallel.tensor_parallel_size > 1:
+        return ("error", "scheduler.async_scheduling: true does not run with tensor_parallel_size > 1 yet; set it to "
+                         "false or leave it unset.")
     if plan.async_scheduling:
         return ("ok", "async scheduling: the host plans and stages each step while the device runs the one before "
                       "(a step's tokens are read one step later).")
     why = ("off (scheduler.async_scheduling: false)" if asked is False else
            f"off: method {method} drafts from each step's accepted tokens" if METHODS[method].drafts else
+           "off under tensor parallelism (not yet)" if cfg.parallel.tensor_parallel_size > 1 else
            "off on CPU (there the host runs the forwards itself; set scheduler.async_scheduling: true to use it)")
     return ("ok", f"async scheduling {why}.")
 

@@ -70,6 +70,8 @@ def scenario(rng: random.Random, models: dict, world: int) -> dict:
         prompt = [t if rng.random() < 0.9 else rng.randrange(2, VOCAB) for t in (pattern * L)[:L]]
         requests.append({"id": i, "prompt_ids": prompt, "max_tokens": rng.choice([1, 2, k, k + 1, rng.randint(1, 64)]),
                          "speculative": rng.random() < 0.9})
+    if method == "none":          # async scheduling runs only without drafts (drawn last: the other draws unchanged)
+        config["scheduler"]["async_scheduling"] = rng.random() < 0.5
     return {"config": config, "requests": requests, "target": str(target)}
 
 

@@ -115,7 +115,8 @@ def test_requests_that_need_their_tokens_first(models):
 
 
 def test_preflight(models):
-    """On by default only where it pays (a GPU; here the CPU: off), refused with a drafter, named in the report."""
+    """On by default only where it pays (a GPU; here the CPU: off), refused with a drafter or tensor parallelism,
+    named in the report."""
     from specdp_cli.config import validate
     from specdp_cli.preflight import run_preflight
     base = {"model": str(models["target"]), "max_model_len": 64, "device": "cpu", "dtype": "float32"}
@@ -125,6 +126,9 @@ def test_preflight(models):
                                                              "num_speculative_tokens": 3},
                                      "scheduler": {"async_scheduling": True}}))
     assert not report.ok and any("scheduler.async_scheduling" in e and "method none" in e for e in report.errors)
+    report = run_preflight(validate({**base, "speculative": {"method": "none"}, "scheduler": {"async_scheduling": True},
+                                     "parallel": {"tensor_parallel_size": 2}}))
+    assert not report.ok and any("async_scheduling" in e and "tensor_parallel_size" in e for e in report.errors)
 
 
 @pytest.mark.timeout(300)
