@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -434,6 +434,16 @@ prefix)
     --max-tokens 32 --max-num-seqs 32 --json "$out/prefix_cache_codepair.json" > "$out/prefix_cache.log" 2>&1 \
     || tail -20 "$out/prefix_cache.log"
   grep -v Loading "$out/prefix_cache.log" | tail -5
+  ;;
+gemv)
+  # session 18's experiment: a matrix-vector Triton kernel for the decode projections against cuBLAS (M 1..8), then
+  # the Qwen3-30B-A3B and DeepSeek-V3 shapes end to end at batch 1 / 16 / 64 (async scheduling on: the default)
+  timeout 150 python3 benchmarks/gemv_decode.py --json "$out/gemv_decode.json" > "$out/gemv_decode.log" 2>&1 \
+    || tail -20 "$out/gemv_decode.log"
+  grep -v -i warn "$out/gemv_decode.log" | tail -40
+  timeout 300 python3 benchmarks/moe_shapes.py --pair $P --work /tmp/moe_shapes --batches 1,16,64 --hf-batches "" \
+    --json "$out/moe_shapes.json" > /tmp/moe_shapes.log 2>&1 || tail -20 /tmp/moe_shapes.log
+  sed -n '/^shape /,$p' /tmp/moe_shapes.log
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

@@ -775,11 +775,11 @@ class Engine:
 
     def _device_step(self, ctx: StepContext) -> tuple:
         """The step on the device: the drafter's forwards, the target's, verification (an EAGLE head
-        proposes after it). Reads only the staged inputs; returns (tokens [R_pad, T_dec], how many
-        of them each row emits [R_pad], the next step's drafts [R_pad, K] or None, the log-probabilities
-        of the tokens or None). What a request asks of the distribution (logits_process.py) changes the
-        verified logits; log-probabilities are the target's own (as vLLM reports them by default). The first three
-        come as one table [R_pad, T_dec + 1 (+ K)], the rows the step's one device-to-host copy reads."""
+        proposes after it). Reads only the staged inputs; returns (a table [R_pad, T_dec + 1 (+ K)]: each row's
+        tokens, how many of them it emits and the next step's drafts (EAGLE, MTP), what the step's one
+        device-to-host copy reads; the log-probabilities of the tokens or None). What a request asks of the
+        distribution (logits_process.py) changes the verified logits; log-probabilities are the target's own (as
+        vLLM reports them by default)."""
         sz, inp, t = ctx.sizes, ctx.inputs, self.target
         R, T, W = sz.R_pad, sz.T, sz.T_dec
         drafts = probs = None

@@ -48,6 +48,7 @@ class StepInputs:
         # read its results)
         self._hosts = [torch.zeros((max_rows, cols), dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._bt_hosts = [torch.zeros((max_rows, max_blocks), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._views = [(h.numpy(), bt.numpy()) for h, bt in zip(self._hosts, self._bt_hosts)]
         self._cur = 0
         self.dev = torch.zeros((max_rows, cols), dtype=torch.long, device=device)
         self.block_table = torch.zeros((max_rows, max_blocks), dtype=torch.int32, device=device)
@@ -64,7 +65,7 @@ class StepInputs:
         """Fill the first R_pad rows (one numpy assignment per field, not per row: a step's host
         time matters as much as its device time) and send them to the device."""
         self._cur ^= 1
-        h, bt, o, n = self.host.numpy(), self.bt_host.numpy(), self.ints, len(rows)
+        (h, bt), o, n = self._views[self._cur], self.ints, len(rows)
         h[:R_pad] = 0
         bt[:R_pad] = 0
         if n:
