@@ -119,7 +119,7 @@ class ParallelConfig(_Strict):
 class SchedulerConfig(_Strict):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(8192, ge=1)
-    # schedule step N + 1 while the device runs step N (vLLM's name); None: on where it runs (a GPU, method none)
+    # schedule step N + 1 while the device runs step N (vLLM's name); None: on with a GPU, method none and tp 1
     async_scheduling: Optional[bool] = None
 
 
