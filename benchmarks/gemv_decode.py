@@ -126,46 +126,10 @@ def tile_name(tile: tuple) -> str:
     return f"n{bn} k{bk} w{warps} s{stages}" + (" defer" if defer else "")
 
 
-def graph_time(fn, reps: int = 20) -> float:
-    """Median µs of one replay of fn captured in a CUDA graph (fn run once before, on a side stream: compiles)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
 def per_call(call, weights: list[torch.Tensor], calls: int = 20) -> float:
     """µs per call of `calls` calls call(W) back to back in one graph, W cycling through `weights`."""
-    return graph_time(lambda: [call(weights[i % len(weights)]) for i in range(calls)]) / calls
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 1 GiB device copy."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        y.copy_(x)
-    b.record()
-    b.synchronize()
-    return 2 * x.numel() * 5 / (a.elapsed_time(b) * 1e-3)
+    from moe_kernel import graph_time
+    return graph_time(lambda: [call(weights[i % len(weights)]) for i in range(calls)], 20) / calls
 
 
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -211,6 +175,7 @@ def main() -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False          # the float32 check compares exact float32 products
     t_start = time.perf_counter()
+    from offline import copy_bandwidth
     bw = copy_bandwidth()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     torch.manual_seed(0)

@@ -194,6 +194,13 @@ def routing_rows(shapes: list[str], tokens: list[int], dtype: torch.dtype) -> li
     return rows
 
 
+def write_json(a, rows: list[dict], **meta) -> None:
+    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "dtype": a.dtype, **meta, "argv": sys.argv[1:]}
+    with open(a.json, "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="qwen3_30b_a3b,deepseek_v3")
@@ -207,10 +214,7 @@ def main() -> None:
     dtype = getattr(torch, a.dtype)
     if a.routing:
         rows = routing_rows(a.shapes.split(","), [int(t) for t in a.tokens.split(",")], dtype)
-        meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                "dtype": a.dtype, "argv": sys.argv[1:]}
-        with open(a.json, "w") as fh:
-            json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+        write_json(a, rows)
         print(f"{'shape':<15}{'tokens':>7} {'variant':<60}{'µs':>8}  logits vs F.linear: equal, max diff")
         for r in rows:
             print(f"{r['shape']:<15}{r['tokens']:>7} {r['variant'][:60]:<60}{r['us']:>8.2f}  "
@@ -262,10 +266,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
 
-    meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-            "dtype": a.dtype, "copy_bandwidth_Bps": bw, "argv": sys.argv[1:]}
-    with open(a.json, "w") as fh:
-        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    write_json(a, rows, copy_bandwidth_Bps=bw)
     print(f"{'shape':<15}{'tokens':>7} {'variant':<60}{'µs':>9}{'GB/s':>8}{'% copy':>8}{'err':>9}")
     for r in rows:
         print(f"{r['shape']:<15}{r['tokens']:>7} {r['variant'][:60]:<60}{r['us']:>9.1f}{r['GBps']:>8.0f}"

@@ -573,7 +573,7 @@ class Engine:
                     r.seq.tokens.append(PENDING)
                     r.seq.pending += 1
                     r.seq.pending_row = i
-        return LaunchedStep(sched, sizes, host, event, sizes.T_dec, self._proposes(ctx),
+        return LaunchedStep(sched, sizes, host, event, self._proposes(ctx),
                             tuple(t[:len(rows)] for t in logprobs) if logprobs is not None else None)
 
     def _complete(self) -> list[StepOutput]:
@@ -591,7 +591,7 @@ class Engine:
             launched.event.synchronize()
         table = launched.table.numpy() if launched.table is not None else ()
         logprobs = tuple(t.cpu().numpy() for t in launched.logprobs) if launched.logprobs is not None else None
-        return DeviceResult(table, launched.W, launched.proposed, logprobs)
+        return DeviceResult(table, launched.sizes.T_dec, launched.proposed, logprobs)
 
     def _context(self, pkg: StepPackage, rows: list[RowSpec]) -> StepContext:
         """What the step's device work reads, from its package (a TP follower's: no rows of its own)."""

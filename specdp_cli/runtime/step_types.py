@@ -85,7 +85,6 @@ class LaunchedStep:
     sizes: StepSizes
     table: object                     # torch.Tensor [rows, W + 1 (+ K)] on the host, or None (no rows)
     event: object                     # torch.cuda.Event or None
-    W: int
     proposed: bool
     logprobs: tuple | None            # device tensors (their copy waits for the step), or None
 
