@@ -147,12 +147,19 @@ def resolve(cfg: Config, dirs: tuple[ModelDir | None, ModelDir | None] | None = 
 
 
 def async_scheduling(cfg: Config, device: str) -> bool:
-    """`scheduler.async_scheduling`, or by default on a GPU; only without drafts (a drafter needs each step's
-    accepted tokens before it proposes the next step's) and without tensor parallelism (not tested yet): preflight
-    refuses true with either."""
+    """`scheduler.async_scheduling`, or by default on a GPU; only for methods whose next drafts need no host work
+    (none; an EAGLE head or an MTP layer, which proposes on the device after verification: a draft model and
+    n-gram lookup start from each step's accepted tokens on the host) and without tensor parallelism (not tested
+    yet): preflight refuses true with the others."""
     on = cfg.scheduler.async_scheduling
-    return ((device == "cuda" if on is None else on) and not METHODS[cfg.speculative.method].drafts
+    return ((device == "cuda" if on is None else on) and async_method(cfg.speculative.method)
             and cfg.parallel.tensor_parallel_size <= 1)
+
+
+def async_method(method: str) -> bool:
+    """Whether async scheduling runs with this speculative method."""
+    m = METHODS[method]
+    return not m.drafts or m.after_verify
 
 
 def draft_tp(cfg: Config) -> int:

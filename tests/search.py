@@ -25,6 +25,8 @@ import time
 import traceback
 from pathlib import Path
 
+from specdp_cli.plan import async_method
+
 METHODS = ["draft_model", "ngram", "eagle", "eagle3", "mtp"]
 VOCAB = 300                  # prompt token ids are drawn below this (the test tokenizer has 320)
 
@@ -70,7 +72,7 @@ def scenario(rng: random.Random, models: dict, world: int) -> dict:
         prompt = [t if rng.random() < 0.9 else rng.randrange(2, VOCAB) for t in (pattern * L)[:L]]
         requests.append({"id": i, "prompt_ids": prompt, "max_tokens": rng.choice([1, 2, k, k + 1, rng.randint(1, 64)]),
                          "speculative": rng.random() < 0.9})
-    if method == "none":          # async scheduling runs only without drafts (drawn last: the other draws unchanged)
+    if async_method(method):      # async scheduling: without drafts, or drafts proposed on the device (drawn last)
         config["scheduler"]["async_scheduling"] = rng.random() < 0.5
     return {"config": config, "requests": requests, "target": str(target)}
 

@@ -1,7 +1,9 @@
 """Async scheduling (`scheduler.async_scheduling`): the host plans step N + 1 before step N's tokens are read, the
-device feeding each row the token the step before emitted. On the CPU the forwards run as they are queued, so these
+device feeding each row the token the step before emitted (and, with an EAGLE head or an MTP layer, its drafts,
+the rows moved back by the drafts verification rejected). On the CPU the forwards run as they are queued, so these
 tests check the bookkeeping — tokens equal transformers' and the synchronous engine's, through chunked prefill,
-sequences reaching M, eos, seeded sampling, preemption, aborts and requests that need their tokens first."""
+sequences reaching M, the no-draft window, eos, seeded sampling, preemption, aborts and requests that need their
+tokens first."""
 import pytest
 import torch
 
@@ -114,9 +116,9 @@ def test_requests_that_need_their_tokens_first(models):
     assert json.dumps(results[0][2].logprobs) == json.dumps(results[1][2].logprobs)
 
 
-def test_preflight(models):
-    """On by default only where it pays (a GPU; here the CPU: off), refused with a drafter or tensor parallelism,
-    named in the report."""
+def test_preflight(models, heads):
+    """On by default only where it pays (a GPU; here the CPU: off), refused with a drafter that drafts on the host
+    (a draft model) or tensor parallelism, named in the report; taken with an EAGLE head."""
     from specdp_cli.config import validate
     from specdp_cli.preflight import run_preflight
     base = {"model": str(models["target"]), "max_model_len": 64, "device": "cpu", "dtype": "float32"}
@@ -126,6 +128,10 @@ def test_preflight(models):
                                                              "num_speculative_tokens": 3},
                                      "scheduler": {"async_scheduling": True}}))
     assert not report.ok and any("scheduler.async_scheduling" in e and "method none" in e for e in report.errors)
+    report = run_preflight(validate({**base, "speculative": {"method": "eagle", "model": str(heads["eagle"][1]),
+                                                             "num_speculative_tokens": 3},
+                                     "scheduler": {"async_scheduling": True}}))
+    assert report.ok and report.to_json()["async_scheduling"] is True
     report = run_preflight(validate({**base, "speculative": {"method": "none"}, "scheduler": {"async_scheduling": True},
                                      "parallel": {"tensor_parallel_size": 2}}))
     assert not report.ok and any("async_scheduling" in e and "tensor_parallel_size" in e for e in report.errors)
@@ -149,20 +155,98 @@ def test_lockstep_ranks_plan_ahead_alike(models, launches, tmp_path):
 
 
 def interpreted_feed_checks() -> None:
-    """The CUDA path's two token-feeding kernels against the torch expressions the CPU runs (under Triton's
-    interpreter: test_kernels_interpreted.py runs it)."""
+    """The CUDA path's two kernels (`triton_kernels.feed_rows` / `record_rows`) against the torch expressions the
+    CPU runs (`async_rows`), under Triton's interpreter (test_kernels_interpreted.py runs it): rows that name a row
+    of the step before (SRC = 1 + it), rows that do not, padding rows (zeros), drafts up to each row's NDRAFT."""
+    from specdp_cli.runtime import async_rows
     from specdp_cli.runtime import triton_kernels as tk
     g = torch.Generator().manual_seed(0)
-    cols = torch.randint(0, 50, (6, 3), generator=g)
-    ids = torch.randint(0, 50, (6, 4), generator=g)
-    src = cols[:, 1]                                           # a strided column, as the staged rows' SRC
-    src.copy_(torch.tensor([2, -1, 0, 5, -1, 1]))
-    last = torch.randint(100, 200, (8,), generator=g)
-    want = ids.clone()
-    want[:, 0] = torch.where(src >= 0, last[src.clamp(min=0)], ids[:, 0])
-    tk.feed_tokens(ids, src, last)
-    assert torch.equal(ids, want), (ids, want)
-    out, n_out = torch.randint(0, 50, (5, 3), generator=g), torch.tensor([1, 3, 2, 1, 3])
-    tk.last_tokens(out, n_out, last)
-    assert torch.equal(last[:5], out[torch.arange(5), n_out - 1])
+    R, width, kmax = 6, 12, 3
+    cols = (0, 8, 9, 10, 11)                                   # ids, START, FIRST, NDRAFT, SRC
+    staged = torch.randint(0, 50, (R + 2, width), generator=g)
+    staged[:R, 10] = torch.tensor([3, 0, 2, 1, 0, 3])
+    staged[:R, 11] = torch.tensor([3, 0, 1, 6, 0, 2])          # 0: nothing to take
+    staged[R:] = 0
+    last, short = torch.randint(100, 200, (8,), generator=g), -torch.randint(0, 4, (8,), generator=g)
+    drafts = torch.randint(300, 400, (8, kmax), generator=g)
+    for d in (drafts, None):
+        want, got = staged.clone(), staged.clone()
+        async_rows.feed(want, cols, last, short, d)
+        tk.feed_rows(got, got.shape[0], cols, last, short, d)
+        assert torch.equal(got, want), (got, want)
+    W, K = 4, 2
+    table = torch.randint(0, 50, (5, W + 1 + K), generator=g)
+    table[:, W] = torch.tensor([1, 4, 2, 1, 3])
+    nd = staged[:5, 10]                                        # a strided column, as the staged rows' NDRAFT
+    for d in (torch.zeros(8, kmax, dtype=torch.long), None):
+        want = [torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long), None if d is None else d.clone()]
+        got = [torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long), None if d is None else d.clone()]
+        async_rows.record(table, W, K, nd, *want)
+        tk.record_rows(table, W, K, nd, *got)
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or torch.equal(a, b), (a, b)
+    assert torch.equal(want[0][:5], table[torch.arange(5), table[:, W] - 1])
     print("interpreted feed kernels: ok")
+
+
+# -- drafting methods whose drafts stay on the device: an EAGLE head, an MTP layer ------------------------------
+
+@pytest.fixture(scope="module")
+def heads(tmp_path_factory, models):
+    from helpers import make_deepseek_dir, make_eagle_head
+    root = tmp_path_factory.mktemp("async_heads")
+    return {"eagle": (models["target"], make_eagle_head(root / "head", models["target"])),
+            "mtp": (make_deepseek_dir(root / "mtp", models["tokenizer"], seed=3), None)}
+
+
+def drafting_engine(heads, method, on, D=None, **kw):
+    target, head = heads[method]
+    cfg, plan = make_config(target, head, method=method, k=3, M=64, D=D, max_num_seqs=kw.pop("seqs", 4),
+                            max_batched=kw.pop("batched", 24), scheduler={"async_scheduling": on}, **kw)
+    assert plan.async_scheduling is on
+    return make_engine(cfg, plan)
+
+
+@pytest.mark.parametrize("method,D", [("eagle", 40), ("mtp", None)])
+def test_drafting_methods_plan_ahead(models, heads, method, D):
+    """The host plans step N + 1 counting every draft of step N as accepted; the device moves the rows back by the
+    rejected ones and feeds the proposals: greedy tokens equal target-only decoding (transformers) and the
+    synchronous engine's, with the same drafts and acceptance — through chunked prefill, the no-draft window
+    (D = 40: lengths 38..63) and sequences reaching M; seeded sampling draws the same tokens too."""
+    prompts = prompts_of_lengths(LENGTHS, seed=6)
+    runs = [drafting_engine(heads, method, on, D) for on in (False, True)]
+    sync, asyn = (run_engine(e, prompts, max_tokens=30) for e in runs)
+    same(sync, asyn)
+    check_against_reference(heads[method][0], asyn, prompts, 30, 64, *(("lora",) if method == "mtp" else ()))
+    for i in sync:
+        assert vars(asyn[i].stats) == vars(sync[i].stats), i
+    c = runs[1].counters
+    assert c.spec.num_drafts > 0 and c.spec.num_accepted_tokens < c.spec.num_draft_tokens    # some rejected
+    assert c.planned_ahead > c.steps // 2, (c.planned_ahead, c.steps)
+    assert all(s.pending == 0 and s.unsure == 0 for s in asyn.values())
+    params = dict(temperature=0.9, top_p=0.95, top_k=50, seed=7)
+    same(*(run_engine(drafting_engine(heads, method, on, D), prompts, max_tokens=20, **params) for on in (False, True)))
+
+
+def test_eagle_preemption_and_abort_while_planned_ahead(models, heads):
+    """A tight pool (steps that would preempt wait for the step on the device) and an abort between steps: every
+    other request's tokens equal the roomy synchronous run's; the pool ends whole."""
+    prompts = prompts_of_lengths([5, 14, 23, 9, 30, 18, 11, 26], seed=7)
+    roomy = run_engine(drafting_engine(heads, "eagle", False, seqs=6, batched=64), prompts, max_tokens=30)
+    engine = drafting_engine(heads, "eagle", True, seqs=6, batched=64, cache={"block_size": 4, "num_blocks": 30})
+    for i, p in enumerate(prompts):
+        engine.add_request(engine.make_request(i, p, SamplingParams(max_tokens=30), None))
+    done, seqs, steps = {}, {}, 0
+    while engine.has_work:
+        steps += 1
+        if steps == 6:
+            assert engine._inflight is not None and engine.abort(3)
+        for out in engine.step():
+            seqs[out.seq.req.id] = out.seq
+            if out.finished:
+                done[out.seq.req.id] = out.seq
+    assert engine.step() is None
+    assert engine.counters.preemptions > 0 and engine.counters.planned_ahead > 0
+    assert seqs[3].finish_reason == "abort" and seqs[3].pending == 0 and -1 not in seqs[3].tokens
+    same({i: s for i, s in roomy.items() if i != 3}, {i: s for i, s in done.items() if i != 3})
+    assert engine.pool.num_free == 30

@@ -214,6 +214,35 @@ def test_async_scheduling_equals_sync_in_graphs(models, tmp_path):
     assert out[True, 512] == out[False, 512] == out[True, 40] == out[False, 40]
 
 
+@pytest.mark.parametrize("method", ["eagle", "mtp"])
+def test_async_drafting_equals_sync_in_graphs(models, method, tmp_path):
+    """An EAGLE head and an MTP layer with async scheduling in CUDA graphs (each step's drafts and rejected counts
+    fed to the next on the device) against the synchronous engine, float32: greedy equal to transformers (the
+    no-draft window crossed: D = 40 for EAGLE), seeded sampling equal, and a pool small enough to preempt."""
+    from helpers import make_deepseek_dir
+    prompts = prompts_of_lengths([3, 9, 17, 26, 33, 41, 50, 57, 62])
+    if method == "eagle":
+        target, head, D = models["target"], make_eagle_head(tmp_path / "eagle", models["target"]), 40
+    else:
+        target, head, D = make_deepseek_dir(tmp_path / "mtp", models["tokenizer"], seed=3), None, None
+    out = {}
+    for on in (False, True):
+        for cache in (ROOM, {"block_size": 4, "num_blocks": 48}):
+            cfg, plan = make_config(target, head, method=method, k=3, M=64, D=D, max_num_seqs=4, max_batched=24,
+                                    device="cuda", cache=cache, scheduler={"async_scheduling": on})
+            engine = cuda_engine(cfg, plan)
+            assert engine.async_sched is on and engine.graphs > 0
+            greedy = run_engine(engine, prompts, max_tokens=30)
+            sampled = run_engine(engine, prompts, max_tokens=20, temperature=0.8, top_p=0.95, seed=5)
+            out[on, cache["num_blocks"]] = [(greedy[i].generated, sampled[i].generated) for i in range(len(prompts))]
+            assert (engine.counters.planned_ahead > engine.counters.steps // 2) is on
+            if cache is not ROOM:
+                assert engine.counters.preemptions > 0
+    assert out[True, 512] == out[False, 512] == out[True, 48] == out[False, 48]
+    for i, p in enumerate(prompts):
+        assert out[True, 512][i][0] == hf_reference(target, p, min(30, 64 - len(p))), i
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_lockstep_dp2_nccl_with_checked_collectives(tmp_path, models):
     rows = [{"prompt": f"def f{i}(x):\n    return x *", "max_tokens": 4 + 5 * i} for i in range(5)]

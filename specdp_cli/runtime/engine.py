@@ -41,7 +41,7 @@ from .drafters.ngram import NgramDrafter
 from .faults import EXIT_STATUS, Faults
 from .heap import collections_since_startup
 from .kv_cache import BlockPool, allocate_kv, kv_bytes_per_token
-from . import logits_process
+from . import async_rows, logits_process
 from .models.decoder import routed_expert_bytes
 from .models.loader import load_head, load_model
 from .model_runner import ModelRunner, capture_sizes, pad_rows
@@ -232,14 +232,22 @@ class Engine:
 
     def _init_async(self, on: bool) -> None:
         """Async scheduling (vLLM's name): the host schedules and stages step N + 1 while the device runs step N,
-        and reads step N's results while N + 1 runs. A row whose last token step N emits takes it on the device
-        (`last_tokens`, written at the end of every step's device work; the row's SRC column names N's row).
-        Results come back through two pinned buffers, used in turn, each with an event."""
+        and reads step N's results while N + 1 runs. What the host does not know yet about a sequence in step N
+        stays on the device, written at the end of every step's device work for each row (`async_rows.record`): its last
+        emitted token, how many of its drafts verification rejected, and (an EAGLE head, an MTP layer) the drafts
+        proposed for its next step. Step N + 1's rows of such sequences name N's row (SRC) and take them there
+        (`_feed`): the token, the drafts, and their positions moved back by the rejected drafts (the host
+        counted every draft as accepted). Results come back through two pinned buffers, used in turn, each with
+        an event."""
         self.async_sched = on
         self._inflight: LaunchedStep | None = None     # the step whose device work is queued, results unread
         self._drained: list[StepOutput] = []           # outputs of a step completed early, for step() to return
         max_rows = self.row_sizes[-1]
-        self.last_tokens = torch.zeros(max_rows if on else 0, dtype=torch.long, device=self.device)
+        n = max_rows if on else 0
+        self.last_tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+        self.last_short = torch.zeros(n, dtype=torch.long, device=self.device)
+        self.last_drafts = (torch.zeros((n, self.k), dtype=torch.long, device=self.device)
+                            if on and self.drafter.after_verify and self.k else None)
         pin = self.device.type == "cuda"
         cols = 2 * self.k + 2                           # tokens (<= k + 1), their count, proposed drafts (<= k)
         self._tables = [torch.zeros(max_rows * cols, dtype=torch.long, pin_memory=pin) for _ in range(2)]
@@ -433,9 +441,12 @@ class Engine:
         rows = []
         for i, ((s, _), n) in enumerate(zip(plan.decode, drafts.n)):
             d_start, d_toks, n = self.drafter.catch_up(s, n, self.T_chunk) if n else (0, [], 0)
-            # a last token still on the device (async scheduling) is fed there, from the row that emits it
-            last, src = (0, s.pending_row) if s.pending else (s.tokens[-1], -1)
-            toks = [last] + (drafts.host[i][:n] if drafts.host is not None else [])
+            # a last token and drafts still on the device (async scheduling) are fed there, from the row of the
+            # step before (`_feed`)
+            if s.pending:
+                toks, src = [0] * (1 + (n if drafts.host is not None else 0)), s.pending_row
+            else:
+                toks, src = [s.tokens[-1]] + (drafts.host[i][:n] if drafts.host is not None else []), -1
             rows.append(RowSpec(s, start=s.L - 1, tokens=toks, n_real=1 + n, first_pos=s.L, n_drafts=n,
                                 d_start=d_start, d_tokens=tuple(d_toks), src=src))
         W = self.T_chunk
@@ -494,11 +505,12 @@ class Engine:
         """The scheduler's plan. With a step still on the device (async scheduling) the next one is planned
         before that step's results are read when it can be: nothing has to be preempted, no running request
         needs its tokens on the host first (a grammar, penalties or other logits processing, log-probabilities,
-        the freeze fault), and the plan has rows. Otherwise that step is completed first (step returns its
-        outputs)."""
+        the freeze fault), no sequence's drafts still on the device could change what it does next (`settled`),
+        and the plan has rows. Otherwise that step is completed first (step returns its outputs)."""
         if self._inflight is not None:
+            sc = self.scheduler
             if self.faults.frozen_id is None and not any(s.req.special or s.req.grammar is not None
-                                                         for s in self.scheduler.running):
+                                                         or not sc.settled(s) for s in sc.running):
                 plan = self.scheduler.schedule(preempt=False)
                 if plan is not None and (plan.decode or plan.prefill):
                     self.counters.planned_ahead += 1
@@ -567,12 +579,18 @@ class Engine:
         for s, _start, end in sched.plan.prefill:     # the prompt positions the step writes
             s.target_len = end
             self.scheduler.commit(s)
-        if self.async_sched:       # the token each row emits counts in its sequence's L until it is read
+        if self.async_sched:
+            # the tokens each row emits count in its sequence's L until they are read, every draft as accepted
+            # (`unsure`: how many may not be); an EAGLE head's / MTP layer's proposals stand as K placeholders
+            proposed = [PENDING] * sizes.K if self._proposes(ctx) else None
             for i, r in enumerate(rows):
                 if i < n_decode or r.done:
-                    r.seq.tokens.append(PENDING)
-                    r.seq.pending += 1
-                    r.seq.pending_row = i
+                    s = r.seq
+                    s.tokens += [PENDING] * (1 + r.n_drafts)
+                    s.pending += 1 + r.n_drafts
+                    s.pending_row, s.unsure = i, r.n_drafts
+                    if proposed is not None:
+                        s.next_drafts = proposed
         return LaunchedStep(sched, sizes, host, event, self._proposes(ctx),
                             tuple(t[:len(rows)] for t in logprobs) if logprobs is not None else None)
 
@@ -641,7 +659,8 @@ class Engine:
                 continue
             live = True
             if i < n_decode or row.done:
-                later = max(s.drop_pending() - 1, 0)   # async scheduling: tokens of steps launched after this one
+                # async scheduling: the placeholders of a step launched after this one stay
+                later = max(s.drop_pending() - 1 - row.n_drafts, 0)
                 new = [] if frozen is not None and i < n_decode and s.req.id == frozen else \
                     [int(t) for t in res[:res[W]]]
                 out = self._accept(s, row.n_drafts, new, self._logprobs(result.logprobs, i, row, new))
@@ -649,10 +668,12 @@ class Engine:
                 if later and not out.finished:
                     s.tokens += [PENDING] * later
                     s.pending = later
-                    s.target_len += later        # the later steps write these positions
+                    s.target_len += 1        # the later step writes this position (its first token: final)
+                else:
+                    s.unsure = 0
                 if row.n_drafts:
                     verified.append((row.n_drafts, int(res[W]) - 1))
-                if result.proposed:
+                if result.proposed and not later:     # (with a later step: its proposals, on the device)
                     row.seq.next_drafts = [int(t) for t in res[W + 1:]]
         sl = self.spec_len
         sl.used[sched.k] += 1
@@ -789,40 +810,31 @@ class Engine:
                 self._check_drafts(ctx.step, drafts)
         ctx.publish("target forward")
         n = inp.col(NDRAFT, R)
+        if self.async_sched:       # what the host has not read yet: from the rows of the step before
+            self._feed(inp, R)
         t.set_rows(R, inp.target_ids(R, T), inp.col(START, R), inp.col(NREAL, R), inp.col(OUT, R))
         ids = t.ids[:R * T].view(R, T)
-        if self.async_sched:       # last tokens the host has not read yet: from the rows of the step before
-            self._feed(ids, inp.col(SRC, R))
         if drafts is not None and W > 1:
             ids[:, 1:W] = torch.where(n.view(R, 1) > 0, drafts, ids[:, 1:W])
         logits = t.forward(R, T, ctx.graphs)[:, :W]
         drafted = ids[:, 1:W]
         verified = logits if ctx.adjust is None else ctx.adjust.apply(logits, drafted, n)
         out, n_out = verify(verified, drafted, n, probs, ctx.rt, inp.col(FIRST, R))
-        if self.async_sched:       # each row's last emitted token, for the next step's rows to read
-            self._record_last(out, n_out)
         cols = [out, n_out.view(R, 1)]
         if self._proposes(ctx):
             cols.append(self.drafter.propose_after(ctx, out, n_out))
             if self.tp is not None and self.tp.check:     # (a follower's go unused: the leader's travel next step)
                 self._check_drafts(ctx.step, cols[-1])
-        return torch.cat(cols, 1), token_logprobs(logits, out, ctx.logprobs) if ctx.logprobs >= 0 else None
+        table = torch.cat(cols, 1)
+        if self.async_sched:       # for the next step's rows to read (`_feed`)
+            async_rows.record(table, W, table.shape[1] - W - 1, n, self.last_tokens, self.last_short,
+                              self.last_drafts)
+        return table, token_logprobs(logits, out, ctx.logprobs) if ctx.logprobs >= 0 else None
 
-    def _feed(self, ids: torch.Tensor, src: torch.Tensor) -> None:
-        """ids[r, 0] = the last token row src[r] of the step before emitted, where src[r] >= 0."""
-        if ids.is_cuda:
-            from .triton_kernels import feed_tokens
-            feed_tokens(ids, src, self.last_tokens)
-        else:
-            ids[:, 0] = torch.where(src >= 0, self.last_tokens[src.clamp(min=0)], ids[:, 0])
-
-    def _record_last(self, out: torch.Tensor, n_out: torch.Tensor) -> None:
-        R = out.shape[0]
-        if out.is_cuda:
-            from .triton_kernels import last_tokens
-            last_tokens(out, n_out, self.last_tokens)
-        else:
-            self.last_tokens[:R].copy_(out.gather(1, (n_out - 1).clamp(min=0).view(R, 1)).view(R))
+    def _feed(self, inp: StepInputs, R: int) -> None:
+        """The staged rows take what the step before left on the device for them (`async_rows.feed`)."""
+        async_rows.feed(inp.dev[:R], (inp.tids, inp.ints + START, inp.ints + FIRST, inp.ints + NDRAFT, inp.ints + SRC),
+                        self.last_tokens, self.last_short, self.last_drafts)
 
     def _check_drafts(self, step: int, drafts: torch.Tensor) -> None:
         """check_collectives under tensor parallelism: the drafts that feed the target's forward are the same on

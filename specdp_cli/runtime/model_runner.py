@@ -69,7 +69,9 @@ class ModelRunner:
         self._slots = torch.zeros(max_rows * T, dtype=torch.long, device=device)
         self._out_rows = torch.zeros(max_rows * window, dtype=torch.long, device=device)
         self._rows = torch.arange(max_rows, device=device)
-        self.logits_out = torch.zeros((max_rows * window, model.vocab_size), dtype=torch.float32, device=device)
+        # in the model's dtype, as the LM head computes them: greedy steps take the argmax of these, no float
+        # copy (a kernel and 0.4 us of gap a step on an H200); probabilities are computed in float32 (`sampling`)
+        self.logits_out = torch.zeros((max_rows * window, model.vocab_size), dtype=model.dtype, device=device)
         self.keep_hidden = keep_hidden
         rows_kept = {"all": max_rows * T, "window": max_rows * window}.get(keep_hidden or "", 0)
         self.hidden = torch.zeros((rows_kept, model.embed.shape[1]), dtype=model.dtype, device=device)
@@ -99,7 +101,7 @@ class ModelRunner:
         if self.keep_hidden == "all":
             self.hidden[:R * T].copy_(hidden)
         W = self.window
-        hidden = hidden[out_rows]
+        hidden = hidden.index_select(0, out_rows)     # (on an H200 a faster kernel than hidden[out_rows])
         if self.keep_hidden == "window":
             self.hidden[:R * W].copy_(hidden)
         out = self.logits_out[:R * W]

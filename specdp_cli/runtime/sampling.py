@@ -95,7 +95,7 @@ def rows_on(flags: dict, values: tuple | None, device) -> dict:
 def probabilities(logits: torch.Tensor, rows: dict) -> torch.Tensor:
     """Temperature, min-p, top-k and top-p per row (vLLM's order). logits [R, P, V] -> probs [R, P, V]."""
     V = logits.shape[-1]
-    x = logits / rows["temperature"].view(-1, 1, 1)
+    x = logits.float() / rows["temperature"].view(-1, 1, 1)     # (the runners keep logits in the model's dtype)
     top_k, top_p = rows["top_k"], rows["top_p"]
     if rows["filter"]:
         # min-p: tokens less likely than min_p x the most likely one are dropped
@@ -132,6 +132,8 @@ def verify(target_logits: torch.Tensor, drafts: torch.Tensor, n_drafts: torch.Te
     j = torch.arange(K, device=dev).view(1, K)
     valid = j < n_drafts.view(-1, 1)
     tokens = target_logits.argmax(-1)                                      # greedy answer
+    if K == 0 and rows["all_greedy"]:       # plain decoding: one token a row (two small kernels fewer)
+        return tokens, torch.ones(R, dtype=torch.long, device=dev)
     accept = (drafts == tokens[:, :K]) & valid
     n_acc = accept.long().cumprod(-1).sum(-1)
     if rows["all_greedy"]:

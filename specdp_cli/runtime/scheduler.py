@@ -91,6 +91,8 @@ class Sequence:
         # launched, whose emitted token the device feeds to this sequence's next row
         self.pending = 0
         self.pending_row = -1
+        # of those, the drafts verification may reject: the sequence's length is between L - unsure and L
+        self.unsure = 0
         self.finish_reason: str | None = None
         self.error: str | None = None          # why the engine failed it (finish_reason "error")
         self.stop_text_end: int | None = None   # where a matched stop string starts in the text
@@ -132,12 +134,14 @@ class Sequence:
         token short and goes on decoding exactly where it was, drafts and random draws included."""
         return self.prefill_len == self.L
 
-    def k_eff(self, k: int, D: int) -> int:
-        """Draft tokens this step (0 while prefilling, when L + k > D, or when the request opted out)."""
-        if self.in_prefill or self.L + k > D or not self.req.params.speculative:
+    def k_eff(self, k: int, D: int, L: int | None = None) -> int:
+        """Draft tokens this step at length L (default: the sequence's; 0 while prefilling, when L + k > D, or
+        when the request opted out)."""
+        L = self.L if L is None else L
+        if self.in_prefill or L + k > D or not self.req.params.speculative:
             return 0
-        left = self.req.params.max_tokens - (self.L - self.num_prompt)
-        return max(0, min(k, self.M - self.L - 1, left - 1))
+        left = self.req.params.max_tokens - (L - self.num_prompt)
+        return max(0, min(k, self.M - L - 1, left - 1))
 
 
 @dataclass
@@ -217,6 +221,17 @@ class Scheduler:
                 budget -= end - s.target_len
                 rows -= -(-(end - s.target_len) // self.row_tokens)
         return StepPlan(decode, prefill, preempted)
+
+    def settled(self, s: Sequence) -> bool:
+        """Whether the sequence's next step is the same whatever verification does with its drafts still on the
+        device (async scheduling): at every length they allow it drafts as many tokens (the contract's fit and
+        k_eff), and it either has tokens left to generate at all of them or at none."""
+        if not s.unsure:
+            return True
+        L_min = s.L - s.unsure
+        if (L_min < s.limit) != (s.L < s.limit):
+            return False
+        return s.k_eff(self.k, self.D, L_min) == s.k_eff(self.k, self.D)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks of the sequence's first full blocks, short of its last token to prefill: that one

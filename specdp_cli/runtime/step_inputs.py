@@ -34,7 +34,8 @@ class RowSpec:
     next_token: int = -1          # the token after a prompt row's last one: known (>= 0), drawn this step (-2);
                                   # -1 for a decode row (an EAGLE head's inputs are the tokens shifted by one)
     src: int = -1                 # async scheduling: the row of the step still on the device whose last emitted
-                                  # token is this row's first (the host does not know it yet); -1: tokens[0]
+                                  # token (and proposals) this row takes (the host does not know them yet); -1: none.
+                                  # Staged as src + 1 in SRC, so padding rows (zeros) take nothing
 
 
 class StepInputs:
@@ -78,7 +79,7 @@ class StepInputs:
                 h[:n, self.dids:self.dids + d_width] = _padded([r.d_tokens for r in rows], d_width)
             h[:n, o:o + N_INTS] = [(r.start, r.n_real, r.out_start, r.d_start, len(r.d_tokens),
                                     max(len(r.d_tokens) - 1, 0), r.seq.L, r.n_drafts, r.first_pos, r.next_token,
-                                    r.src) for r in rows]
+                                    r.src + 1) for r in rows]
             blocks = [r.seq.blocks for r in rows]
             nb = max(map(len, blocks))
             if nb:

@@ -152,32 +152,57 @@ def forward_layout(start, n_real, out_start, block_table, T: int, W: int, block_
 # async scheduling: tokens the host has not read yet go from one step's rows to the next step's on the device
 
 @triton.jit
-def _feed_tokens_kernel(ids_ptr, src_ptr, last_ptr, R, stride_ids, stride_src, BLOCK: tl.constexpr):
+def _feed_rows_kernel(inp_ptr, last_ptr, short_ptr, drafts_ptr, R, stride_row, stride_d, c_ids, c_start, c_first,
+                      c_ndraft, c_src, KMAX: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.arange(0, BLOCK)
-    src = tl.load(src_ptr + r * stride_src, mask=r < R, other=-1)
+    row = inp_ptr + r * stride_row
+    src = tl.load(row + c_src, mask=r < R, other=0) - 1
     fed = (r < R) & (src >= 0)
-    tok = tl.load(last_ptr + tl.where(fed, src, 0), mask=fed, other=0)
-    tl.store(ids_ptr + r * stride_ids, tok, mask=fed)
+    s = tl.where(fed, src, 0)
+    tl.store(row + c_ids, tl.load(last_ptr + s, mask=fed, other=0), mask=fed)
+    d = tl.load(short_ptr + s, mask=fed, other=0)
+    tl.store(row + c_start, tl.load(row + c_start, mask=fed, other=0) + d, mask=fed)
+    tl.store(row + c_first, tl.load(row + c_first, mask=fed, other=0) + d, mask=fed)
+    if KMAX > 0:
+        n = tl.load(row + c_ndraft, mask=fed, other=0)
+        for j in tl.static_range(KMAX):
+            use = fed & (j < n)
+            tl.store(row + c_ids + 1 + j, tl.load(drafts_ptr + s * stride_d + j, mask=use, other=0), mask=use)
 
 
-def feed_tokens(ids, src, last) -> None:
-    """ids[r, 0] = last[src[r]] for the rows with src[r] >= 0 (ids [R, T], src [R], last [rows] long)."""
-    R = ids.shape[0]
-    _feed_tokens_kernel[(1,)](ids, src, last, R, ids.stride(0), src.stride(0), BLOCK=_pow2(R), num_warps=4)
+def feed_rows(inp, R: int, cols: tuple, last, short, drafts) -> None:
+    """The rows of inp [>= R, width] (the staged step) whose SRC column names a row of the step before (1 + its
+    index): their first token = last[src], their START and FIRST += short[src], and (drafts [rows, KMAX] or None)
+    their NDRAFT drafts = drafts[src, :NDRAFT]. cols: (ids, START, FIRST, NDRAFT, SRC) column indices."""
+    kmax = drafts.shape[1] if drafts is not None else 0
+    _feed_rows_kernel[(1,)](inp, last, short, drafts if drafts is not None else last, R, inp.stride(0),
+                            drafts.stride(0) if drafts is not None else 0, *cols, KMAX=kmax, BLOCK=_pow2(R),
+                            num_warps=4)
 
 
 @triton.jit
-def _last_tokens_kernel(out_ptr, n_ptr, last_ptr, R, stride_out, BLOCK: tl.constexpr):
+def _record_rows_kernel(table_ptr, ndraft_ptr, last_ptr, short_ptr, drafts_ptr, R, W, K, stride_t, stride_n,
+                        stride_d, KMAX: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.arange(0, BLOCK)
-    n = tl.load(n_ptr + r, mask=r < R, other=1)
-    tok = tl.load(out_ptr + r * stride_out + tl.maximum(n - 1, 0), mask=r < R, other=0)
-    tl.store(last_ptr + r, tok, mask=r < R)
+    m = r < R
+    row = table_ptr + r * stride_t
+    n = tl.load(row + W, mask=m, other=1)
+    tl.store(last_ptr + r, tl.load(row + tl.maximum(n - 1, 0), mask=m, other=0), mask=m)
+    tl.store(short_ptr + r, n - 1 - tl.load(ndraft_ptr + r * stride_n, mask=m, other=0), mask=m)
+    for j in tl.static_range(KMAX):
+        use = m & (tl.zeros_like(r) + j < K)
+        tl.store(drafts_ptr + r * stride_d + j, tl.load(row + W + 1 + j, mask=use, other=0), mask=use)
 
 
-def last_tokens(out, n_out, last) -> None:
-    """last[r] = out[r, n_out[r] - 1]: each row's last emitted token (out [R, W], n_out [R] long)."""
-    R = out.shape[0]
-    _last_tokens_kernel[(1,)](out, n_out, last, R, out.stride(0), BLOCK=_pow2(R), num_warps=4)
+def record_rows(table, W: int, K: int, ndraft, last, short, drafts) -> None:
+    """From a step's table [R, W + 1 + K] (tokens, their count n, K proposed drafts) and its rows' NDRAFT [R]:
+    last[r] = the row's last emitted token, short[r] = n - 1 - NDRAFT[r] (minus the drafts rejected), drafts[r, :K]
+    = its proposals (drafts [rows, KMAX] or None)."""
+    R = table.shape[0]
+    kmax = drafts.shape[1] if drafts is not None else 0
+    _record_rows_kernel[(1,)](table, ndraft, last, short, drafts if drafts is not None else last, R, W, K,
+                              table.stride(0), ndraft.stride(0), drafts.stride(0) if drafts is not None else 0,
+                              KMAX=kmax, BLOCK=_pow2(R), num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------
