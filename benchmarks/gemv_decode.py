@@ -1,18 +1,11 @@
 """A matrix-vector Triton kernel for decode projections, y [M, N] = x [M, K] @ W [N, K]^T at M = 1..8 tokens,
 against F.linear (cuBLAS).
 
-Design (the MoE router's `_router_kernel` in runtime/moe_kernels.py, grown to whole projections): no tensor
-cores and no split-K. Each program owns BLOCK_N rows of W and loops over all of K in BLOCK_K chunks: it loads the
-[BLOCK_N, BLOCK_K] tile of W once (16-byte vector loads along K), the [M_BLOCK, BLOCK_K] tile of x (tiny, from
-L2), and adds the float32 products [M_BLOCK, BLOCK_N, BLOCK_K], summed along K every step, or (DEFER) kept per
-lane and summed once after the loop. Rows past N and tokens past M read the last row / token (always in bounds)
-and are not stored, so the loads carry no masks unless K is not a multiple of BLOCK_K. One kernel a call: the
-smallest N here (2048) at BLOCK_N <= 8 is still >= 256 programs (about two an SM on an H200), so a K split (an
-fp32 buffer to zero, atomics, a cast: two more kernels a call, what cuBLAS's split-K reduce costs now) is left out.
-What would justify wiring it into `ops.linear` for M <= some bound (not done here): the best tile (or one fixed
-tile per M) beating cuBLAS by >= 10 % on every shape up to that M (bf16, distinct weights each call so L2 does
-not hold them, as in a decode step's layers), and the bf16 results within F.linear's own error of the float32
-reference (the script prints both); then an end-to-end batch-1 decode step should show the sum of the gains.
+The kernel (`gemv`, its `default_tile`) lives in specdp_cli/runtime/gemv_kernels.py, whose docstring gives its
+design and where the runtime runs it (`ops.linear_one_row`: the attention output projection at one token, the
+shapes this script measured faster than cuBLAS). Adding a shape or token count there needs this script's
+numbers: the tile beating cuBLAS by >= 10 % (bf16, distinct weights each call so L2 does not hold them, as in a
+decode step's layers) and the bf16 results within F.linear's own error of the float32 reference (printed here).
 
 Timing: each variant is captured in a CUDA graph holding 20 calls back to back (as `benchmarks/moe_kernel.py
 --routing` does), the median replay over 20 is divided by 20. The calls cycle through copies of W whose total is
@@ -28,16 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 try:
     import triton
-    import triton.language as tl
-except ImportError:     # the script needs it; the module stays importable for --help
+    from specdp_cli.runtime.gemv_kernels import _pow2, default_tile, gemv
+except ImportError:     # the script needs Triton; the module stays importable for --help
     triton = None
 
 SHAPES = {   # name: (N, K) of W in nn.Linear layout
@@ -50,75 +45,10 @@ SWEEP = [(1, 1024, 4, 2, False), (2, 512, 4, 3, False), (4, 256, 4, 3, False), (
          (8, 256, 8, 3, False), (16, 128, 4, 2, False), (2, 256, 4, 3, True), (4, 256, 8, 2, True),
          (8, 128, 4, 4, True)]
 
-if triton is not None:
-    @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, M_BLOCK: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DEFER: tl.constexpr):
-        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        m = tl.arange(0, M_BLOCK)
-        k = tl.arange(0, BLOCK_K)
-        # rows past N / tokens past M read the last one (in bounds) and are not stored: no masks on the loads
-        w_ptrs = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn + k[None, :]
-        x_ptrs = x_ptr + tl.minimum(m, M - 1)[:, None] * stride_xm + k[None, :]
-        if DEFER:
-            acc = tl.zeros([M_BLOCK, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        else:
-            acc = tl.zeros([M_BLOCK, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if EVEN_K:
-                w = tl.load(w_ptrs + k0)
-                a = tl.load(x_ptrs + k0)
-            else:
-                in_k = (k0 + k)[None, :] < K
-                w = tl.load(w_ptrs + k0, mask=in_k, other=0.0)
-                a = tl.load(x_ptrs + k0, mask=in_k, other=0.0)
-            p = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            if DEFER:
-                acc += p
-            else:
-                acc += tl.sum(p, 2)
-        if DEFER:
-            y = tl.sum(acc, 2)
-        else:
-            y = acc
-        tl.store(y_ptr + m[:, None] * stride_ym + n[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=(m[:, None] < M) & (n[None, :] < N))
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-
-
-def default_tile(M: int, N: int, K: int) -> tuple:
-    """4 rows a program (>= 512 programs from N = 2048 on), K chunks keeping the [M, 4, BLOCK_K] float32 product
-    at 64 values a thread (4 warps), between 128 and 1024 columns; summed every step, 3 stages. A guess for the
-    sweep to check, as the router's tile was."""
-    bn = 4 if N >= 2048 else 1
-    bk = min(max(8192 // (_pow2(M) * bn), 128), 1024, max(_pow2(K), 16))
-    return (bn, bk, 4, 3, False)
-
-
 def tile_fits(M: int, tile: tuple) -> bool:
     """The float32 product (and with DEFER the accumulator as big) within 128 values a thread."""
     bn, bk, warps, _, defer = tile
     return _pow2(M) * bn * bk * (2 if defer else 1) <= 128 * 32 * warps
-
-
-def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, tile: tuple | None = None) -> torch.Tensor:
-    """F.linear(x, w) for x [M, K] (M small), w [N, K] row-major, both bf16/fp16/fp32: float32 sums, y in x's
-    dtype. tile = (BLOCK_N, BLOCK_K, num_warps, num_stages, DEFER), default `default_tile`."""
-    M, K = x.shape
-    N = w.shape[0]
-    assert w.shape[1] == K and w.stride(1) == 1 and x.dtype == w.dtype, (x.shape, w.shape, w.stride(), x.dtype)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device) if out is None else out
-    if M == 0:
-        return out
-    bn, bk, warps, stages, defer = tile or default_tile(M, N, K)
-    _gemv_kernel[(triton.cdiv(N, bn),)](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
-                                        M_BLOCK=_pow2(M), BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
-                                        DEFER=defer, num_warps=warps, num_stages=stages)
-    return out
 
 
 def tile_name(tile: tuple) -> str:
@@ -161,6 +91,8 @@ def main() -> None:
     bad = [s for s in shapes if s not in SHAPES]
     if bad or not all(1 <= M <= 16 for M in tokens):
         sys.exit(f"unknown shapes {bad} or tokens outside 1..16: {tokens}")
+    if triton is None:
+        sys.exit("gemv_decode.py needs Triton (specdp_cli/runtime/gemv_kernels.py imports it)")
     todo = plan(shapes, tokens, not a.no_sweep)
     if a.dry_run:
         for s, M, tiles in todo:
@@ -168,8 +100,8 @@ def main() -> None:
         print(f"{sum(len(t) + 1 for _, _, t in todo)} timings, "
               f"{len({(M, t) for _, M, ts in todo for t in ts})} kernel variants to compile (bf16)")
         return
-    if triton is None or not torch.cuda.is_available():
-        sys.exit("gemv_decode.py times GPU kernels: it needs Triton and a CUDA device (try --dry-run or --help)")
+    if not torch.cuda.is_available():
+        sys.exit("gemv_decode.py times GPU kernels: it needs a CUDA device (try --dry-run or --help)")
     if not a.json:
         sys.exit("--json OUT is required")
 

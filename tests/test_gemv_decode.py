@@ -1,8 +1,9 @@
-"""benchmarks/gemv_decode.py's matrix-vector kernel under Triton's interpreter (TRITON_INTERPRET=1, CPU) against
-F.linear, float32 (the interpreter's bf16 is not the GPU's; the script checks bf16 on the GPU): 1..8 tokens, N and
-K not multiples of the tiles (masked K, clamped rows and tokens), the default tile and the sweep's kinds (several
-rows a program, the sum deferred to after the loop), an x with a row stride (`interpreted_checks`, run in
-test_kernels_interpreted.py's interpreter process); and the benchmark's tile plan."""
+"""The runtime's matrix-vector kernel (specdp_cli/runtime/gemv_kernels.py, timed by benchmarks/gemv_decode.py)
+under Triton's interpreter (TRITON_INTERPRET=1, CPU) against F.linear, float32 (the interpreter's bf16 is not the
+GPU's; tests/test_gpu.py and the script check bf16 on the GPU): 1..8 tokens, N and K not multiples of the tiles
+(masked K, clamped rows and tokens), the default tile and the sweep's kinds (several rows a program, the sum
+deferred to after the loop), an x with a row stride (`interpreted_checks`, run in test_kernels_interpreted.py's
+interpreter process); and the benchmark's tile plan."""
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ pytest.importorskip("triton")
 def interpreted_checks() -> None:
     import torch
     import torch.nn.functional as F
-    import gemv_decode as gd
+    from specdp_cli.runtime import gemv_kernels as gd
 
     g = torch.Generator().manual_seed(0)
     cases = [(1, 37, 100, None), (3, 50, 70, None), (8, 64, 256, None), (5, 19, 300, (4, 64, 4, 2, False)),

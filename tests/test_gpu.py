@@ -349,6 +349,43 @@ def test_router_kernel_matches_linear(dtype):
     assert torch.equal(out, router_logits(x, router))
 
 
+def test_one_row_output_projection_matches_linear():
+    """ops.linear_one_row (the attention output projection): one row by a bf16 / fp16 weight runs the matrix-vector
+    kernel (Qwen3-30B-A3B's and Llama-8B's o shapes, and odd sizes), within a bf16 / fp16 ulp of the float32
+    product and of F.linear; float32, two rows, a bias or a weight past ONE_ROW_MAX_WEIGHT keep F.linear; a CUDA
+    graph captured at one row replays the kernel on new activations."""
+    import torch.nn.functional as F
+    from specdp_cli.runtime import gemv_kernels, ops
+    g = torch.Generator().manual_seed(0)
+    for dtype, ulp in ((torch.bfloat16, 2 ** -7), (torch.float16, 2 ** -10)):
+        for N, K in ((2048, 4096), (4096, 4096), (96, 200), (1000, 3000)):
+            x = torch.randn(1, K, generator=g).to(dtype).cuda()
+            w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dtype).cuda()
+            out = ops.linear_one_row(x, w)
+            assert out.dtype == dtype and torch.equal(out, gemv_kernels.gemv(x, w)), (dtype, N, K)   # the kernel ran
+            ref = F.linear(x.float(), w.float())
+            assert torch.allclose(out.float(), ref, rtol=ulp, atol=1e-3), (dtype, N, K, (out.float() - ref).abs().max())
+            assert rel(out, F.linear(x, w)) < 1e-2, (dtype, N, K)
+    x, w = torch.randn(2, 512, generator=g).cuda(), torch.randn(256, 512, generator=g).cuda() / 20
+    b = torch.randn(256, generator=g).cuda()
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert torch.equal(ops.linear_one_row(x[:1], w), F.linear(x[:1], w))                    # float32
+    assert torch.equal(ops.linear_one_row(xb, wb), F.linear(xb, wb))                        # two rows
+    assert torch.equal(ops.linear_one_row(xb[:1], wb, b.bfloat16()), F.linear(xb[:1], wb, b.bfloat16()))
+    big = torch.randn(4096, 4104, device="cuda", dtype=torch.bfloat16)
+    xbig = torch.randn(1, 4104, device="cuda", dtype=torch.bfloat16)
+    assert big.numel() > gemv_kernels.ONE_ROW_MAX_WEIGHT
+    assert torch.equal(ops.linear_one_row(xbig, big), F.linear(xbig, big))
+    x1 = xb[:1].clone()
+    ops.linear_one_row(x1, wb)                                   # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.linear_one_row(x1, wb)
+    x1.copy_(x1.flip(1) * 2)
+    graph.replay()
+    assert torch.equal(out, gemv_kernels.gemv(x1, wb))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,top_k", [(1, 8), (5, 8), (16, 8), (17, 8), (40, 2), (100, 2)])
 def test_moe_small_routing_paths(dtype, tokens, top_k):

@@ -1,8 +1,8 @@
 """The rotary / norm and routed-expert Triton kernels under Triton's interpreter (TRITON_INTERPRET=1, CPU) against
 the torch paths CPU runs: Qwen3's per-head q/k norms inside the rotary-and-store kernel, the routed experts with
-a token's experts partly held elsewhere (expert parallelism) through both align kernels, and the routing kernels
-(router logits, the small align, softmax top-k fused with it). float32 (the interpreter's bf16 dot is not the GPU's:
-tests/test_gpu.py checks bf16 there)."""
+a token's experts partly held elsewhere (expert parallelism) through both align kernels, the routing kernels
+(router logits, the small align, softmax top-k fused with it), and the one-row output projection's matrix-vector
+kernel (`gemv_kernels`). float32 (the interpreter's bf16 dot is not the GPU's: tests/test_gpu.py checks bf16 there)."""
 import os
 import subprocess
 import sys
@@ -49,7 +49,20 @@ def interpreted_checks() -> None:
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (N, (out - ref).abs().max())
         assert torch.allclose(out, moe.routed_reference(x, w, idx), rtol=1e-5, atol=1e-5), N
     routing_checks(g)
+    one_row_checks(g)
     print("interpreted kernels: ok")
+
+
+def one_row_checks(g: torch.Generator) -> None:
+    """The matrix-vector kernel `ops.linear_one_row` runs on CUDA for the attention output projection at one row,
+    on Qwen3-30B-A3B's o shape [2048 x 4096] (the default tile it takes there: 4 rows a program, K in 1024s)."""
+    import torch.nn.functional as F
+    from specdp_cli.runtime import gemv_kernels
+
+    x, w = torch.randn(1, 4096, generator=g), torch.randn(2048, 4096, generator=g) / 64
+    out = gemv_kernels.gemv(x, w)
+    assert out.shape == (1, 2048) and torch.allclose(out, F.linear(x, w), rtol=1e-5, atol=1e-5), \
+        (out - F.linear(x, w)).abs().max()
 
 
 def check_grouping(idx: torch.Tensor, E: int, block_m: int, pairs: torch.Tensor, block_expert: torch.Tensor) -> None:

@@ -162,11 +162,12 @@ class CausalLM:
         return self._row_parallel(ops.act_and_mul(ops.linear(h, layer.gate_up, layer.gate_up_bias), layer.act),
                                   layer.down, layer.down_bias)
 
-    def _row_parallel(self, x: torch.Tensor, w, bias: torch.Tensor | None) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, w, bias: torch.Tensor | None, o: bool = False) -> torch.Tensor:
         """x @ w^T + bias; split over a TP group, x and w hold this process's columns: the partial sums are
-        all-reduced (a plain collective, captured in the CUDA graphs) before the bias joins once."""
+        all-reduced (a plain collective, captured in the CUDA graphs) before the bias joins once. `o`: the
+        attention output projection, which unsplit takes `ops.linear_one_row` (a matrix-vector kernel at one row)."""
         if self.tp is None:
-            return ops.linear(x, w, bias)
+            return (ops.linear_one_row if o else ops.linear)(x, w, bias)
         y = ops.linear(x, w)
         self.tp.all_reduce(y)
         return y if bias is None else y + bias
@@ -187,7 +188,7 @@ class CausalLM:
         ops.rope_and_store(qkv, cos, sin, meta, k_cache, v_cache, H, KV, D, head_norms)
         q = qkv[:, :H * D].view(N, H, D)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window, layer.sinks)
-        return self._row_parallel(out.reshape(N, -1), layer.o, layer.o_bias)
+        return self._row_parallel(out.reshape(N, -1), layer.o, layer.o_bias, o=True)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.vocab_first is None:

@@ -117,7 +117,7 @@ class DeepseekV3LM(CausalLM):
         _use_latent_attention(self, hf_config)
 
     def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
-        return self._row_parallel(layer.mla(self, h, meta, k_cache, v_cache), layer.o, layer.o_bias)
+        return self._row_parallel(layer.mla(self, h, meta, k_cache, v_cache), layer.o, layer.o_bias, o=True)
 
 
 def kv_shapes(config: dict):
