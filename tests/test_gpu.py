@@ -421,6 +421,53 @@ def test_moe_small_routing_paths(dtype, tokens, top_k):
     assert torch.equal(out, moe(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_sum_fused_with_add_and_norm(dtype):
+    """The routed pairs' sum fused with the residual add and the next RMSNorm (moe_kernels.sum_add_rms_norm, what
+    the decoder runs after a MoE) against the sum kernel then rms_norm: the same residual and norm bit for bit
+    (Qwen3-30B-A3B's and DeepSeek-V3's layer shapes, a non-power-of-two hidden, pairs held elsewhere, without a
+    norm); through MoE.__call__ (unsummed where nothing else adds to the sum) and in a CUDA graph."""
+    from specdp_cli.runtime import triton_kernels as tk
+    from specdp_cli.runtime.models.moe import MoE, RoutedPairs, SoftmaxTopK
+    from specdp_cli.runtime.moe_kernels import sum_add_rms_norm, sum_pairs
+    g = torch.Generator().manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).cuda()
+
+    for N, K, E, H in ((1, 8, 128, 2048), (16, 8, 128, 2048), (3, 8, 256, 7168), (5, 2, 8, 1000)):
+        y, res, w = rnd(N * K, H), rnd(N, H), rnd(H)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)]).cuda()
+        idx[0, 1] = -1                                    # held on another rank: its row of y is skipped
+        r1, r2 = res.clone(), res.clone()
+        want = tk.rms_norm(sum_pairs(y, idx, E), w, 1e-6, r1)
+        got = sum_add_rms_norm(y, idx, E, r2, w, 1e-6)
+        assert torch.equal(r2, r1), (N, H, (r2 - r1).abs().max())
+        assert torch.equal(got, want), (N, H, (got.float() - want.float()).abs().max())
+        r2 = res.clone()
+        assert sum_add_rms_norm(y, idx, E, r2, None, 1e-6) is None and torch.equal(r2, r1)
+
+    E, H, I = 64, 2048, 96
+    moe = MoE(SoftmaxTopK(rnd(E, H, scale=H ** -0.5), 8, True), rnd(E, 2 * I, H, scale=H ** -0.5),
+              rnd(E, H, I, scale=I ** -0.5), False, range(E))
+    x, res, w = rnd(4, H), rnd(4, H), rnd(H)
+    r1, r2 = res.clone(), res.clone()
+    want = tk.rms_norm(moe(x), w, 1e-6, r1)
+    pairs = moe(x, unsummed=True)
+    assert isinstance(pairs, RoutedPairs)
+    assert torch.equal(pairs.add_to(r2, w, 1e-6), want) and torch.equal(r2, r1)
+    moe.shared_gate_up, moe.shared_down = rnd(2 * I, H, scale=H ** -0.5), rnd(H, I, scale=I ** -0.5)
+    assert isinstance(moe(x, unsummed=True), torch.Tensor)         # shared experts add to the sum: summed here
+    moe.shared_gate_up = moe.shared_down = None
+    graph = torch.cuda.CUDAGraph()
+    r2 = res.clone()
+    with torch.cuda.graph(graph):
+        out = moe(x, unsummed=True).add_to(r2, w, 1e-6)
+    r2.copy_(res)
+    graph.replay()
+    assert torch.equal(out, want) and torch.equal(r2, r1)
+
+
 @pytest.mark.parametrize("family,method", [("mixtral", "draft_model"), ("qwen3_moe", "draft_model"),
                                            ("deepseek_v3", "draft_model"), ("deepseek_v3", "mtp")])
 def test_moe_graphs_equal_eager_float32(models, tmp_path, family, method):

@@ -1,8 +1,9 @@
 """The rotary / norm and routed-expert Triton kernels under Triton's interpreter (TRITON_INTERPRET=1, CPU) against
 the torch paths CPU runs: Qwen3's per-head q/k norms inside the rotary-and-store kernel, the routed experts with
 a token's experts partly held elsewhere (expert parallelism) through both align kernels, the routing kernels
-(router logits, the small align, softmax top-k fused with it), and the one-row output projection's matrix-vector
-kernel (`gemv_kernels`). float32 (the interpreter's bf16 dot is not the GPU's: tests/test_gpu.py checks bf16 there)."""
+(router logits, the small align, softmax top-k fused with it), the routed sum fused with the residual add and the
+next norm, and the one-row output projection's matrix-vector kernel (`gemv_kernels`). float32 (the interpreter's
+bf16 dot is not the GPU's: tests/test_gpu.py checks bf16 there)."""
 import os
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def interpreted_checks() -> None:
         assert torch.allclose(out, moe.routed_reference(x, w, idx), rtol=1e-5, atol=1e-5), N
     routing_checks(g)
     one_row_checks(g)
+    fused_sum_checks(g)
     print("interpreted kernels: ok")
 
 
@@ -63,6 +65,31 @@ def one_row_checks(g: torch.Generator) -> None:
     out = gemv_kernels.gemv(x, w)
     assert out.shape == (1, 2048) and torch.allclose(out, F.linear(x, w), rtol=1e-5, atol=1e-5), \
         (out - F.linear(x, w)).abs().max()
+
+
+def fused_sum_checks(g: torch.Generator) -> None:
+    """The routed pairs' sum fused with the residual add and the next RMSNorm (`_sum_add_norm_kernel`) equals
+    the sum kernel then rms_norm: top_k 8 over hidden 2048, non-powers of two, pairs held elsewhere (their rows of y
+    hold garbage the sum must skip); without a norm, the residual add alone. Also bf16, kernel against kernel (the
+    interpreter rounds to bf16 by truncation, not as torch does)."""
+    from specdp_cli.runtime import moe_kernels as mk, triton_kernels as tk
+
+    for N, K, E, H, dtype in ((1, 8, 128, 2048, torch.float32), (3, 8, 64, 2048, torch.float32),
+                              (4, 2, 8, 1000, torch.float32), (2, 3, 10, 7168, torch.float32),
+                              (3, 8, 64, 2048, torch.bfloat16)):
+        y = torch.randn(N * K, H, generator=g).to(dtype)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+        idx[0, 1], idx[-1, 0] = -1, E + 3                     # experts held on another rank
+        res, w = torch.randn(N, H, generator=g).to(dtype), torch.randn(H, generator=g).to(dtype)
+        want_res = res.clone()
+        want = tk.rms_norm(mk.sum_pairs(y, idx, E), w, 1e-6, want_res)
+        got_res = res.clone()
+        got = mk.sum_add_rms_norm(y, idx, E, got_res, w, 1e-6)
+        assert torch.equal(got_res, want_res), (N, K, H, (got_res - want_res).abs().max())
+        assert torch.equal(got, want), (N, K, H, (got - want).abs().max())
+        got_res = res.clone()
+        assert mk.sum_add_rms_norm(y, idx, E, got_res, None, 1e-6) is None
+        assert torch.equal(got_res, want_res), (N, K, H)
 
 
 def check_grouping(idx: torch.Tensor, E: int, block_m: int, pairs: torch.Tensor, block_expert: torch.Tensor) -> None:

@@ -10,7 +10,8 @@ A forward's N tokens choose top_k experts each: P = N * top_k token-expert pairs
 2. `_up_kernel`: per (block, column block) one grouped GEMM of the block's tokens with its expert's gate and
    up rows, the activation fused (SiLU-and-mul, or GPT-OSS's clamped SwiGLU): act [P, I] by pair.
 3. `_down_kernel`: act @ down^T (+ bias) times the pair's routing weight: y [P, hidden] by pair.
-4. `_sum_kernel`: each token's sum over its top_k pairs (those held here).
+4. `_sum_kernel`: each token's sum over its top_k pairs (those held here). `routed_pairs` runs steps 1-3 alone: a
+   decoder layer then sums them in `_sum_add_norm_kernel`, with the residual add and the next RMSNorm.
 Every size is a function of N, top_k and the experts held, and every count the data decides (how many blocks
 an expert fills) is read from device memory, so a CUDA graph holds all four.
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .triton_kernels import _add_residual, _norm_row, norm_warps
 
 
 def _pow2(n: int) -> int:
@@ -226,18 +229,38 @@ def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, pairs_ptr, block_expert_ptr, y_ptr
 
 
 @triton.jit
-def _sum_kernel(y_ptr, idx_ptr, out_ptr, TOPK, H, E, stride_y, stride_o, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
-    t = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = c < H
+def _pairs_sum(y_ptr, idx_ptr, t, c, ok, TOPK, E, stride_y, K_BLOCK: tl.constexpr):
+    """Token t's sum over its held pairs' rows of y at columns c, in float32."""
     # the token's top_k rows in one load (a loop of dependent loads waits on memory top_k times)
     j = tl.arange(0, K_BLOCK)
     p = t * TOPK + j
     e = tl.load(idx_ptr + p, mask=j < TOPK, other=-1)
     held = (j < TOPK) & (e >= 0) & (e < E)
     y = tl.load(y_ptr + p.to(tl.int64)[:, None] * stride_y + c[None, :], mask=held[:, None] & ok[None, :], other=0.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_o + c, tl.sum(y.to(tl.float32), 0).to(out_ptr.dtype.element_ty),
-             mask=ok)
+    return tl.sum(y.to(tl.float32), 0)
+
+
+@triton.jit
+def _sum_kernel(y_ptr, idx_ptr, out_ptr, TOPK, H, E, stride_y, stride_o, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < H
+    s = _pairs_sum(y_ptr, idx_ptr, t, c, ok, TOPK, E, stride_y, K_BLOCK)
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + c, s.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _sum_add_norm_kernel(y_ptr, idx_ptr, res_ptr, w_ptr, out_ptr, TOPK, H, E, stride_y, stride_r, stride_o, eps,
+                         K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
+    # `_sum_kernel` then triton_kernels' `_rms_norm_kernel` with a residual, step for step, one program a token: the
+    # sum rounded to y's dtype as `_sum_kernel` stores it, the same residual add and norm (shared steps)
+    t = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    ok = c < H
+    x = _pairs_sum(y_ptr, idx_ptr, t, c, ok, TOPK, E, stride_y, K_BLOCK).to(y_ptr.dtype.element_ty)
+    x = _add_residual(x, res_ptr + t.to(tl.int64) * stride_r, c, ok)
+    if NORM:
+        _norm_row(x, w_ptr, out_ptr + t.to(tl.int64) * stride_o, c, ok, H, eps)
 
 
 # Tiles by average pairs per expert. Decode sizes chosen by sweeping on an H200 (benchmarks/moe_kernel.py, the
@@ -260,11 +283,12 @@ def tiles(P: int, E: int, I: int, H: int, dtype: torch.dtype) -> dict:
     return t
 
 
-def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
-                   down_bias: torch.Tensor | None = None, act: str = "silu", alpha: float = 1.702,
-                   limit: float = 7.0, round_weights: bool = False, tile: dict | None = None) -> torch.Tensor:
-    """sum over each token's chosen experts of weight * expert(x): x [N, hidden]; weights [N, top_k] float32
+def routed_pairs(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None, act: str = "silu", alpha: float = 1.702,
+                 limit: float = 7.0, round_weights: bool = False, tile: dict | None = None) -> torch.Tensor:
+    """Each token-expert pair's weight * expert(x), y [N * top_k, hidden] by pair (pair p is token p // top_k; the
+    rows of pairs held elsewhere are not written: `sum_pairs` skips them). x [N, hidden]; weights [N, top_k] float32
     (`round_weights`: rounded to x's dtype first, as Qwen3-MoE does); experts [N, top_k] indices into the held
     experts (outside [0, E'): held elsewhere, skipped); gate_up [E', 2I, hidden] (gate rows, then up rows), down
     [E', hidden, I]; optional biases [E', 2I], [E', hidden]; act "silu" (SiLU-and-mul) or "swiglu_oai" (GPT-OSS's
@@ -281,14 +305,14 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
     K = experts.shape[1]
     E, I = gate_up.shape[0], gate_up.shape[1] // 2
     P = N * K
-    out = torch.empty_like(x)
+    dev = x.device
+    y = torch.empty((P, H), dtype=x.dtype, device=dev)
     if N == 0:
-        return out
+        return y
     x = x.contiguous()
     idx = experts.contiguous().view(-1)
     rw = weights.contiguous().view(-1)
     t = tile or tiles(P, E, I, H, x.dtype)
-    dev = x.device
     act_out = torch.empty((P, I), dtype=x.dtype, device=dev)
     gub = gate_up_bias if gate_up_bias is not None else gate_up
     db = down_bias if down_bias is not None else down
@@ -305,17 +329,49 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gub_stride, act_out.stride(0), *gss, float(alpha),
         float(limit), BLOCK_M=BM, BLOCK_N=t["UP_N"], BLOCK_K=t["BLOCK_K"], ACT=ACT, HAS_BIAS=gate_up_bias is not None,
         PREC=prec, W_FP8=fp8, W_ROWS=gu_rows, num_warps=t["warps"], num_stages=t["stages"])
-    y = torch.empty((P, H), dtype=x.dtype, device=dev)
     dss = d_s.stride() if fp8 else (0, 0, 0)
     _down_kernel[(max_blocks, triton.cdiv(H, t["DOWN_N"]))](
         act_out, down, db, rw, pairs, block_expert, y, d_s, P, H, I,
         act_out.stride(0), down.stride(0), down.stride(1), db_stride, y.stride(0), *dss,
         BLOCK_M=BM, BLOCK_N=t["DOWN_N"], BLOCK_K=min(t["BLOCK_K"], _pow2(I)), HAS_BIAS=down_bias is not None,
         PREC=prec, ROUND_W=round_weights, W_FP8=fp8, W_ROWS=d_rows, num_warps=t["warps"], num_stages=t["stages"])
-    BLOCK = min(_pow2(H), 4096 // _pow2(K), 1024)
-    _sum_kernel[(N, triton.cdiv(H, BLOCK))](y, idx, out, K, H, E, y.stride(0), out.stride(0), K_BLOCK=_pow2(K),
-                                            BLOCK=BLOCK, num_warps=4)
+    return y
+
+
+def sum_pairs(y: torch.Tensor, experts: torch.Tensor, E: int) -> torch.Tensor:
+    """Each token's sum over its held pairs (experts [N, top_k] in [0, E)) of `routed_pairs`' y: [N, hidden]."""
+    N, K = experts.shape
+    H = y.shape[1]
+    out = torch.empty((N, H), dtype=y.dtype, device=y.device)
+    if N:
+        BLOCK = min(_pow2(H), 4096 // _pow2(K), 1024)
+        _sum_kernel[(N, triton.cdiv(H, BLOCK))](y, experts.contiguous().view(-1), out, K, H, E, y.stride(0),
+                                                out.stride(0), K_BLOCK=_pow2(K), BLOCK=BLOCK, num_warps=4)
     return out
+
+
+def sum_add_rms_norm(y: torch.Tensor, experts: torch.Tensor, E: int, residual: torch.Tensor,
+                     weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+    """`sum_pairs` joined to the residual stream in one kernel: residual [N, hidden] += each token's sum (in place),
+    then the new residual's RMSNorm with `weight` (None: no norm, returns None); the numbers of `sum_pairs` then
+    triton_kernels.rms_norm(sum, weight, eps, residual)."""
+    N, K = experts.shape
+    H = residual.shape[1]
+    out = torch.empty((N, H), dtype=y.dtype, device=y.device) if weight is not None else None
+    if N:
+        o = out if out is not None else residual
+        _sum_add_norm_kernel[(N,)](y, experts.contiguous().view(-1), residual,
+                                   weight if weight is not None else residual, o, K, H, E, y.stride(0),
+                                   residual.stride(0), o.stride(0), float(eps), K_BLOCK=_pow2(K), BLOCK=_pow2(H),
+                                   NORM=weight is not None, num_warps=norm_warps(H))
+    return out
+
+
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up, down,
+                   **kw) -> torch.Tensor:
+    """sum over each token's chosen experts of weight * expert(x): `routed_pairs` (its arguments), then
+    `sum_pairs`."""
+    return sum_pairs(routed_pairs(x, weights, experts, gate_up, down, **kw), experts, gate_up.shape[0])
 
 
 # ---------------------------------------------------------------------------------------------

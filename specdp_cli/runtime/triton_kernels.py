@@ -305,6 +305,26 @@ def rotate_(x, cos, sin, positions) -> None:
 # norms and the MLP activation
 
 @triton.jit
+def _add_residual(x, res_ptr, c, ok):
+    """residual += x at columns c of one row (res_ptr: the row's start), stored rounded as HF rounds the stream;
+    returns the new residual."""
+    x = (x.to(tl.float32) + tl.load(res_ptr + c, mask=ok, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
+    tl.store(res_ptr + c, x, mask=ok)
+    return x
+
+
+@triton.jit
+def _norm_row(x, w_ptr, out_ptr, c, ok, n, eps):
+    """out = weight * (x / rms(x)) of one row x [BLOCK] of n columns (out_ptr: the row's start)."""
+    xf = x.to(tl.float32)
+    var = tl.sum(xf * xf, 0) / n
+    y = (xf * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + c, mask=ok, other=0.0)
+    tl.store(out_ptr + c, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# `moe_kernels._sum_add_norm_kernel` shares these two steps (and `norm_warps`): its norms round as these do
+@triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n, eps,
                      HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -312,14 +332,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_
     ok = c < n
     x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
     if HAS_RES:
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + c, mask=ok, other=0.0).to(tl.float32))
-        x = x.to(res_ptr.dtype.element_ty)
-        tl.store(res_ptr + row * stride_r + c, x, mask=ok)       # the residual stream, rounded as HF rounds it
-    xf = x.to(tl.float32)
-    var = tl.sum(xf * xf, 0) / n
-    y = (xf * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + c, mask=ok, other=0.0)
-    tl.store(out_ptr + row * stride_o + c, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+        x = _add_residual(x, res_ptr + row * stride_r, c, ok)
+    _norm_row(x, w_ptr, out_ptr + row * stride_o, c, ok, n, eps)
+
+
+def norm_warps(n: int) -> int:
+    return 4 if n <= 4096 else 8
 
 
 def rms_norm(x, weight, eps: float, residual=None):
@@ -329,7 +347,7 @@ def rms_norm(x, weight, eps: float, residual=None):
     if N:
         res = residual if residual is not None else x
         _rms_norm_kernel[(N,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
-                               HAS_RES=residual is not None, BLOCK=_pow2(n), num_warps=4 if n <= 4096 else 8)
+                               HAS_RES=residual is not None, BLOCK=_pow2(n), num_warps=norm_warps(n))
     return out
 
 

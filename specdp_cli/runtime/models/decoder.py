@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..ops import AttnMeta
+from .moe import RoutedPairs
 from .weights import cat_rows
 
 
@@ -132,17 +133,20 @@ class CausalLM:
             if layer.attn_out_norm is not None:
                 x = ops.rms_norm(x, layer.attn_out_norm, self.eps)
             h, residual = self._join(x, residual, layer.mlp_norm)
-            x = self._mlp(layer, h)
+            x = self._mlp(layer, h, unsummed=layer.mlp_out_norm is None)
             if layer.mlp_out_norm is not None:
                 x = ops.rms_norm(x, layer.mlp_out_norm, self.eps)
-        out = ops.rms_norm(x, self.norm, self.eps, residual)
+        out, residual = self._join(x, residual, self.norm)
         if len(self.layers) in self.aux_layers:
             self._keep_aux(len(self.layers), residual)
         return out
 
-    def _join(self, x: torch.Tensor, residual: torch.Tensor | None, norm: torch.Tensor | None):
+    def _join(self, x: torch.Tensor | RoutedPairs, residual: torch.Tensor | None, norm: torch.Tensor | None):
         """x joins the residual stream (the first layer's x starts it); returns (what the next block
-        reads: the stream's norm, or the stream itself without one, the stream)."""
+        reads: the stream's norm, or the stream itself without one, the stream). x may be a sparse MLP's
+        unsummed output (`_mlp`): its sums join the stream in the norm's kernel."""
+        if isinstance(x, RoutedPairs):
+            return x.add_to(residual, norm, self.eps), residual
         if residual is None:
             return (x if norm is None else ops.rms_norm(x, norm, self.eps)), x
         if norm is None:
@@ -156,9 +160,10 @@ class CausalLM:
             if at == layer:
                 self.aux_buf[:stream.shape[0], j * h:(j + 1) * h].copy_(stream)
 
-    def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
+    def _mlp(self, layer: Layer, h: torch.Tensor, unsummed: bool = False) -> torch.Tensor | RoutedPairs:
+        """`unsummed`: a sparse MLP may hand back its experts' outputs unsummed (moe.MoE), for `_join`."""
         if layer.moe is not None:
-            return layer.moe(h)
+            return layer.moe(h, unsummed)
         return self._row_parallel(ops.act_and_mul(ops.linear(h, layer.gate_up, layer.gate_up_bias), layer.act),
                                   layer.down, layer.down_bias)
 

@@ -63,11 +63,9 @@ class GptOssMoE(MoE):
         glu = gate * torch.sigmoid(gate * self.alpha)
         return F.linear((up + 1) * glu, self.down[j], self.down_bias[j])
 
-    def routed_kernel(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-        from ..moe_kernels import routed_experts
-        return routed_experts(x, w, held, self.gate_up, self.down, self.gate_up_bias, self.down_bias,
-                              act="swiglu_oai", alpha=self.alpha, limit=self.limit,
-                              round_weights=not self.float_weights)
+    def kernel_args(self) -> dict:
+        return dict(super().kernel_args(), gate_up_bias=self.gate_up_bias, down_bias=self.down_bias,
+                    act="swiglu_oai", alpha=self.alpha, limit=self.limit)
 
     @property
     def nbytes(self) -> int:

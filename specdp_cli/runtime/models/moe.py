@@ -45,6 +45,28 @@ def router_logits(x: torch.Tensor, router: torch.Tensor, dtype: torch.dtype | No
 
 
 @dataclass
+class RoutedPairs:
+    """The routed experts' output before each token's sum (CUDA): y [N * top_k, hidden], each token-expert pair's
+    weighted output (pair p is token p // top_k), experts [N, top_k] indices into the E held experts (outside:
+    held elsewhere, skipped). `sum` gives the MoE's output; `add_to` sums into the residual stream and norms it in
+    one kernel (the decoder's join)."""
+    y: torch.Tensor
+    experts: torch.Tensor
+    E: int
+
+    def sum(self) -> torch.Tensor:
+        from ..moe_kernels import sum_pairs
+        return sum_pairs(self.y, self.experts, self.E)
+
+    def add_to(self, residual: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """residual += the sums (in place); returns the new residual's RMSNorm (`norm` None: the residual), the
+        numbers of ops.rms_norm(self.sum(), norm, eps, residual)."""
+        from ..moe_kernels import sum_add_rms_norm
+        out = sum_add_rms_norm(self.y, self.experts, self.E, residual, norm, eps)
+        return residual if out is None else out
+
+
+@dataclass
 class MoE:
     """`route(x)` gives each token's routing weights [N, top_k] (float32) and experts; each expert is a
     SiLU-gated MLP; the output is the weighted sum of the chosen experts', plus the shared experts' output
@@ -63,19 +85,24 @@ class MoE:
     shared_down: torch.Tensor | None = None
     tp: object | None = None             # tensor parallelism: the TP group over which each expert's columns split
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, unsummed: bool = False) -> torch.Tensor | RoutedPairs:
         # Under expert parallelism the ranks' tokens are gathered, each rank adds its experts' share, and a
         # reduce-scatter returns each rank the sum for its own tokens; the shared experts then run on the
         # rank's own tokens only, so they are added once. Under tensor parallelism (with or without experts over
         # the DP ranks: then the gather and reduce-scatter run among the processes of this TP rank) that sum is
         # the share of this process's columns of each expert (and of the shared experts'), all-reduced over the TP
         # group; the router is whole on every process, so all of them route every token alike.
+        # `unsummed`: on CUDA, where nothing else adds to the routed experts' sum (none of the above), return their
+        # RoutedPairs for the decoder to sum in the kernel of its residual add and next norm.
         x = h if self.ep is None else self.ep.ep_all_gather(h)
         w, idx = self.route(x)
         # index into the held experts; outside [0, E'): held elsewhere
         held = idx - self.experts.start if self.experts.start else idx
         if x.is_cuda:
-            out = self.routed_kernel(x, w, held)
+            pairs = self.routed_pairs(x, w, held)
+            if unsummed and self.ep is None and self.tp is None and self.shared_gate_up is None:
+                return pairs
+            out = pairs.sum()
         else:
             out = self.routed_reference(x, w if self.float_weights else w.to(x.dtype), held)
         if self.ep is not None:
@@ -86,10 +113,20 @@ class MoE:
             out = self.tp.all_reduce(out)
         return out
 
+    def routed_pairs(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor) -> RoutedPairs:
+        """The grouped kernels (CUDA), each pair's output unsummed; w float32, rounded to x's dtype inside unless
+        `float_weights`."""
+        from ..moe_kernels import routed_pairs
+        return RoutedPairs(routed_pairs(x, w, held, self.gate_up, self.down, **self.kernel_args()), held,
+                           self.gate_up.shape[0])
+
+    def kernel_args(self) -> dict:
+        """routed_pairs' keyword arguments of this MoE's experts."""
+        return dict(round_weights=not self.float_weights)
+
     def routed_kernel(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-        """The grouped kernels (CUDA); w float32, rounded to x's dtype inside unless `float_weights`."""
-        from ..moe_kernels import routed_experts
-        return routed_experts(x, w, held, self.gate_up, self.down, round_weights=not self.float_weights)
+        """The grouped kernels' sum (CUDA)."""
+        return self.routed_pairs(x, w, held).sum()
 
     def routed_reference(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
         """Each held expert that some token chose, once over those tokens, added in expert order as
