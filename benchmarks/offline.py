@@ -175,7 +175,7 @@ def main() -> None:
                 s = c.spec
                 row = {"label": a.label, "method": method, "batch": B, "eager": eager, "k": a.k if method != "none" else 0,
                        "requests": len(prompts), "tok_s": gen / secs, "tokens": gen, "s": secs, "steps": c.steps,
-                       "ms_per_step": secs / max(c.steps, 1) * 1e3, "preemptions": c.preemptions,
+                       "ms_per_step": secs / max(c.steps, 1) * 1e3, "preemptions": c.preemptions, "planned_ahead": c.planned_ahead,
                        "build_s": build_s, "startup": engine.startup, "graphs": engine.graphs,
                        "kv_blocks": engine.pool.num_blocks,
                        "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else None,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1 OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -444,6 +444,20 @@ gemv)
   timeout 300 python3 benchmarks/moe_shapes.py --pair $P --work /tmp/moe_shapes --batches 1,16,64 --hf-batches "" \
     --json "$out/moe_shapes.json" > /tmp/moe_shapes.log 2>&1 || tail -20 /tmp/moe_shapes.log
   sed -n '/^shape /,$p' /tmp/moe_shapes.log
+  ;;
+batch1)
+  # session 19: the GPU tests of what changed (async scheduling with EAGLE / MTP, the fused routed sum, the one-row
+  # o projection, graphs = eager for every method and MoE family), then the Qwen3-30B-A3B shape at batch 1 and 64
+  # with a kernel timeline of the batch-1 step
+  timeout ${GPU_TEST_S:-300} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+    -k "${GPU_TESTS_K:-async or fused or one_row or graphs_equal_eager or moe_graphs or routed or routing}" \
+    > "$out/gpu_tests.log" 2>&1; tail -12 "$out/gpu_tests.log"
+  timeout 200 python3 benchmarks/moe_shapes.py --pair $P --work /tmp/moe_shapes --shapes qwen3_30b_a3b --batches 1,64 \
+    --hf-batches "" --profile 1 --trace /tmp/trace --json "$out/moe_shapes_qwen3.json" > /tmp/moe_shapes.log 2>&1 \
+    || tail -20 /tmp/moe_shapes.log
+  sed -n '/^shape /,$p' /tmp/moe_shapes.log
+  python3 benchmarks/kernel_timeline.py /tmp/trace_qwen3_30b_a3b_b1.json --json "$out/kernel_timeline_qwen3_b1.json" \
+    2>&1 | tail -45
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
