@@ -203,3 +203,34 @@ def test_server_in_lockstep_equals_generate(models, eagle_jobs):
     with serving(tmp, models, ahead) as (complete, expected, server):
         assert complete() == expected
         assert server.metric("specdp:spec_decode_num_drafts") > 0
+
+
+def interpreted_head_checks() -> None:
+    """The first head forward's inputs in one kernel (`triton_kernels.head_inputs`, CUDA) against the torch
+    expressions the CPU runs, under Triton's interpreter (test_kernels_interpreted.py runs it): decode rows, prompt
+    rows with a known next token and one whose next token is drawn (-2), padding rows (zeros); strided columns; and
+    the step between draft forwards (`triton_kernels.next_draft`)."""
+    from specdp_cli.runtime import triton_kernels as tk
+    from specdp_cli.runtime.drafters.eagle import head_inputs
+    g = torch.Generator().manual_seed(0)
+    R, T, W = 6, 5, 4
+    staged = torch.randint(0, 9, (R, 7), generator=g)
+    ids = torch.randint(0, 50, (R, T + 2), generator=g)[:, :T]             # strided rows, as the target's buffer
+    start, n_real, nxt = staged[:, 1], staged[:, 3], staged[:, 5]
+    n_real.copy_(torch.tensor([2, 4, 5, 3, 0, 1]))
+    nxt.copy_(torch.tensor([-1, -1, 17, -2, 0, -1]))
+    tokens, n_out = torch.randint(0, 50, (R, W), generator=g), torch.tensor([1, 3, 1, 1, 1, 4])
+    want = head_inputs(ids, tokens, n_out, start, n_real, nxt)
+    got = [torch.zeros(R * T, dtype=torch.long)] + [torch.zeros(R, dtype=torch.long) for _ in range(5)]
+    tk.head_inputs(ids, tokens, n_out, start, n_real, nxt, *got)
+    assert torch.equal(got[0].view(R, T), want[0]) and torch.equal(got[1], start) and torch.equal(got[2], n_real)
+    for a, b in zip(got[3:], want[1:]):
+        assert torch.equal(a, b), (a, b)
+    d, drafts = torch.tensor([5, 6, 7]), torch.zeros(3, 4, dtype=torch.long)
+    start, ids, hidden = torch.tensor([10, 20, 30, 40]), torch.zeros(8, dtype=torch.long), torch.randn(5, 1100, generator=g)
+    feats = torch.zeros(5, 1100)
+    tk.next_draft(d, drafts, 2, start, ids, feats, hidden, 3)
+    assert drafts[:, 2].tolist() == [5, 6, 7] and not drafts[:, [0, 1, 3]].any() and ids[:4].tolist() == [5, 6, 7, 0]
+    assert start.tolist() == [11, 21, 31, 40] and torch.equal(feats[:3], hidden[:3]) and not feats[3:].any()
+    print("interpreted head inputs: ok")
+

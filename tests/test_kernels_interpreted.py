@@ -140,7 +140,7 @@ def routing_checks(g: torch.Generator) -> None:
 
 # the checks of every module's interpreted kernels, in one interpreter process (its start-up is most of the time)
 CHECKS = {"test_kernels_interpreted": "interpreted_checks", "test_async_scheduling": "interpreted_feed_checks",
-          "test_gemv_decode": "interpreted_checks"}
+          "test_gemv_decode": "interpreted_checks", "test_eagle": "interpreted_head_checks"}
 
 
 def test_kernels_under_the_triton_interpreter():

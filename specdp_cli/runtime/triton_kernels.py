@@ -206,6 +206,65 @@ def record_rows(table, W: int, K: int, ndraft, last, short, drafts) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# an EAGLE head's / MTP layer's first forward: its inputs from the target's rows and what verification emitted
+
+@triton.jit
+def _head_inputs_kernel(ids_ptr, tok_ptr, nout_ptr, start_ptr, nreal_ptr, next_ptr, out_ids_ptr, out_start_ptr,
+                        out_nreal_ptr, out_col_ptr, next_start_ptr, drafting_ptr, T, stride_ids, stride_tok,
+                        stride_in, BLOCK_T: tl.constexpr):
+    r = tl.program_id(0)
+    c = tl.arange(0, BLOCK_T)
+    m = c < T
+    shifted = tl.load(ids_ptr + r * stride_ids + tl.where(c < T - 1, c + 1, 0), mask=m, other=0)
+    n_out = tl.load(nout_ptr + r)
+    n_real = tl.load(nreal_ptr + r * stride_in)
+    nxt = tl.load(next_ptr + r * stride_in)
+    start = tl.load(start_ptr + r * stride_in)
+    col = tl.maximum(tl.where(nxt != -1, n_real - 1, n_out - 1), 0)
+    drawn = tl.load(tok_ptr + r * stride_tok + tl.maximum(n_out - 1, 0))
+    follow = tl.where(nxt >= 0, nxt, drawn)
+    tl.store(out_ids_ptr + r * T + c, tl.where(c == col, follow, shifted), mask=m)
+    tl.store(out_start_ptr + r, start)
+    tl.store(out_nreal_ptr + r, n_real)
+    tl.store(out_col_ptr + r, col)
+    tl.store(next_start_ptr + r, start + col)
+    tl.store(drafting_ptr + r, ((nxt < 0) & (n_real > 0)).to(tl.int64))
+
+
+def head_inputs(ids, tokens, n_out, start, n_real, nxt, out_ids, out_start, out_n_real, out_col, next_start,
+                drafting) -> None:
+    """`drafters.eagle.head_inputs` in one kernel (R rows: ids [R, T] the target's, tokens [R, W] and n_out [R]
+    what verification emitted, start / n_real / nxt [R] staged columns; out_ids [R * T] and the other outputs [R]
+    long)."""
+    R, T = ids.shape
+    if R:
+        _head_inputs_kernel[(R,)](ids, tokens, n_out, start, n_real, nxt, out_ids, out_start, out_n_real, out_col,
+                                  next_start, drafting, T, ids.stride(0), tokens.stride(0), start.stride(0),
+                                  BLOCK_T=_pow2(T), num_warps=1)
+
+
+@triton.jit
+def _next_draft_kernel(d_ptr, drafts_ptr, start_ptr, ids_ptr, feats_ptr, hidden_ptr, j, H, stride_dr, stride_f,
+                       stride_h, BLOCK_H: tl.constexpr):
+    r = tl.program_id(0)
+    d = tl.load(d_ptr + r)
+    tl.store(drafts_ptr + r * stride_dr + j, d)
+    tl.store(ids_ptr + r, d)
+    tl.store(start_ptr + r, tl.load(start_ptr + r) + 1)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        tl.store(feats_ptr + r * stride_f + h, tl.load(hidden_ptr + r * stride_h + h, mask=h < H), mask=h < H)
+
+
+def next_draft(d, drafts, j: int, start, ids, feats, hidden, R: int) -> None:
+    """For R rows: drafts[:, j] = d, ids[:R] = d (a T = 1 forward's tokens), start[:R] += 1, feats[:R] = hidden[:R]."""
+    H = feats.shape[1]
+    if R:
+        _next_draft_kernel[(R,)](d, drafts, start, ids, feats, hidden, j, H, drafts.stride(0), feats.stride(0),
+                                 hidden.stride(0), BLOCK_H=min(_pow2(H), 1024), num_warps=4)
+
+
+# ---------------------------------------------------------------------------------------------
 # rotary embedding + KV store
 
 @triton.jit
