@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
 from ..model_runner import ModelRunner
 from ..step_inputs import NEXT, NREAL, START
 from .base import Drafter, Drafts
@@ -58,7 +59,7 @@ class EagleDrafter(Drafter):
         ctx.publish(f"drafter forward 1/{max(K, 1)}")
         self.head.prepare_features(R * T)
         r.set_rows(R, shifted, start, n_real, col)
-        d = r.forward(R, T, ctx.graphs)[:, 0].argmax(-1)
+        d = ops.argmax(r.forward(R, T, ctx.graphs)[:, 0])
         drafts = torch.zeros((R, K), dtype=torch.long, device=r.device)
         if not K:           # a step with k = 0: the head still learns the verified positions, drafts nothing
             return drafts
@@ -71,6 +72,6 @@ class EagleDrafter(Drafter):
             self.head.feats[:R].copy_(r.hidden[:R])            # the predicted feature is the next input's
             r.start[:R].add_(1)
             r.set_rows(R, d.view(R, 1))
-            d = r.forward(R, 1, ctx.graphs)[:, 0].argmax(-1)
+            d = ops.argmax(r.forward(R, 1, ctx.graphs)[:, 0])
             drafts[:, j - 1] = d
         return drafts
