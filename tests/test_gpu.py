@@ -124,6 +124,57 @@ def test_forward_layout_kernel_matches_reference():
             assert torch.equal(a, b.cpu()), T
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_input_copies_and_argmax_kernels(dtype):
+    """ModelRunner.set_rows' one kernel against the CPU runner's torch copies (the staged table's strided columns,
+    some arguments only, a bool n_real); ops.argmax against torch.argmax (ties, V past the block, a vocabulary of
+    152k, 1 to 40 rows, 2-D / 3-D / a window column); both in a captured CUDA graph replayed on new inputs."""
+    from types import SimpleNamespace
+
+    from specdp_cli.runtime import ops
+    from specdp_cli.runtime.model_runner import ModelRunner
+    g = torch.Generator().manual_seed(0)
+    model = SimpleNamespace(vocab_size=8, embed=torch.zeros(1, 4), dtype=dtype)
+    bt = torch.zeros(8, 4, dtype=torch.int32)
+    cpu, gpu = (ModelRunner(model, torch.device(d), bt.to(d), 16, 8, [1, 3, 40], window=1) for d in ("cpu", "cuda"))
+    table = torch.randint(0, 10 ** 6, (8, 100), generator=g)
+    tg = table.cuda()
+    calls = [lambda t, R: ((t[:R, 2:42], t[:R, 80], t[:R, 81], t[:R, 82]), {}),
+             lambda t, R: ((t[:R, 5:8],), dict(n_real=t[:R, 90] > 5 * 10 ** 5)),
+             lambda t, R: ((), dict(start=t[:R, 3] - 1, out_start=t[:R, 9])),
+             lambda t, R: ((t[:R, 7].view(R, 1),), {})]
+    for R in (1, 5, 8):
+        for call in calls:
+            for r, t in ((cpu, table), (gpu, tg)):
+                args, kw = call(t, R)
+                r.set_rows(R, *args, **kw)
+            for a, b in ((cpu.ids, gpu.ids), (cpu.start, gpu.start), (cpu.n_real, gpu.n_real),
+                         (cpu.out_start, gpu.out_start)):
+                assert torch.equal(a, b.cpu()), R
+
+    for shape in ((1, 16384), (1, 151936), (3, 16384), (40, 32000), (2, 4, 1000), (5, 129)):
+        x = torch.randn(*shape, generator=g).to(dtype).cuda()
+        x.view(-1, shape[-1])[0, [7, shape[-1] // 2, shape[-1] - 1]] = 100      # ties: the first wins
+        assert torch.equal(ops.argmax(x), x.argmax(-1)), shape
+    x = torch.randn(4, 3, 50000, generator=g).round().to(dtype).cuda()        # many ties
+    assert torch.equal(ops.argmax(x[:, 1]), x[:, 1].argmax(-1)) and torch.equal(ops.argmax(x), x.argmax(-1))
+
+    logits = torch.randn(5, 3, 16384, device="cuda").to(dtype)
+    args, kw = calls[0](tg, 5)
+    gpu.set_rows(5, *args, **kw)                                 # compiled before the capture
+    ops.argmax(logits)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gpu.set_rows(5, *args, **kw)
+        out = ops.argmax(logits)
+    tg.random_(0, 10 ** 6)
+    logits.normal_()
+    graph.replay()
+    cpu.set_rows(5, *calls[0](tg.cpu(), 5)[0])
+    assert torch.equal(gpu.ids[:5 * 40], cpu.ids[:5 * 40].cuda()) and torch.equal(gpu.start[:5], tg[:5, 80])
+    assert torch.equal(out, logits.argmax(-1))
+
+
 def cuda_engine(cfg, plan):
     from specdp_cli.runtime.dist import DPGroup
     from specdp_cli.runtime.engine import Engine

@@ -2,7 +2,8 @@
 the torch paths CPU runs: Qwen3's per-head q/k norms inside the rotary-and-store kernel, the routed experts with
 a token's experts partly held elsewhere (expert parallelism) through both align kernels, the routing kernels
 (router logits, the small align, softmax top-k fused with it), the routed sum fused with the residual add and the
-next norm, and the one-row output projection's matrix-vector kernel (`gemv_kernels`). float32 (the interpreter's
+next norm, the one-row output projection's matrix-vector kernel (`gemv_kernels`), and a step's input copies and
+logits argmax (`set_rows`, `argmax`). float32 (the interpreter's
 bf16 dot is not the GPU's: tests/test_gpu.py checks bf16 there)."""
 import os
 import subprocess
@@ -52,7 +53,42 @@ def interpreted_checks() -> None:
     routing_checks(g)
     one_row_checks(g)
     fused_sum_checks(g)
+    step_trim_checks(g)
     print("interpreted kernels: ok")
+
+
+def step_trim_checks(g: torch.Generator) -> None:
+    """ModelRunner.set_rows' one kernel (`triton_kernels.set_rows`) against its torch copies: strided sources (the
+    staged step table's columns), some arguments only, a bool n_real; `argmax` against torch.argmax: ties (in one
+    block, across blocks in one lane, in the last block), V not a multiple of the block, an all -inf row, 2-D,
+    3-D and a strided window column."""
+    from specdp_cli.runtime import triton_kernels as tk
+    from specdp_cli.runtime.model_runner import ModelRunner
+
+    R, T, table = 3, 4, torch.randint(0, 1000, (5, 20), generator=g)
+    runners = []
+    for kernel in (None, tk.set_rows):
+        r = ModelRunner.__new__(ModelRunner)
+        r.ids, r.start, r.n_real, r.out_start = (torch.full((n,), -7) for n in (5 * T, 5, 5, 5))
+        r._set_rows = kernel
+        runners.append(r)
+    for args, kw in (((table[:R, 2:2 + T], table[:R, 12], table[:R, 13], table[:R, 14]), {}),
+                     ((table[:R, 1:3],), dict(n_real=table[:R, 3] > 500)),
+                     ((), dict(start=table[:R, 5] - 1, out_start=table[:R, 9])),
+                     ((table[:R, 7].view(R, 1),), {})):
+        for r in runners:
+            r.set_rows(R, *args, **kw)
+        for a, b in zip(*((r.ids, r.start, r.n_real, r.out_start) for r in runners)):
+            assert torch.equal(a, b), (kw, a, b)
+
+    V = 20000                                   # blocks of 8192: the last one partly past V
+    x = torch.randn(2, 3, V, generator=g)
+    x[0, 0, [5, 700, 9000]] = 9.0               # ties within a block and across blocks (the first wins)
+    x[0, 1, [8192 + 3, 3]] = 9.0                # the same lane in two blocks
+    x[1, 2, [V - 1, V - 2]] = 9.0               # in the last, partial block
+    x[1, 0] = float("-inf")
+    for t in (x, x.view(6, V), x[:, 1], x[1, 2], torch.randn(4, 1000, generator=g).round()):    # rounded: many ties
+        assert torch.equal(tk.argmax(t), t.argmax(-1)), (t.shape, tk.argmax(t), t.argmax(-1))
 
 
 def one_row_checks(g: torch.Generator) -> None:

@@ -61,10 +61,11 @@ class ModelRunner:
         self.n_real = torch.zeros(max_rows, dtype=torch.long, device=device)
         self.out_start = torch.zeros(max_rows, dtype=torch.long, device=device)
         self._t = torch.arange(T, device=device)
-        self._forward_layout = None                # CUDA: the Triton kernel of `_layout` (CPU: its torch reference)
+        # CUDA: the Triton kernels of `_layout` and `set_rows` (CPU: their torch references)
+        self._forward_layout = self._set_rows = None
         if device.type == "cuda":
-            from .triton_kernels import forward_layout
-            self._forward_layout = forward_layout
+            from .triton_kernels import forward_layout, set_rows
+            self._forward_layout, self._set_rows = forward_layout, set_rows
         self._pos = torch.zeros(max_rows * T, dtype=torch.long, device=device)
         self._slots = torch.zeros(max_rows * T, dtype=torch.long, device=device)
         self._out_rows = torch.zeros(max_rows * window, dtype=torch.long, device=device)
@@ -78,7 +79,11 @@ class ModelRunner:
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     def set_rows(self, R: int, ids=None, start=None, n_real=None, out_start=None) -> None:
-        """Fill the first R rows' inputs (device tensors; ids [R, T] fill the first T columns)."""
+        """Fill the first R rows' inputs (device tensors; ids [R, T] fill the first T columns). On CUDA one kernel
+        (a copy each is a kernel and a launch gap each forward)."""
+        if self._set_rows is not None:
+            self._set_rows(R, self.ids, self.start, self.n_real, self.out_start, ids, start, n_real, out_start)
+            return
         if ids is not None:
             T = ids.shape[1]
             self.ids[:R * T].view(R, T).copy_(ids)
@@ -105,7 +110,9 @@ class ModelRunner:
         if self.keep_hidden == "window":
             self.hidden[:R * W].copy_(hidden)
         out = self.logits_out[:R * W]
-        out.copy_(self.model.logits(hidden))
+        logits = self.model.logits(hidden, out)      # the plain LM head writes into `out`: no copy kernel
+        if logits is not out:
+            out.copy_(logits)
         return out.view(R, W, -1)
 
     def _layout(self, R: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -53,6 +53,15 @@ def linear_one_row(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torc
     return linear(x, w, bias)
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) (int64; ties: the smallest index) of x [..., V], a float dtype; on CUDA one Triton
+    program a row (torch's reduction runs one row of a vocabulary in a single block: 5.6 µs on an H200 for 16k
+    bf16 logits). NaN is not treated as torch treats it (the largest)."""
+    if x.is_cuda:
+        return _triton().argmax(x)
+    return x.argmax(-1)
+
+
 # ---------------------------------------------------------------------------------------------
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..request_params import SamplingParams  # noqa: F401 - the one definition; the engine's callers use it from here
+from . import ops
 
 MASK32 = 0xFFFFFFFF
 STREAM_DRAFT, STREAM_ACCEPT, STREAM_TARGET = 1, 2, 3
@@ -131,7 +132,7 @@ def verify(target_logits: torch.Tensor, drafts: torch.Tensor, n_drafts: torch.Te
     dev = target_logits.device
     j = torch.arange(K, device=dev).view(1, K)
     valid = j < n_drafts.view(-1, 1)
-    tokens = target_logits.argmax(-1)                                      # greedy answer
+    tokens = ops.argmax(target_logits)                                     # greedy answer
     if K == 0 and rows["all_greedy"]:       # plain decoding: one token a row (two small kernels fewer)
         return tokens, torch.ones(R, dtype=torch.long, device=dev)
     accept = (drafts == tokens[:, :K]) & valid
@@ -181,7 +182,7 @@ def draw(logits: torch.Tensor, rows: dict, positions: torch.Tensor,
          stream: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Draw one token per row from logits [R, V] (drafting). Returns (tokens [R], probs [R, V] or
     None when every row is greedy)."""
-    arg = logits.argmax(-1)
+    arg = ops.argmax(logits)
     if rows["all_greedy"]:
         return arg, None
     greedy = rows["greedy"]

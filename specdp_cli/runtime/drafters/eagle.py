@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
 from ..model_runner import ModelRunner
 from ..step_inputs import NEXT, NREAL, START
 from .base import Drafter, Drafts
@@ -69,7 +70,7 @@ class EagleDrafter(Drafter):
         ctx.publish(f"drafter forward 1/{max(K, 1)}")
         self.head.prepare_features(R * T)
         self._head_inputs(ctx.inputs, R, T, tokens, n_out)
-        d = r.forward(R, T, ctx.graphs)[:, 0].argmax(-1)
+        d = ops.argmax(r.forward(R, T, ctx.graphs)[:, 0])
         drafts = torch.zeros((R, K), dtype=torch.long, device=r.device)
         if not K:           # a step with k = 0: the head still learns the verified positions, drafts nothing
             return drafts
@@ -78,7 +79,7 @@ class EagleDrafter(Drafter):
         for j in range(2, K + 1):
             ctx.publish(f"drafter forward {j}/{K}")
             self._advance(R, d, drafts, j - 2)
-            d = r.forward(R, 1, ctx.graphs)[:, 0].argmax(-1)
+            d = ops.argmax(r.forward(R, 1, ctx.graphs)[:, 0])
         drafts[:, K - 1] = d
         return drafts
 

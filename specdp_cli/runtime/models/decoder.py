@@ -195,14 +195,17 @@ class CausalLM:
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window, layer.sinks)
         return self._row_parallel(out.reshape(N, -1), layer.o, layer.o_bias, o=True)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [N, vocab_size]. `out` (that shape, the model's dtype; ModelRunner's buffer): where they may be
+        written, returned then; a subclass may return a new tensor instead (the runner copies it into out)."""
         if self.vocab_first is None:
-            return F.linear(hidden, self.lm_head)
+            return torch.matmul(hidden, self.lm_head.t(), out=out)     # F.linear's product, written into out
         # vocab-parallel: every process's slice [N, rows] gathered in rank order -> [N, vocab], padding trimmed
         local = F.linear(hidden, self.lm_head)
         N, rows = local.shape
         full = self.tp.all_gather(local).view(self.tp.world, N, rows).transpose(0, 1).reshape(N, -1)
-        return full if full.shape[1] == self.vocab_size else full[:, :self.vocab_size].contiguous()
+        full = full if full.shape[1] == self.vocab_size else full[:, :self.vocab_size]
+        return full.contiguous() if out is None else out.copy_(full)
 
 
 def _padded_rows(w: torch.Tensor, rows: int) -> torch.Tensor:

@@ -229,8 +229,8 @@ class MTPHead(TargetFeatureHead):
         h = ops.rms_norm(a, layer.mlp_norm, self.eps, residual)          # residual += a
         return residual + self._mlp(layer, h)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().logits(ops.rms_norm(hidden, self.norm, self.eps))    # vocab-parallel under TP
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return super().logits(ops.rms_norm(hidden, self.norm, self.eps), out)    # vocab-parallel under TP
 
 
 def load_mtp_head(md, target: CausalLM, dtype: torch.dtype, device: torch.device, ep=None) -> MTPHead:

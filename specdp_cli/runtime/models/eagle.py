@@ -74,8 +74,8 @@ class EagleHead(TargetFeatureHead):
         h = ops.rms_norm(a, layer.mlp_norm, self.eps, residual)          # residual += a
         return residual + self._mlp(layer, h)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return super().logits(hidden) if self.split_target is None else self.split_target.logits(hidden)
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return super().logits(hidden, out) if self.split_target is None else self.split_target.logits(hidden, out)
 
 
 def _open_head(path: str, layout: str, dtype: torch.dtype, device: torch.device):
@@ -167,12 +167,14 @@ class Eagle3Head(CausalLM):
         h = ops.rms_norm(a, layer.mlp_norm, self.eps, residual)          # residual += a
         return residual + self._mlp(layer, h)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        draft = F.linear(ops.rms_norm(hidden, self.norm, self.eps), self.lm_head)
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = ops.rms_norm(hidden, self.norm, self.eps)
         if self.target_ids is None:
-            return draft
-        out = draft.new_full((draft.shape[0], self.vocab_size), float("-inf"))
-        out[:, self.target_ids] = draft
+            return torch.matmul(hidden, self.lm_head.t(), out=out)
+        draft = F.linear(hidden, self.lm_head)
+        out = draft.new_empty((draft.shape[0], self.vocab_size)) if out is None else out
+        out.fill_(float("-inf"))
+        out[:, self.target_ids] = draft               # the draft vocabulary's rows in the target's
         return out
 
 

@@ -60,10 +60,10 @@ class Gemma3LM(CausalLM):
         self.embed_scale = c.hidden_size ** 0.5
         self.softcap = c.final_logit_softcapping
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().logits(hidden)
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+    def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().logits(hidden, out)
+        if self.softcap is not None:       # in place (each op rounds as the out-of-place ones do)
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
         return logits
 
 
