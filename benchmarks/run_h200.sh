@@ -454,7 +454,7 @@ batch1)
   timeout ${GPU_TEST_S:-300} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
     -k "${GPU_TESTS_K:-async or fused or one_row or graphs_equal_eager or moe_graphs or routed or routing}" \
     > "$out/gpu_tests.log" 2>&1; tail -12 "$out/gpu_tests.log"
-  timeout 200 python3 benchmarks/moe_shapes.py --pair $P --work /tmp/moe_shapes --shapes qwen3_30b_a3b --batches 1,64 \
+  timeout 200 python3 benchmarks/moe_shapes.py --pair $P --work /tmp/moe_shapes --shapes qwen3_30b_a3b --batches ${QWEN_BATCHES:-1,64} \
     --hf-batches "" --profile 1 --trace /tmp/trace --json "$out/moe_shapes_qwen3.json" > /tmp/moe_shapes.log 2>&1 \
     || tail -20 /tmp/moe_shapes.log
   sed -n '/^shape /,$p' /tmp/moe_shapes.log
