@@ -209,7 +209,7 @@ def interpreted_head_checks() -> None:
     """The first head forward's inputs in one kernel (`triton_kernels.head_inputs`, CUDA) against the torch
     expressions the CPU runs, under Triton's interpreter (test_kernels_interpreted.py runs it): decode rows, prompt
     rows with a known next token and one whose next token is drawn (-2), padding rows (zeros); strided columns; and
-    the step between draft forwards (`triton_kernels.next_draft`)."""
+    the step between draft forwards (`triton_kernels.next_draft`); an MTP layer's input norms (`embed_norm_pair`)."""
     from specdp_cli.runtime import triton_kernels as tk
     from specdp_cli.runtime.drafters.eagle import head_inputs
     g = torch.Generator().manual_seed(0)
@@ -232,5 +232,10 @@ def interpreted_head_checks() -> None:
     tk.next_draft(d, drafts, 2, start, ids, feats, hidden, 3)
     assert drafts[:, 2].tolist() == [5, 6, 7] and not drafts[:, [0, 1, 3]].any() and ids[:4].tolist() == [5, 6, 7, 0]
     assert start.tolist() == [11, 21, 31, 40] and torch.equal(feats[:3], hidden[:3]) and not feats[3:].any()
+    # an MTP layer's input: [enorm(embedding) | hnorm(feature)] in one kernel, as the two norm kernels compute it
+    embed, feats = torch.randn(40, 96, generator=g), torch.randn(5, 96, generator=g)
+    ew, fw, tok = torch.randn(96, generator=g), torch.randn(96, generator=g), torch.tensor([3, 39, 0, 3, 17])
+    got = tk.embed_norm_pair(tok, embed, ew, feats, fw, 1e-6)
+    assert torch.equal(got, torch.cat([tk.rms_norm(embed[tok], ew, 1e-6), tk.rms_norm(feats, fw, 1e-6)], -1))
     print("interpreted head inputs: ok")
 

@@ -467,6 +467,30 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_
     _norm_row(x, w_ptr, out_ptr + row * stride_o, c, ok, n, eps)
 
 
+@triton.jit
+def _embed_norm_pair_kernel(ids_ptr, embed_ptr, ew_ptr, f_ptr, fw_ptr, out_ptr, stride_e, stride_f, stride_o, n, eps,
+                            BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    c = tl.arange(0, BLOCK)
+    ok = c < n
+    tok = tl.load(ids_ptr + t).to(tl.int64)
+    _norm_row(tl.load(embed_ptr + tok * stride_e + c, mask=ok, other=0.0), ew_ptr, out_ptr + t * stride_o, c, ok, n,
+              eps)
+    _norm_row(tl.load(f_ptr + t * stride_f + c, mask=ok, other=0.0), fw_ptr, out_ptr + t * stride_o + n, c, ok, n,
+              eps)
+
+
+def embed_norm_pair(ids, embed, embed_weight, feats, feats_weight, eps: float):
+    """[rms_norm(embed[ids]) | rms_norm(feats)] ([N, 2 h]; an MTP layer's input before eh_proj) in one kernel, the
+    numbers of rms_norm(F.embedding(ids, embed), ...) and rms_norm(feats, ...) side by side."""
+    N, n = feats.shape
+    out = torch.empty((N, 2 * n), dtype=feats.dtype, device=feats.device)
+    if N:
+        _embed_norm_pair_kernel[(N,)](ids, embed, embed_weight, feats, feats_weight, out, embed.stride(0),
+                                      feats.stride(0), out.stride(0), n, eps, BLOCK=_pow2(n), num_warps=norm_warps(n))
+    return out
+
+
 def norm_warps(n: int) -> int:
     return 4 if n <= 4096 else 8
 

@@ -223,11 +223,18 @@ class MTPHead(TargetFeatureHead):
     def forward(self, ids: torch.Tensor, meta: AttnMeta) -> torch.Tensor:
         N = ids.shape[0]
         layer, (k_cache, v_cache) = self.layers[0], self.kv_caches[0]
-        residual = ops.linear(torch.cat([ops.rms_norm(self.embedding(ids), self.enorm, self.eps),
-                                         ops.rms_norm(self.feats[:N], self.hnorm, self.eps)], -1), self.eh_proj)
+        residual = ops.linear(self._input(ids, self.feats[:N]), self.eh_proj)
         a = self._attention(layer, ops.rms_norm(residual, layer.in_norm, self.eps), meta, k_cache, v_cache)
         h = ops.rms_norm(a, layer.mlp_norm, self.eps, residual)          # residual += a
         return residual + self._mlp(layer, h)
+
+    def _input(self, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """cat(enorm(embedding), hnorm(feature)): on CUDA one kernel where the embedding is whole and unscaled."""
+        if feats.is_cuda and self.vocab_first is None and self.embed_scale is None:
+            from ..triton_kernels import embed_norm_pair
+            return embed_norm_pair(ids, self.embed, self.enorm, feats, self.hnorm, self.eps)
+        return torch.cat([ops.rms_norm(self.embedding(ids), self.enorm, self.eps),
+                          ops.rms_norm(feats, self.hnorm, self.eps)], -1)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return super().logits(ops.rms_norm(hidden, self.norm, self.eps), out)    # vocab-parallel under TP
