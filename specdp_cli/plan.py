@@ -147,19 +147,18 @@ def resolve(cfg: Config, dirs: tuple[ModelDir | None, ModelDir | None] | None = 
 
 
 def async_scheduling(cfg: Config, device: str) -> bool:
-    """`scheduler.async_scheduling`, or by default on a GPU; only for methods whose next drafts need no host work
-    (none; an EAGLE head or an MTP layer, which proposes on the device after verification: a draft model and
-    n-gram lookup start from each step's accepted tokens on the host) and without tensor parallelism (not tested
-    yet): preflight refuses true with the others."""
-    on = cfg.scheduler.async_scheduling
-    return ((device == "cuda" if on is None else on) and async_method(cfg.speculative.method)
+    """`scheduler.async_scheduling`, or by default on a GPU for the methods measured there with it (none, an EAGLE
+    head, an MTP layer; a draft model: only when asked, until it is); never with n-gram lookup (it drafts from the
+    tokens on the host) or tensor parallelism (not tested yet): preflight refuses true with those."""
+    on, method = cfg.scheduler.async_scheduling, cfg.speculative.method
+    return ((device == "cuda" and method != "draft_model" if on is None else on) and async_method(method)
             and cfg.parallel.tensor_parallel_size <= 1)
 
 
 def async_method(method: str) -> bool:
-    """Whether async scheduling runs with this speculative method."""
+    """Whether async scheduling runs with this speculative method: its next drafts need nothing from the host."""
     m = METHODS[method]
-    return not m.drafts or m.after_verify
+    return not m.prompt_lookup
 
 
 def draft_tp(cfg: Config) -> int:

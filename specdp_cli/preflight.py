@@ -171,9 +171,9 @@ def run_preflight(cfg: Config) -> Report:
 def _async_scheduling(cfg: Config, plan: Plan) -> tuple[str, str]:
     asked, method = cfg.scheduler.async_scheduling, cfg.speculative.method
     if asked and not async_method(method):
-        return ("error", f"scheduler.async_scheduling: true needs speculative.method none, eagle, eagle3 or mtp: "
-                         f"method {method} drafts from each step's accepted tokens on the host, which reads them "
-                         f"before it plans the next step. Set async_scheduling to false or leave it unset.")
+        return ("error", f"scheduler.async_scheduling: true does not run with speculative.method {method}: it drafts "
+                         f"from the sequence's tokens on the host, which reads them before it plans the next step. "
+                         f"Set async_scheduling to false or leave it unset.")
     if asked and cfg.parallel.tensor_parallel_size > 1:
         return ("error", "scheduler.async_scheduling: true does not run with tensor_parallel_size > 1 yet; set it to "
                          "false or leave it unset.")
@@ -181,7 +181,9 @@ def _async_scheduling(cfg: Config, plan: Plan) -> tuple[str, str]:
         return ("ok", "async scheduling: the host plans and stages each step while the device runs the one before "
                       "(a step's tokens are read one step later).")
     why = ("off (scheduler.async_scheduling: false)" if asked is False else
-           f"off: method {method} drafts from each step's accepted tokens on the host" if not async_method(method) else
+           f"off: method {method} drafts from the sequence's tokens on the host" if not async_method(method) else
+           "off by default with a draft model (set scheduler.async_scheduling: true to use it)"
+           if method == "draft_model" and asked is None and plan.device == "cuda" else
            "off under tensor parallelism (not yet)" if cfg.parallel.tensor_parallel_size > 1 else
            "off on CPU (there the host runs the forwards itself; set scheduler.async_scheduling: true to use it)")
     return ("ok", f"async scheduling {why}.")

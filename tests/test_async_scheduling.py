@@ -118,16 +118,15 @@ def test_requests_that_need_their_tokens_first(models):
 
 def test_preflight(models, heads):
     """On by default only where it pays (a GPU; here the CPU: off), refused with a drafter that drafts on the host
-    (a draft model) or tensor parallelism, named in the report; taken with an EAGLE head."""
+    (n-gram lookup) or tensor parallelism, named in the report; taken with an EAGLE head."""
     from specdp_cli.config import validate
     from specdp_cli.preflight import run_preflight
     base = {"model": str(models["target"]), "max_model_len": 64, "device": "cpu", "dtype": "float32"}
     report = run_preflight(validate({**base, "speculative": {"method": "none"}}))
     assert report.ok and report.to_json()["async_scheduling"] is False
-    report = run_preflight(validate({**base, "speculative": {"method": "draft_model", "model": str(models["draft"]),
-                                                             "num_speculative_tokens": 3},
+    report = run_preflight(validate({**base, "speculative": {"method": "ngram", "num_speculative_tokens": 3},
                                      "scheduler": {"async_scheduling": True}}))
-    assert not report.ok and any("scheduler.async_scheduling" in e and "method none" in e for e in report.errors)
+    assert not report.ok and any("scheduler.async_scheduling" in e and "ngram" in e for e in report.errors)
     report = run_preflight(validate({**base, "speculative": {"method": "eagle", "model": str(heads["eagle"][1]),
                                                              "num_speculative_tokens": 3},
                                      "scheduler": {"async_scheduling": True}}))
@@ -157,35 +156,44 @@ def test_lockstep_ranks_plan_ahead_alike(models, launches, tmp_path):
 def interpreted_feed_checks() -> None:
     """The CUDA path's two kernels (`triton_kernels.feed_rows` / `record_rows`) against the torch expressions the
     CPU runs (`async_rows`), under Triton's interpreter (test_kernels_interpreted.py runs it): rows that name a row
-    of the step before (SRC = 1 + it), rows that do not, padding rows (zeros), drafts up to each row's NDRAFT."""
+    of the step before (SRC = 1 + it), rows that do not, padding rows (zeros), drafts up to each row's NDRAFT, a
+    draft model's catch-up only where the host staged one; with and without proposals and catch-ups."""
     from specdp_cli.runtime import async_rows
     from specdp_cli.runtime import triton_kernels as tk
     g = torch.Generator().manual_seed(0)
-    R, width, kmax = 6, 12, 3
-    cols = (0, 8, 9, 10, 11)                                   # ids, START, FIRST, NDRAFT, SRC
+    R, width, kmax = 6, 24, 3
+    cols = (0, 6, 12, 13, 14, 15, 16, 17, 18, 19)   # ids, drafter ids, START, FIRST, NDRAFT, SRC, DSTART, DNREAL, DOUT, LEN
     staged = torch.randint(0, 50, (R + 2, width), generator=g)
-    staged[:R, 10] = torch.tensor([3, 0, 2, 1, 0, 3])
-    staged[:R, 11] = torch.tensor([3, 0, 1, 6, 0, 2])          # 0: nothing to take
+    staged[:R, 14] = torch.tensor([3, 0, 2, 1, 0, 3])
+    staged[:R, 15] = torch.tensor([3, 0, 1, 6, 0, 2])          # 0: nothing to take
+    staged[:R, 17] = torch.tensor([2, 0, 0, 2, 1, 2])          # no catch-up staged for row 2
     staged[R:] = 0
-    last, short = torch.randint(100, 200, (8,), generator=g), -torch.randint(0, 4, (8,), generator=g)
-    drafts = torch.randint(300, 400, (8, kmax), generator=g)
-    for d in (drafts, None):
+
+    def carry(proposes, catches):
+        c = async_rows.Carry.allocate(8, kmax, proposes, catches, "cpu")
+        for t in (c.last, c.drafts, c.catch_first, c.catch_count, c.catch_tokens):
+            if t is not None:
+                t.copy_(torch.randint(100, 200, t.shape, generator=g))
+        c.short.copy_(-torch.randint(0, 4, (8,), generator=g))
+        return c
+    for proposes, catches in ((True, False), (False, True), (False, False)):
+        c = carry(proposes, catches)
         want, got = staged.clone(), staged.clone()
-        async_rows.feed(want, cols, last, short, d)
-        tk.feed_rows(got, got.shape[0], cols, last, short, d)
-        assert torch.equal(got, want), (got, want)
+        async_rows.feed(want, cols, c)
+        tk.feed_rows(got, got.shape[0], cols, c)
+        assert torch.equal(got, want), (proposes, catches, got, want)
     W, K = 4, 2
     table = torch.randint(0, 50, (5, W + 1 + K), generator=g)
     table[:, W] = torch.tensor([1, 4, 2, 1, 3])
-    nd = staged[:5, 10]                                        # a strided column, as the staged rows' NDRAFT
-    for d in (torch.zeros(8, kmax, dtype=torch.long), None):
-        want = [torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long), None if d is None else d.clone()]
-        got = [torch.zeros(8, dtype=torch.long), torch.zeros(8, dtype=torch.long), None if d is None else d.clone()]
-        async_rows.record(table, W, K, nd, *want)
-        tk.record_rows(table, W, K, nd, *got)
-        for a, b in zip(got, want):
+    nd, first = staged[:5, 14], staged[:5, 13]                 # strided columns, as the staged rows'
+    for proposes, catches in ((True, False), (False, True), (False, False)):
+        want, got = async_rows.Carry.allocate(8, kmax, proposes, catches, "cpu"), \
+            async_rows.Carry.allocate(8, kmax, proposes, catches, "cpu")
+        async_rows.record(table, W, K, nd, first, want)
+        tk.record_rows(table, W, K, nd, first, got)
+        for a, b in zip(vars(got).values(), vars(want).values()):
             assert (a is None and b is None) or torch.equal(a, b), (a, b)
-    assert torch.equal(want[0][:5], table[torch.arange(5), table[:, W] - 1])
+    assert torch.equal(want.last[:5], table[torch.arange(5), table[:, W] - 1])
     print("interpreted feed kernels: ok")
 
 
@@ -196,7 +204,8 @@ def heads(tmp_path_factory, models):
     from helpers import make_deepseek_dir, make_eagle_head
     root = tmp_path_factory.mktemp("async_heads")
     return {"eagle": (models["target"], make_eagle_head(root / "head", models["target"])),
-            "mtp": (make_deepseek_dir(root / "mtp", models["tokenizer"], seed=3), None)}
+            "mtp": (make_deepseek_dir(root / "mtp", models["tokenizer"], seed=3), None),
+            "draft_model": (models["target"], models["draft"])}
 
 
 def drafting_engine(heads, method, on, D=None, **kw):
@@ -207,10 +216,10 @@ def drafting_engine(heads, method, on, D=None, **kw):
     return make_engine(cfg, plan)
 
 
-@pytest.mark.parametrize("method,D", [("eagle", 40), ("mtp", None)])
+@pytest.mark.parametrize("method,D", [("eagle", 40), ("mtp", None), ("draft_model", 40)])
 def test_drafting_methods_plan_ahead(models, heads, method, D):
     """The host plans step N + 1 counting every draft of step N as accepted; the device moves the rows back by the
-    rejected ones and feeds the proposals: greedy tokens equal target-only decoding (transformers) and the
+    rejected ones and feeds the proposals (or the draft model's catch-up tokens): greedy tokens equal target-only decoding (transformers) and the
     synchronous engine's, with the same drafts and acceptance — through chunked prefill, the no-draft window
     (D = 40: lengths 38..63) and sequences reaching M; seeded sampling draws the same tokens too."""
     prompts = prompts_of_lengths(LENGTHS, seed=6)

@@ -265,18 +265,21 @@ def test_async_scheduling_equals_sync_in_graphs(models, tmp_path):
     assert out[True, 512] == out[False, 512] == out[True, 40] == out[False, 40]
 
 
-@pytest.mark.parametrize("method", ["eagle", "mtp"])
+@pytest.mark.parametrize("method", ["eagle", "mtp", "draft_model"])
 def test_async_drafting_equals_sync_in_graphs(models, method, tmp_path):
-    """An EAGLE head and an MTP layer with async scheduling in CUDA graphs (each step's drafts and rejected counts
-    fed to the next on the device) against the synchronous engine, float32: greedy equal to transformers (the
-    no-draft window crossed: D = 40 for EAGLE), seeded sampling equal, and a pool small enough to preempt."""
+    """An EAGLE head, an MTP layer and a draft model with async scheduling in CUDA graphs (each step's drafts or
+    catch-up tokens and rejected counts fed to the next on the device) against the synchronous engine, float32:
+    greedy equal to transformers (the no-draft window crossed: D = 40), seeded sampling equal, and a pool small
+    enough to preempt."""
     from helpers import make_deepseek_dir
     prompts = prompts_of_lengths([3, 9, 17, 26, 33, 41, 50, 57, 62])
     if method == "eagle":
         target, head, D = models["target"], make_eagle_head(tmp_path / "eagle", models["target"]), 40
+    elif method == "draft_model":
+        target, head, D = models["target"], models["draft"], 40
     else:
         target, head, D = make_deepseek_dir(tmp_path / "mtp", models["tokenizer"], seed=3), None, None
-    tight = {"block_size": 4, "num_blocks": 48 if method == "eagle" else 40}     # each preempts (host logic: CPU-checked)
+    tight = {"block_size": 4, "num_blocks": 40 if method == "mtp" else 48}     # each preempts (host logic: CPU-checked)
     out = {}
     for on in (False, True):
         for cache in (ROOM, tight):

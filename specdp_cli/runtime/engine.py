@@ -51,7 +51,7 @@ from .sampling import SamplingParams, row_tensors, row_values, rows_on, verify
 from .scheduler import PENDING, Request, Scheduler, Sequence, SpecStats, StepPlan
 from .spec_length import SpecLength
 from .structured import GrammarCompiler
-from .step_inputs import FIRST, NDRAFT, NREAL, OUT, SRC, START, RowSpec, StepInputs
+from .step_inputs import DNREAL, DOUT, DSTART, FIRST, LEN, NDRAFT, NREAL, OUT, SRC, START, RowSpec, StepInputs
 from . import step_package
 from .step_package import StepPackage
 from .step_types import (WIDE_CHUNKS, WIDE_DRAFTER, DeviceResult, LaunchedStep, ScheduledStep, StepContext, StepOutput,
@@ -234,20 +234,17 @@ class Engine:
         """Async scheduling (vLLM's name): the host schedules and stages step N + 1 while the device runs step N,
         and reads step N's results while N + 1 runs. What the host does not know yet about a sequence in step N
         stays on the device, written at the end of every step's device work for each row (`async_rows.record`): its last
-        emitted token, how many of its drafts verification rejected, and (an EAGLE head, an MTP layer) the drafts
-        proposed for its next step. Step N + 1's rows of such sequences name N's row (SRC) and take them there
-        (`_feed`): the token, the drafts, and their positions moved back by the rejected drafts (the host
-        counted every draft as accepted). Results come back through two pinned buffers, used in turn, each with
-        an event."""
+        emitted token, how many of its drafts verification rejected, the drafts an EAGLE head or MTP layer proposed
+        for its next step, or the tokens a draft model has not seen yet. Step N + 1's rows of such sequences name N's
+        row (SRC) and take them there (`_feed`): the token, the drafts or the draft model's catch-up, and their
+        positions moved back by the rejected drafts (the host counted every draft as accepted). Results come back
+        through two pinned buffers, used in turn, each with an event."""
         self.async_sched = on
         self._inflight: LaunchedStep | None = None     # the step whose device work is queued, results unread
         self._drained: list[StepOutput] = []           # outputs of a step completed early, for step() to return
         max_rows = self.row_sizes[-1]
-        n = max_rows if on else 0
-        self.last_tokens = torch.zeros(n, dtype=torch.long, device=self.device)
-        self.last_short = torch.zeros(n, dtype=torch.long, device=self.device)
-        self.last_drafts = (torch.zeros((n, self.k), dtype=torch.long, device=self.device)
-                            if on and self.drafter.after_verify and self.k else None)
+        self.carry = async_rows.Carry.allocate(max_rows if on else 0, self.k, self.drafter.after_verify,
+                                               isinstance(self.drafter, ModelDrafter), self.device)
         pin = self.device.type == "cuda"
         cols = 2 * self.k + 2                           # tokens (<= k + 1), their count, proposed drafts (<= k)
         self._tables = [torch.zeros(max_rows * cols, dtype=torch.long, pin_memory=pin) for _ in range(2)]
@@ -506,11 +503,11 @@ class Engine:
         before that step's results are read when it can be: nothing has to be preempted, no running request
         needs its tokens on the host first (a grammar, penalties or other logits processing, log-probabilities,
         the freeze fault), no sequence's drafts still on the device could change what it does next (`settled`),
-        and the plan has rows. Otherwise that step is completed first (step returns its outputs)."""
+        the drafter can take each sequence's next inputs on the device (`feeds_on_device`), and the plan has rows. Otherwise that step is completed first (step returns its outputs)."""
         if self._inflight is not None:
             sc = self.scheduler
-            if self.faults.frozen_id is None and not any(s.req.special or s.req.grammar is not None
-                                                         or not sc.settled(s) for s in sc.running):
+            if self.faults.frozen_id is None and not any(s.req.special or s.req.grammar is not None or not sc.settled(s)
+                                                         or not self.drafter.feeds_on_device(s) for s in sc.running):
                 plan = self.scheduler.schedule(preempt=False)
                 if plan is not None and (plan.decode or plan.prefill):
                     self.counters.planned_ahead += 1
@@ -804,14 +801,14 @@ class Engine:
         sz, inp, t = ctx.sizes, ctx.inputs, self.target
         R, T, W = sz.R_pad, sz.T, sz.T_dec
         drafts = probs = None
+        if self.async_sched:       # what the host has not read yet: from the rows of the step before
+            self._feed(inp, R)
         if ctx.drafter_runs and not self.drafter.after_verify:
             drafts, probs = self.drafter.propose(ctx)
             if drafts is not None and self.tp is not None and self.tp.check:
                 self._check_drafts(ctx.step, drafts)
         ctx.publish("target forward")
         n = inp.col(NDRAFT, R)
-        if self.async_sched:       # what the host has not read yet: from the rows of the step before
-            self._feed(inp, R)
         t.set_rows(R, inp.target_ids(R, T), inp.col(START, R), inp.col(NREAL, R), inp.col(OUT, R))
         ids = t.ids[:R * T].view(R, T)
         if drafts is not None and W > 1:
@@ -827,14 +824,14 @@ class Engine:
                 self._check_drafts(ctx.step, cols[-1])
         table = torch.cat(cols, 1)
         if self.async_sched:       # for the next step's rows to read (`_feed`)
-            async_rows.record(table, W, table.shape[1] - W - 1, n, self.last_tokens, self.last_short,
-                              self.last_drafts)
+            async_rows.record(table, W, table.shape[1] - W - 1, n, inp.col(FIRST, R), self.carry)
         return table, token_logprobs(logits, out, ctx.logprobs) if ctx.logprobs >= 0 else None
 
     def _feed(self, inp: StepInputs, R: int) -> None:
         """The staged rows take what the step before left on the device for them (`async_rows.feed`)."""
-        async_rows.feed(inp.dev[:R], (inp.tids, inp.ints + START, inp.ints + FIRST, inp.ints + NDRAFT, inp.ints + SRC),
-                        self.last_tokens, self.last_short, self.last_drafts)
+        o = inp.ints
+        async_rows.feed(inp.dev[:R], (inp.tids, inp.dids, o + START, o + FIRST, o + NDRAFT, o + SRC, o + DSTART,
+                                      o + DNREAL, o + DOUT, o + LEN), self.carry)
 
     def _check_drafts(self, step: int, drafts: torch.Tensor) -> None:
         """check_collectives under tensor parallelism: the drafts that feed the target's forward are the same on
@@ -880,7 +877,7 @@ class Engine:
             s.stats.add(n_drafts, accepted)
         s.target_len = old_len + accepted
         if n_drafts:
-            self.drafter.on_accept(s, old_len, accepted)
+            self.drafter.on_accept(s, old_len, accepted, n_drafts)
         self.scheduler.commit(s)
         emitted = self.output.append(s, new)
         self.counters.generated_tokens += len(emitted)

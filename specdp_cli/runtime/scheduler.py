@@ -93,6 +93,7 @@ class Sequence:
         self.pending_row = -1
         # of those, the drafts verification may reject: the sequence's length is between L - unsure and L
         self.unsure = 0
+        self.catch_up_on_device = False   # a draft model has seen all but the tokens of its step on the device
         self.finish_reason: str | None = None
         self.error: str | None = None          # why the engine failed it (finish_reason "error")
         self.stop_text_end: int | None = None   # where a matched stop string starts in the text

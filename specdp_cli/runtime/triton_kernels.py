@@ -224,8 +224,9 @@ def argmax(x) -> torch.Tensor:
 # async scheduling: tokens the host has not read yet go from one step's rows to the next step's on the device
 
 @triton.jit
-def _feed_rows_kernel(inp_ptr, last_ptr, short_ptr, drafts_ptr, R, stride_row, stride_d, c_ids, c_start, c_first,
-                      c_ndraft, c_src, KMAX: tl.constexpr, BLOCK: tl.constexpr):
+def _feed_rows_kernel(inp_ptr, last_ptr, short_ptr, drafts_ptr, cf_ptr, cn_ptr, ct_ptr, R, stride_row, stride_d,
+                      c_ids, c_dids, c_start, c_first, c_ndraft, c_src, c_dstart, c_dnreal, c_dout, c_len,
+                      KMAX: tl.constexpr, CATCH: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.arange(0, BLOCK)
     row = inp_ptr + r * stride_row
     src = tl.load(row + c_src, mask=r < R, other=0) - 1
@@ -235,46 +236,67 @@ def _feed_rows_kernel(inp_ptr, last_ptr, short_ptr, drafts_ptr, R, stride_row, s
     d = tl.load(short_ptr + s, mask=fed, other=0)
     tl.store(row + c_start, tl.load(row + c_start, mask=fed, other=0) + d, mask=fed)
     tl.store(row + c_first, tl.load(row + c_first, mask=fed, other=0) + d, mask=fed)
+    tl.store(row + c_len, tl.load(row + c_len, mask=fed, other=0) + d, mask=fed)
     if KMAX > 0:
         n = tl.load(row + c_ndraft, mask=fed, other=0)
         for j in tl.static_range(KMAX):
             use = fed & (j < n)
             tl.store(row + c_ids + 1 + j, tl.load(drafts_ptr + s * stride_d + j, mask=use, other=0), mask=use)
+    if CATCH:
+        catch = fed & (tl.load(row + c_dnreal, mask=fed, other=0) > 0)
+        cnt = tl.load(cn_ptr + s, mask=catch, other=1)
+        tl.store(row + c_dstart, tl.load(cf_ptr + s, mask=catch, other=0), mask=catch)
+        tl.store(row + c_dnreal, cnt, mask=catch)
+        tl.store(row + c_dout, cnt - 1, mask=catch)
+        tl.store(row + c_dids, tl.load(ct_ptr + s * 2, mask=catch, other=0), mask=catch)
+        tl.store(row + c_dids + 1, tl.load(ct_ptr + s * 2 + 1, mask=catch, other=0), mask=catch)
 
 
-def feed_rows(inp, R: int, cols: tuple, last, short, drafts) -> None:
-    """The rows of inp [>= R, width] (the staged step) whose SRC column names a row of the step before (1 + its
-    index): their first token = last[src], their START and FIRST += short[src], and (drafts [rows, KMAX] or None)
-    their NDRAFT drafts = drafts[src, :NDRAFT]. cols: (ids, START, FIRST, NDRAFT, SRC) column indices."""
-    kmax = drafts.shape[1] if drafts is not None else 0
-    _feed_rows_kernel[(1,)](inp, last, short, drafts if drafts is not None else last, R, inp.stride(0),
-                            drafts.stride(0) if drafts is not None else 0, *cols, KMAX=kmax, BLOCK=_pow2(R),
-                            num_warps=4)
+def feed_rows(inp, R: int, cols: tuple, c) -> None:
+    """`async_rows.feed` in one kernel: the rows of inp [>= R, width] (the staged step) whose SRC column names a
+    row of the step before (1 + its index) take what `record_rows` kept of it (c: async_rows.Carry)."""
+    kmax = c.drafts.shape[1] if c.drafts is not None else 0
+    catch = c.catch_first is not None
+    _feed_rows_kernel[(1,)](inp, c.last, c.short, c.drafts if kmax else c.last, c.catch_first if catch else c.last,
+                            c.catch_count if catch else c.last, c.catch_tokens if catch else c.last, R,
+                            inp.stride(0), c.drafts.stride(0) if kmax else 0, *cols, KMAX=kmax, CATCH=catch,
+                            BLOCK=_pow2(R), num_warps=4)
 
 
 @triton.jit
-def _record_rows_kernel(table_ptr, ndraft_ptr, last_ptr, short_ptr, drafts_ptr, R, W, K, stride_t, stride_n,
-                        stride_d, KMAX: tl.constexpr, BLOCK: tl.constexpr):
+def _record_rows_kernel(table_ptr, ndraft_ptr, first_ptr, last_ptr, short_ptr, drafts_ptr, cf_ptr, cn_ptr, ct_ptr,
+                        R, W, K, stride_t, stride_n, stride_d, KMAX: tl.constexpr, CATCH: tl.constexpr,
+                        BLOCK: tl.constexpr):
     r = tl.arange(0, BLOCK)
     m = r < R
     row = table_ptr + r * stride_t
     n = tl.load(row + W, mask=m, other=1)
-    tl.store(last_ptr + r, tl.load(row + tl.maximum(n - 1, 0), mask=m, other=0), mask=m)
-    tl.store(short_ptr + r, n - 1 - tl.load(ndraft_ptr + r * stride_n, mask=m, other=0), mask=m)
+    a = tl.maximum(n - 1, 0)
+    nd = tl.load(ndraft_ptr + r * stride_n, mask=m, other=0)
+    tl.store(last_ptr + r, tl.load(row + a, mask=m, other=0), mask=m)
+    tl.store(short_ptr + r, n - 1 - nd, mask=m)
     for j in tl.static_range(KMAX):
         use = m & (tl.zeros_like(r) + j < K)
         tl.store(drafts_ptr + r * stride_d + j, tl.load(row + W + 1 + j, mask=use, other=0), mask=use)
+    if CATCH:
+        j0 = tl.minimum(a, tl.maximum(nd - 1, 0))
+        tl.store(cf_ptr + r, tl.load(first_ptr + r * stride_n, mask=m, other=0) + j0, mask=m)
+        tl.store(cn_ptr + r, a - j0 + 1, mask=m)
+        tl.store(ct_ptr + r * 2, tl.load(row + j0, mask=m, other=0), mask=m)
+        tl.store(ct_ptr + r * 2 + 1, tl.load(row + tl.minimum(j0 + 1, a), mask=m, other=0), mask=m)
 
 
-def record_rows(table, W: int, K: int, ndraft, last, short, drafts) -> None:
-    """From a step's table [R, W + 1 + K] (tokens, their count n, K proposed drafts) and its rows' NDRAFT [R]:
-    last[r] = the row's last emitted token, short[r] = n - 1 - NDRAFT[r] (minus the drafts rejected), drafts[r, :K]
-    = its proposals (drafts [rows, KMAX] or None)."""
+def record_rows(table, W: int, K: int, ndraft, first, c) -> None:
+    """`async_rows.record` in one kernel (table [R, W + 1 + K]; ndraft, first [R]: columns of the staged step, the
+    same stride; c: async_rows.Carry)."""
     R = table.shape[0]
-    kmax = drafts.shape[1] if drafts is not None else 0
-    _record_rows_kernel[(1,)](table, ndraft, last, short, drafts if drafts is not None else last, R, W, K,
-                              table.stride(0), ndraft.stride(0), drafts.stride(0) if drafts is not None else 0,
-                              KMAX=kmax, BLOCK=_pow2(R), num_warps=4)
+    kmax = c.drafts.shape[1] if c.drafts is not None else 0
+    catch = c.catch_first is not None
+    _record_rows_kernel[(1,)](table, ndraft, first, c.last, c.short, c.drafts if kmax else c.last,
+                              c.catch_first if catch else c.last, c.catch_count if catch else c.last,
+                              c.catch_tokens if catch else c.last, R, W, K, table.stride(0), ndraft.stride(0),
+                              c.drafts.stride(0) if kmax else 0, KMAX=kmax, CATCH=catch, BLOCK=_pow2(R),
+                              num_warps=4)
 
 
 # ---------------------------------------------------------------------------------------------

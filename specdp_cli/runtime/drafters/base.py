@@ -58,8 +58,13 @@ class Drafter:
     def after_step(self, ctx) -> None:
         """Host bookkeeping once the step's forwards are issued."""
 
-    def on_accept(self, seq: Sequence, old_len: int, accepted: int) -> None:
-        """After verification: `seq` had length old_len and `accepted` drafts were kept."""
+    def on_accept(self, seq: Sequence, old_len: int, accepted: int, n_drafts: int) -> None:
+        """After verification: `seq` had length old_len and `accepted` of its n_drafts drafts were kept."""
+
+    def feeds_on_device(self, seq: Sequence) -> bool:
+        """Async scheduling: whether the next row of `seq`, whose last step is still on the device, can take its
+        drafter inputs there (the host does not know that step's tokens yet)."""
+        return True
 
 
 class NoDrafter(Drafter):

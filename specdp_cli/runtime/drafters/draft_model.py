@@ -42,6 +42,8 @@ class ModelDrafter(Drafter):
         return seq.draft_len
 
     def catch_up(self, seq: Sequence, n: int, width: int) -> tuple[int, list[int], int]:
+        if seq.pending:      # async scheduling: the one or two tokens are on the device (`async_rows.feed`)
+            return seq.draft_len, [0, 0], n
         missed = seq.tokens[seq.draft_len:]
         if len(missed) > width:
             return seq.draft_len, missed[:width], 0
@@ -90,14 +92,18 @@ class ModelDrafter(Drafter):
         q[:, :len(probs)] = torch.stack(probs, 1)
         return tokens, q
 
+    def feeds_on_device(self, seq: Sequence) -> bool:
+        """The next row drafts nothing, or all the draft model has not seen are the one or two tokens of the step on
+        the device (it drafted in that step, or took the prompt that step ended)."""
+        return seq.catch_up_on_device or seq.k_eff(self.k, self.D) == 0
+
     def after_step(self, ctx) -> None:
         for row in ctx.rows:
             s = row.seq
-            if row.n_drafts:       # a decode row: the cache holds everything up to the last draft it was fed
-                s.draft_len = s.L + row.n_drafts - 1
-            elif row.d_tokens:     # a piece of a prompt chunk
+            s.catch_up_on_device = bool(row.n_drafts) or (row.done and bool(row.d_tokens))
+            if not row.n_drafts and row.d_tokens:      # a piece of a prompt chunk, or a catch-up without drafts
                 s.draft_len = max(s.draft_len, row.d_start + len(row.d_tokens))
 
-    def on_accept(self, seq: Sequence, old_len: int, accepted: int) -> None:
-        # valid drafter positions: the old tokens plus the accepted drafts it was fed
-        seq.draft_len = min(seq.draft_len, old_len + accepted)
+    def on_accept(self, seq: Sequence, old_len: int, accepted: int, n_drafts: int) -> None:
+        # valid drafter positions: the old tokens plus the accepted drafts it was fed (all but the last draft)
+        seq.draft_len = old_len + min(accepted, n_drafts - 1)
