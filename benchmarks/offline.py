@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from specdp_cli.config import validate  # noqa: E402
 from specdp_cli.methods import METHODS  # noqa: E402
+from specdp_cli.plan import async_method  # noqa: E402
 from specdp_cli.preflight import run_preflight  # noqa: E402
 from specdp_cli.runtime.dist import DPGroup  # noqa: E402
 from specdp_cli.runtime.engine import Engine, RankCounters  # noqa: E402
@@ -97,7 +98,7 @@ def build(a, method: str, eager: bool, max_seqs: int) -> Engine:
                         **({"model": os.path.join(a.pair, method if method.startswith("eagle") else "draft")}
                            if METHODS[method].loads else {})},
         "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": a.max_batched_tokens,
-                      "async_scheduling": getattr(a, "async_scheduling", None)}})
+                      "async_scheduling": async_setting(getattr(a, "async_scheduling", "auto"), method)}})
     freeze_startup_heap()                  # as the CLI's ranks do
     return engine
 
@@ -128,6 +129,11 @@ def profile(engine: Engine, prompts, new: int, steps: int = 30, trace: str | Non
         engine.step()
 
 
+def async_setting(mode: str, method: str):
+    """--async-scheduling for one method: None (the default), True where the method runs it, or False."""
+    return {"auto": None, "on": True if async_method(method) else None, "off": False}[mode]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pair", required=True)
@@ -144,6 +150,9 @@ def main() -> None:
     ap.add_argument("--max-batched-tokens", type=int, default=16384)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--profile", default="")
+    ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                    help="scheduler.async_scheduling of every method that runs it (auto: the default, on a GPU for all "
+                         "but draft_model; on: draft_model too)")
     ap.add_argument("--label", default="codepair")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
