@@ -233,8 +233,8 @@ class Engine:
     def _init_async(self, on: bool) -> None:
         """Async scheduling (vLLM's name): the host schedules and stages step N + 1 while the device runs step N,
         and reads step N's results while N + 1 runs. What the host does not know yet about a sequence in step N
-        stays on the device, written at the end of every step's device work for each row (`async_rows.record`): its last
-        emitted token, how many of its drafts verification rejected, the drafts an EAGLE head or MTP layer proposed
+        stays on the device, written at the end of every step's device work for each row (`async_rows.record`): its
+        last emitted token, how many of its drafts verification rejected, the drafts an EAGLE head or MTP layer proposed
         for its next step, or the tokens a draft model has not seen yet. Step N + 1's rows of such sequences name N's
         row (SRC) and take them there (`_feed`): the token, the drafts or the draft model's catch-up, and their
         positions moved back by the rejected drafts (the host counted every draft as accepted). Results come back
@@ -503,7 +503,8 @@ class Engine:
         before that step's results are read when it can be: nothing has to be preempted, no running request
         needs its tokens on the host first (a grammar, penalties or other logits processing, log-probabilities,
         the freeze fault), no sequence's drafts still on the device could change what it does next (`settled`),
-        the drafter can take each sequence's next inputs on the device (`feeds_on_device`), and the plan has rows. Otherwise that step is completed first (step returns its outputs)."""
+        the drafter can take each sequence's next inputs on the device (`feeds_on_device`), and the plan has rows.
+        Otherwise that step is completed first (step returns its outputs)."""
         if self._inflight is not None:
             sc = self.scheduler
             if self.faults.frozen_id is None and not any(s.req.special or s.req.grammar is not None or not sc.settled(s)
