@@ -225,14 +225,14 @@ class Scheduler:
 
     def settled(self, s: Sequence) -> bool:
         """Whether the sequence's next step is the same whatever verification does with its drafts still on the
-        device (async scheduling): at every length they allow it drafts as many tokens (the contract's fit and
-        k_eff), and it either has tokens left to generate at all of them or at none."""
+        device (async scheduling): at every length they allow it drafts as many tokens this step (the contract's
+        fit and k_eff, at most the step's k), and it either has tokens left to generate at all of them or at none."""
         if not s.unsure:
             return True
         L_min = s.L - s.unsure
         if (L_min < s.limit) != (s.L < s.limit):
             return False
-        return s.k_eff(self.k, self.D, L_min) == s.k_eff(self.k, self.D)
+        return min(s.k_eff(self.k, self.D, L_min), self.k_step) == min(s.k_eff(self.k, self.D), self.k_step)
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks of the sequence's first full blocks, short of its last token to prefill: that one
