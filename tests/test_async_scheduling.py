@@ -69,24 +69,32 @@ def test_preemption_through_async_scheduling(models):
     same(roomy, tight)
 
 
+def run_aborting(engine, prompts, max_tokens: int, at_step: int, req_id) -> tuple[dict, dict, list]:
+    """Serve prompts, aborting request req_id before step at_step (a step then on the device, planned ahead): ({id:
+    finished Sequence}, {id: Sequence of any output}, [(step, id) of every output])."""
+    for i, p in enumerate(prompts):
+        engine.add_request(engine.make_request(i, p, SamplingParams(max_tokens=max_tokens), None))
+    done, seqs, outputs, steps = {}, {}, [], 0
+    while engine.has_work:
+        steps += 1
+        if steps == at_step:
+            assert engine._inflight is not None and engine.abort(req_id)
+        for out in engine.step():
+            seqs[out.seq.req.id] = out.seq
+            outputs.append((steps, out.seq.req.id))
+            if out.finished:
+                done[out.seq.req.id] = out.seq
+    assert engine.step() is None
+    return done, seqs, outputs
+
+
 def test_abort_while_a_step_is_on_the_device(models):
     """A request aborted between steps, its next step already planned: that row is void, the others go on."""
     prompts = prompts_of_lengths([7, 12, 20], seed=9)
     ref = run_engine(engine_for(models, False), prompts, max_tokens=12)
     engine = engine_for(models, True)
-    for i, p in enumerate(prompts):
-        engine.add_request(engine.make_request(i, p, SamplingParams(max_tokens=12), None))
-    done, seqs, steps = {}, {}, 0
-    while engine.has_work:
-        steps += 1
-        if steps == 4:
-            assert engine._inflight is not None and engine.abort(1)
-        for out in engine.step():
-            seqs[out.seq.req.id] = out.seq
-            assert steps < 4 or out.seq.req.id != 1         # its row in the step on the device is void
-            if out.finished:
-                done[out.seq.req.id] = out.seq
-    assert engine.step() is None
+    done, seqs, outputs = run_aborting(engine, prompts, 12, 4, 1)
+    assert all(step < 4 or i != 1 for step, i in outputs)      # its row in the step on the device is void
     assert seqs[1].finish_reason == "abort" and seqs[1].pending == 0 and -1 not in seqs[1].tokens
     assert set(done) == {0, 2}
     for i in (0, 2):
@@ -243,18 +251,7 @@ def test_eagle_preemption_and_abort_while_planned_ahead(models, heads):
     prompts = prompts_of_lengths([5, 14, 23, 9, 30, 18, 11, 26], seed=7)
     roomy = run_engine(drafting_engine(heads, "eagle", False, seqs=6, batched=64), prompts, max_tokens=30)
     engine = drafting_engine(heads, "eagle", True, seqs=6, batched=64, cache={"block_size": 4, "num_blocks": 30})
-    for i, p in enumerate(prompts):
-        engine.add_request(engine.make_request(i, p, SamplingParams(max_tokens=30), None))
-    done, seqs, steps = {}, {}, 0
-    while engine.has_work:
-        steps += 1
-        if steps == 6:
-            assert engine._inflight is not None and engine.abort(3)
-        for out in engine.step():
-            seqs[out.seq.req.id] = out.seq
-            if out.finished:
-                done[out.seq.req.id] = out.seq
-    assert engine.step() is None
+    done, seqs, _ = run_aborting(engine, prompts, 30, 6, 3)
     assert engine.counters.preemptions > 0 and engine.counters.planned_ahead > 0
     assert seqs[3].finish_reason == "abort" and seqs[3].pending == 0 and -1 not in seqs[3].tokens
     same({i: s for i, s in roomy.items() if i != 3}, {i: s for i, s in done.items() if i != 3})

@@ -244,7 +244,7 @@ class Engine:
         self._drained: list[StepOutput] = []           # outputs of a step completed early, for step() to return
         max_rows = self.row_sizes[-1]
         self.carry = async_rows.Carry.allocate(max_rows if on else 0, self.k, self.drafter.after_verify,
-                                               isinstance(self.drafter, ModelDrafter), self.device)
+                                               self.drafter.catches_up, self.device)
         pin = self.device.type == "cuda"
         cols = 2 * self.k + 2                           # tokens (<= k + 1), their count, proposed drafts (<= k)
         self._tables = [torch.zeros(max_rows * cols, dtype=torch.long, pin_memory=pin) for _ in range(2)]

@@ -20,13 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_kernels import _pow2
+
 # the largest weight (elements) measured faster than cuBLAS at one token: Llama-8B's o [4096 x 4096]; larger
 # projections (Llama-8B's down, 4096 x 14336) reach cuBLAS's full bandwidth and lose
 ONE_ROW_MAX_WEIGHT = 4096 * 4096
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
 
 
 @triton.jit

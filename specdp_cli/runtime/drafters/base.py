@@ -26,6 +26,7 @@ class Drafts:
 class Drafter:
     has_forward = False
     after_verify = False      # proposes the next step's drafts after verification (`propose_after`)
+    catches_up = False        # a first forward feeds the tokens its own cache has not seen (`catch_up`)
 
     def host_drafts(self, rows: list[tuple[Sequence, int]], n_forwards: int) -> Drafts:
         """rows: (sequence, k_eff) of every decode row; n_forwards: the drafter forwards of this step."""

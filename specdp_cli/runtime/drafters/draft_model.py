@@ -22,6 +22,7 @@ from .base import Drafter, Drafts
 
 class ModelDrafter(Drafter):
     has_forward = True
+    catches_up = True
 
     def __init__(self, runner: ModelRunner, D: int, k: int):
         self.runner = runner
