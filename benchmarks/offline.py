@@ -9,7 +9,7 @@ torch.profiler's tables (self CUDA and self CPU time) for a few steps of that ro
 Usage:
   python benchmarks/offline.py --pair PAIR_DIR [--target DIR] [--prompts 32] [--requests N --cuts 4]
       [--new 128] [--batches 1,8,32] [--methods none,ngram,draft_model] [--k 4] [--dtype bfloat16]
-      [--max-model-len 2048] [--eager] [--profile draft_model:1] --json OUT.json
+      [--max-model-len 2048] [--eager] [--profile draft_model:1] [--repeats 3] --json OUT.json
 PAIR_DIR holds target/, draft/, tokenizer/, heldout_prompts.jsonl and, for --methods eagle / eagle3, eagle/
 (an EAGLE-1 head) / eagle3/ (an EAGLE-3 head, `benchmarks/train_eagle3.py`): the codepair layout; --target
 replaces the target (e.g. the widened 8B-sized one). --requests N takes N prompts from the held-out
@@ -152,7 +152,8 @@ def main() -> None:
     ap.add_argument("--profile", default="")
     ap.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                     help="scheduler.async_scheduling of every method that runs it (auto: the default, on a GPU for all "
-                         "but draft_model; on: draft_model too)")
+                         "but ngram; on: asked for; off: synchronous steps)")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each row; its figures are the median run's")
     ap.add_argument("--label", default="codepair")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
@@ -173,17 +174,21 @@ def main() -> None:
             for B in batches:
                 engine.scheduler.max_num_seqs = B          # the batch size: at most B sequences run at once
                 run(engine, prompts[:2], 8)                # warm-up
-                engine.counters = RankCounters()
-                done, secs = run(engine, prompts, a.new)
+                runs = []
+                for _ in range(a.repeats):
+                    engine.counters = RankCounters()
+                    done, secs = run(engine, prompts, a.new)
+                    runs.append((secs, done, engine.counters))
+                secs, done, c = sorted(runs, key=lambda r: r[0])[len(runs) // 2]     # the median run
                 outs = [done[i].generated for i in range(len(prompts))]
                 outs_by_mode[(eager, B)] = outs
                 if method == "none" and not eager and reference is None:
                     reference = outs
                 gen = sum(len(o) for o in outs)
-                c = engine.counters
                 s = c.spec
                 row = {"label": a.label, "method": method, "batch": B, "eager": eager, "k": a.k if method != "none" else 0,
-                       "requests": len(prompts), "tok_s": gen / secs, "tokens": gen, "s": secs, "steps": c.steps,
+                       "requests": len(prompts), "tok_s": gen / secs, "tok_s_runs": [gen / r[0] for r in runs],
+                       "tokens": gen, "s": secs, "steps": c.steps,
                        "ms_per_step": secs / max(c.steps, 1) * 1e3, "preemptions": c.preemptions, "planned_ahead": c.planned_ahead,
                        "build_s": build_s, "startup": engine.startup, "graphs": engine.graphs,
                        "kv_blocks": engine.pool.num_blocks,

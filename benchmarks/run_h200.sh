@@ -360,7 +360,7 @@ moe)
   #   target with its MTP layer trained for recursive drafting, MOE_MINUTES (2.5), then the codepair draft
   #   distilled from it, MOE_DRAFT_MINUTES (1.5): 4 minutes, plus the corpus' encoding and the evaluations)
   #   none / draft_model / mtp at batch 1 and 32 (k 4), and at k MOE_KS (1 2 3) at batch 1 (MOE_BATCHES, MOE_METHODS,
-  #   MOE_K_METHODS choose fewer rows; MOE_ASYNC=on: async scheduling for draft_model too).
+  #   MOE_K_METHODS choose fewer rows; MOE_ASYNC=off: synchronous steps; REPEATS (3): runs a row, median).
   # PART=3: every GPU test. PART=4 (2 GPUs): expert parallelism, experts split vs replicated, in CUDA graphs.
   # PART=5: the end-to-end shapes alone (Qwen3-30B-A3B with a host / device split of its batch-1 step, then
   #   DeepSeek-V3).
@@ -392,11 +392,11 @@ moe)
      grep -E '^(corpus:|mtp \{|draft \{)' "$out/train_moe_pair.log"
      grep '^step ' "$out/train_moe_pair.log" | tail -1; grep '^draft step ' "$out/train_moe_pair.log" | tail -1
      offline moe_demo --pair /tmp/moepair --batches ${MOE_BATCHES:-1,32} --methods ${MOE_METHODS:-none,draft_model,mtp} \
-       --k 4 --async-scheduling ${MOE_ASYNC:-auto} --label moe-demo
+       --k 4 --async-scheduling ${MOE_ASYNC:-auto} --repeats ${REPEATS:-3} --label moe-demo
      sed -n '/^method/,$p' /tmp/moe_demo.log
      for k in ${MOE_KS:-1 2 3}; do
        offline moe_demo_k$k --pair /tmp/moepair --batches 1 --methods ${MOE_K_METHODS:-mtp,draft_model} --k $k \
-         --async-scheduling ${MOE_ASYNC:-auto} --label moe-demo
+         --async-scheduling ${MOE_ASYNC:-auto} --repeats ${REPEATS:-3} --label moe-demo
        grep -v "^device copy" /tmp/moe_demo_k$k.log | sed -n '/^method/,$p' | tail -n +2
      done ;;
   3) timeout 540 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider > "$out/gpu_tests.log" 2>&1

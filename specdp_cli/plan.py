@@ -147,11 +147,10 @@ def resolve(cfg: Config, dirs: tuple[ModelDir | None, ModelDir | None] | None = 
 
 
 def async_scheduling(cfg: Config, device: str) -> bool:
-    """`scheduler.async_scheduling`, or by default on a GPU for the methods measured there with it (none, an EAGLE
-    head, an MTP layer; a draft model: only when asked, until it is); never with n-gram lookup (it drafts from the
-    tokens on the host) or tensor parallelism (not tested yet): preflight refuses true with those."""
+    """`scheduler.async_scheduling`, or by default on a GPU; never with n-gram lookup (it drafts from the tokens on
+    the host) or tensor parallelism (not tested yet): preflight refuses true with those."""
     on, method = cfg.scheduler.async_scheduling, cfg.speculative.method
-    return ((device == "cuda" and method != "draft_model" if on is None else on) and async_method(method)
+    return ((device == "cuda" if on is None else on) and async_method(method)
             and cfg.parallel.tensor_parallel_size <= 1)
 
 

@@ -182,8 +182,6 @@ def _async_scheduling(cfg: Config, plan: Plan) -> tuple[str, str]:
                       "(a step's tokens are read one step later).")
     why = ("off (scheduler.async_scheduling: false)" if asked is False else
            f"off: method {method} drafts from the sequence's tokens on the host" if not async_method(method) else
-           "off by default with a draft model (set scheduler.async_scheduling: true to use it)"
-           if method == "draft_model" and asked is None and plan.device == "cuda" else
            "off under tensor parallelism (not yet)" if cfg.parallel.tensor_parallel_size > 1 else
            "off on CPU (there the host runs the forwards itself; set scheduler.async_scheduling: true to use it)")
     return ("ok", f"async scheduling {why}.")

@@ -142,6 +142,12 @@ def test_preflight(models, heads):
     report = run_preflight(validate({**base, "speculative": {"method": "none"}, "scheduler": {"async_scheduling": True},
                                      "parallel": {"tensor_parallel_size": 2}}))
     assert not report.ok and any("async_scheduling" in e and "tensor_parallel_size" in e for e in report.errors)
+    # the default on a GPU: every method whose drafts need nothing from the host, a draft model among them
+    from specdp_cli.plan import async_scheduling
+    spec = {"draft_model": {"model": str(models["draft"])}, "mtp": {}, "ngram": {}}
+    on = {m: async_scheduling(validate({**base, "speculative": {"method": m, "num_speculative_tokens": 3, **extra}}),
+                              "cuda") for m, extra in spec.items()}
+    assert on == {"draft_model": True, "mtp": True, "ngram": False}
 
 
 @pytest.mark.timeout(300)
