@@ -33,10 +33,11 @@ def make_engine(cfg, plan) -> Engine:
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], max_tokens=30, **params) -> dict:
-    """Serve prompts to the end; returns {index: Sequence}."""
+    """Serve prompts to the end (`max_tokens`: one for all, or a list, one a prompt); returns {index: Sequence}."""
     seed = params.pop("seed", None)
     for i, p in enumerate(prompts):
-        engine.add_request(engine.make_request(i, p, SamplingParams(max_tokens=max_tokens, **params), seed))
+        n = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
+        engine.add_request(engine.make_request(i, p, SamplingParams(max_tokens=n, **params), seed))
     done = {}
     while engine.has_work:
         for out in engine.step():

@@ -251,6 +251,22 @@ def test_drafting_methods_plan_ahead(models, heads, method, D):
     same(*(run_engine(drafting_engine(heads, method, on, D), prompts, max_tokens=20, **params) for on in (False, True)))
 
 
+def test_a_sequence_near_its_limit_sits_a_step_out(models, heads):
+    """Near max_tokens a sequence's drafts this step depend on how many the step on the device accepts: that
+    sequence sits the next step out while the others are planned ahead (the batch does not wait for the host);
+    tokens, drafts and acceptance stay the synchronous engine's."""
+    prompts = prompts_of_lengths([4, 7, 10, 13, 16, 19, 22, 25], seed=8)
+    runs = [drafting_engine(heads, "draft_model", on, seqs=8, batched=64) for on in (False, True)]
+    sync, asyn = (run_engine(e, prompts, max_tokens=[12 + 4 * i for i in range(8)]) for e in runs)   # limits apart
+    same(sync, asyn)
+    for i in sync:
+        assert vars(asyn[i].stats) == vars(sync[i].stats), i
+    c = runs[1].counters
+    # (each sequence is near its limit for a few of its steps: were the batch to wait then, about 1 step in 7 would
+    # be planned ahead here)
+    assert c.planned_ahead > c.steps // 2, (c.planned_ahead, c.steps)
+
+
 def test_eagle_preemption_and_abort_while_planned_ahead(models, heads):
     """A tight pool (steps that would preempt wait for the step on the device) and an abort between steps: every
     other request's tokens equal the roomy synchronous run's; the pool ends whole."""

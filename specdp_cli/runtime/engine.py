@@ -502,14 +502,18 @@ class Engine:
         """The scheduler's plan. With a step still on the device (async scheduling) the next one is planned
         before that step's results are read when it can be: nothing has to be preempted, no running request
         needs its tokens on the host first (a grammar, penalties or other logits processing, log-probabilities,
-        the freeze fault), no sequence's drafts still on the device could change what it does next (`settled`),
-        the drafter can take each sequence's next inputs on the device (`feeds_on_device`), and the plan has rows.
-        Otherwise that step is completed first (step returns its outputs)."""
+        the freeze fault), and the plan has rows. A sequence of that step sits this one out when what verification
+        does with its drafts could change what it does next (`settled`: its drafts, whether it has reached its
+        limit) or the drafter cannot take its next inputs on the device (`feeds_on_device`): it waits one step
+        rather than the whole batch waiting for the host — while such sequences are at most a quarter of the
+        batch (a step's cost hardly depends on its rows: past that, the rows it would leave empty cost more than
+        the host's time). Otherwise that step is completed first (step returns its outputs)."""
         if self._inflight is not None:
             sc = self.scheduler
-            if self.faults.frozen_id is None and not any(s.req.special or s.req.grammar is not None or not sc.settled(s)
-                                                         or not self.drafter.feeds_on_device(s) for s in sc.running):
-                plan = self.scheduler.schedule(preempt=False)
+            hold = {s for s in sc.running if s.pending and not (sc.settled(s) and self.drafter.feeds_on_device(s))}
+            if (self.faults.frozen_id is None and len(hold) * 4 <= len(sc.running)
+                    and not any(s.req.special or s.req.grammar is not None for s in sc.running)):
+                plan = self.scheduler.schedule(preempt=False, hold=hold)
                 if plan is not None and (plan.decode or plan.prefill):
                     self.counters.planned_ahead += 1
                     return plan

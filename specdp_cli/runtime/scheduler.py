@@ -24,7 +24,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from .block_hash import block_hashes
 from .kv_cache import BlockPool
@@ -186,9 +186,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, preempt: bool = True) -> StepPlan | None:
+    def schedule(self, preempt: bool = True, hold: Collection[Sequence] = ()) -> StepPlan | None:
         """The step's plan; None when it would have to preempt a sequence and `preempt` is off (async
-        scheduling plans a step ahead only when nothing has to be preempted)."""
+        scheduling plans a step ahead only when nothing has to be preempted). The sequences in `hold` get no
+        row this step (async scheduling: their next row depends on the step still on the device)."""
         preempted = self._grow_running(preempt)
         if preempted < 0:
             return None
@@ -211,7 +212,7 @@ class Scheduler:
             self.running.append(seq)
         # (a sequence whose pending token brings it to its limit finishes with that token: no row)
         decode = [(s, min(s.k_eff(self.k, self.D), self.k_step)) for s in self.running
-                  if not s.in_prefill and s.L < s.limit]
+                  if not s.in_prefill and s.L < s.limit and s not in hold]
         budget = self.max_batched_tokens - sum(1 + ke for _, ke in decode)
         rows = self.max_rows - len(decode)
         prefill = []
