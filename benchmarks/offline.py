@@ -190,6 +190,7 @@ def main() -> None:
                        "requests": len(prompts), "tok_s": gen / secs, "tok_s_runs": [gen / r[0] for r in runs],
                        "tokens": gen, "s": secs, "steps": c.steps,
                        "ms_per_step": secs / max(c.steps, 1) * 1e3, "preemptions": c.preemptions, "planned_ahead": c.planned_ahead,
+                       "chunk_steps": c.chunk_steps,
                        "build_s": build_s, "startup": engine.startup, "graphs": engine.graphs,
                        "kv_blocks": engine.pool.num_blocks,
                        "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else None,

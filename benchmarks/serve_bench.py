@@ -78,11 +78,16 @@ def offline(a, method: str) -> tuple[dict | None, list[float]]:
     return runs[len(runs) // 2], [r["tok_s"] for r in runs]
 
 
-def steps_so_far(url: str) -> int:
-    """The engine steps the server's ranks have run (the sum of /metrics' steps per k)."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("specdp:spec_decode_steps_by_k_total")))
+STEP_COUNTS = {"steps": "specdp:spec_decode_steps_by_k_total", "planned_ahead": "specdp:steps_planned_ahead_total",
+               "chunk_steps": "specdp:steps_with_prompt_chunks_total"}
+
+
+def steps_so_far(url: str) -> dict[str, int]:
+    """The server's ranks' engine steps so far (the sum of /metrics' steps per k), of them those planned ahead
+    and those with prompt chunks."""
+    lines = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode().splitlines()
+    return {key: int(sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name)))
+            for key, name in STEP_COUNTS.items()}
 
 
 def served(a, method: str, caching: bool, prompts_path: str) -> dict[int, dict]:
@@ -120,7 +125,8 @@ def served(a, method: str, caching: bool, prompts_path: str) -> dict[int, dict]:
                 subprocess.run(bench + ["--num-prompts", str(a.requests), "--num-workers", str(workers),
                                         "--result-filename", out], check=True, stdout=subprocess.DEVNULL)
                 r = json.load(open(out))
-                r["steps"] = steps_so_far(url) - before       # (the last step's count may arrive a step late)
+                after = steps_so_far(url)                     # (the last step's count may arrive a step late)
+                r.update({key: after[key] - before[key] for key in STEP_COUNTS})
                 r["ms_per_step"] = r["duration_s"] / max(r["steps"], 1) * 1e3
                 rounds.append(r)
             rounds.sort(key=lambda r: r["output_throughput"])
@@ -186,7 +192,11 @@ def main() -> None:
                        # closed-loop clients' gaps), a longer step = more work in it or host time around it
                        "served_steps": r["steps"], "served_ms_per_step": r["ms_per_step"],
                        "offline_steps": off_row["steps"] if off_row else None,
-                       "offline_ms_per_step": off_row["ms_per_step"] if off_row else None}
+                       "offline_ms_per_step": off_row["ms_per_step"] if off_row else None,
+                       # steps planned ahead (async scheduling) and steps with prompt chunks, each side
+                       "served_planned_ahead": r["planned_ahead"], "served_chunk_steps": r["chunk_steps"],
+                       "offline_planned_ahead": off_row.get("planned_ahead") if off_row else None,
+                       "offline_chunk_steps": off_row.get("chunk_steps") if off_row else None}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "requests": a.requests,

@@ -103,13 +103,15 @@ def test_jsonl_job_with_bad_lines(cfg, tmp_path, models):
     assert s["acceptance_rate"] is None or 0 <= s["acceptance_rate"] <= 1
     assert len(s["ranks"]) == 1 and set(s["ranks"][0]) == {"rank", "requests", "steps", "padding_steps",
                                                            "skipped_drafter_steps", "generated_tokens", "preemptions",
-                                                           "planned_ahead", "weight_bytes", "expert_weight_bytes",
+                                                           "planned_ahead", "chunk_steps", "weight_bytes",
+                                                           "expert_weight_bytes",
                                                            "graphs", "engine_s", "start_offset_s", "gc_collections",
                                                            "gc_pause_s", "prefix_cache"}
     # start-up froze the heap: what collections came after it are counted, and are short
     assert s["ranks"][0]["gc_collections"] >= 0 and 0 <= s["ranks"][0]["gc_pause_s"] < s["engine_s"]
     assert s["ranks"][0]["start_offset_s"] == 0 and abs(s["ranks"][0]["engine_s"] - s["engine_s"]) < 1e-9
     assert s["ranks"][0]["weight_bytes"] is None and s["ranks"][0]["expert_weight_bytes"] == 0     # CPU, dense
+    assert 0 < s["ranks"][0]["chunk_steps"] < s["ranks"][0]["steps"]     # the prompts rode in wide steps, not all
     assert s["preemptions"] == 0
     assert set(s["startup"]) == {"launch_s", "load_s", "kv_alloc_s", "capture_s"}
     assert all(v >= 0 for v in s["startup"].values()) and s["startup"]["load_s"] > 0

@@ -380,13 +380,17 @@ def test_auth_and_unknown_fields(server, client):
 
 def test_metrics_counters(server, client):
     before = server.metric("specdp:spec_decode_num_draft_tokens_total")
+    chunks = server.metric("specdp:steps_with_prompt_chunks_total")
     client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0)
     assert server.metric("specdp:spec_decode_num_draft_tokens_total") > before
+    # specdp's own: the prompt rode in a prompt-chunk wide step; nothing is planned ahead on a CPU
+    assert server.metric("specdp:steps_with_prompt_chunks_total") > chunks
+    assert server.metric("specdp:steps_planned_ahead_total") == 0
     _, text, _ = server.http("GET", "/metrics")
     for name in ("specdp:spec_decode_num_drafts_total", "specdp:spec_decode_num_accepted_tokens_total",
                  "specdp:time_to_first_token_seconds_bucket", "specdp:request_time_per_output_token_seconds_count",
                  "specdp:prompt_tokens_total", "specdp:generation_tokens_total", "specdp:num_requests_waiting",
-                 'finished_reason="length"'):
+                 "specdp:steps_planned_ahead_total", 'finished_reason="length"'):
         assert name in text
     assert any(k.startswith("specdp:spec_decode_num_accepted_tokens_per_pos_total") and labels_of(k)["position"] == "0"
                for k in parse_prometheus(text))

@@ -78,6 +78,7 @@ class RankCounters:
         self.generated_tokens = 0
         self.preemptions = 0
         self.planned_ahead = 0       # async scheduling: steps planned before the previous step's results were read
+        self.chunk_steps = 0         # steps whose forwards were prompt-chunk wide (a prompt chunk rode in them)
         self.spec = SpecStats()
         self.weight_bytes: int | None = None       # device memory the loaded weights took (CUDA), None elsewhere
         self.expert_weight_bytes = 0               # of which routed experts (this rank's share under EP)
@@ -89,7 +90,8 @@ class RankCounters:
     def report(self, rank: int, requests: int) -> dict:
         return {"rank": rank, "requests": requests, "steps": self.steps, "padding_steps": self.padding_steps,
                 "skipped_drafter_steps": self.skipped_drafter_steps, "generated_tokens": self.generated_tokens,
-                "preemptions": self.preemptions, "planned_ahead": self.planned_ahead, "weight_bytes": self.weight_bytes,
+                "preemptions": self.preemptions, "planned_ahead": self.planned_ahead,
+                "chunk_steps": self.chunk_steps, "weight_bytes": self.weight_bytes,
                 "expert_weight_bytes": self.expert_weight_bytes, "first_step_t": self.first_step_t,
                 "last_step_t": self.last_step_t, "spec": vars(self.spec),
                 "spec_length": self.spec_length.report() if self.spec_length else None,
@@ -699,6 +701,7 @@ class Engine:
         if self.progress.after_step(live or bool(self.scheduler.waiting), progressed):
             outputs += self._stall(sched.step)
         c.steps += 1
+        c.chunk_steps += sizes.T != sizes.T_dec
         c.last_step_t = time.time()
         return outputs
 

@@ -101,17 +101,21 @@ class Metrics:
         # specdp's own: the step k actually used (spec_length.py), steps per k; and the ranks up
         self.steps_by_k = Counter("specdp:spec_decode_steps_by_k", "Engine steps run with each speculation length k.",
                                   engine + ["k"], registry=r)
+        self.planned_ahead = counter("steps_planned_ahead", "Engine steps planned before the previous step's "
+                                     "results were read (async scheduling).")
+        self.chunk_steps = counter("steps_with_prompt_chunks", "Engine steps whose forwards were prompt-chunk wide.")
         self.ranks_up = Gauge("specdp:ranks_up", "Ranks connected to the frontend.", ["model_name"],
                               registry=r).labels(model_name)
         Gauge("specdp:ranks", "Data-parallel ranks of the server.", ["model_name"], registry=r).labels(
             model_name).set(world)
-        self._seen = [(0, 0, 0)] * world       # each rank's preemptions, prefix queries and hits counted so far
+        self._seen = [(0,) * 5] * world      # each rank's totals below (`rank_report`) counted so far
 
     # -- from the ranks' messages (read on the event loop) -----------------------------------------
 
     def rank_report(self, rank: int, steps_by_k: dict[int, int], state: tuple | None = None) -> None:
         """A rank's "out" message: steps per k since its last one, and its scheduler's state after the
-        step (running, waiting, KV cache usage 0..1; preemptions, prefix cache queries and hits so far)."""
+        step (running, waiting, KV cache usage 0..1; preemptions, prefix cache queries and hits, steps planned
+        ahead and steps with prompt chunks so far)."""
         for k, n in steps_by_k.items():
             self.steps_by_k.labels(self.model, str(rank), str(k)).inc(n)
         if state is None:
@@ -120,8 +124,8 @@ class Metrics:
         self.running[rank].set(running)
         self.waiting[rank].set(waiting)
         self.kv_usage[rank].set(kv_usage)
-        for counter, now, seen in zip((self.preemptions, self.prefix_queries, self.prefix_hits), totals,
-                                      self._seen[rank]):
+        for counter, now, seen in zip((self.preemptions, self.prefix_queries, self.prefix_hits, self.planned_ahead,
+                                       self.chunk_steps), totals, self._seen[rank]):
             if now > seen:
                 counter[rank].inc(now - seen)
         self._seen[rank] = tuple(totals)

@@ -118,12 +118,12 @@ def serve_rank(engine, dp, job: dict) -> None:
     send(("bye", dp.rank))
 
 
-def _state(engine) -> tuple[int, int, float, int, int, int]:
-    """(running, waiting, KV cache usage 0..1, preemptions, prefix cache queries and hits so far): what
-    /metrics shows of this rank."""
-    sc, pool = engine.scheduler, engine.pool
-    return (len(sc.running), len(sc.waiting), 1 - pool.num_free / pool.num_blocks, engine.counters.preemptions,
-            pool.queries, pool.hits)
+def _state(engine) -> tuple[int, int, float, int, int, int, int, int]:
+    """(running, waiting, KV cache usage 0..1; preemptions, prefix cache queries and hits, steps planned ahead and
+    steps with prompt chunks so far): what /metrics shows of this rank."""
+    sc, pool, c = engine.scheduler, engine.pool, engine.counters
+    return (len(sc.running), len(sc.waiting), 1 - pool.num_free / pool.num_blocks, c.preemptions,
+            pool.queries, pool.hits, c.planned_ahead, c.chunk_steps)
 
 
 def _stats(seq) -> dict:
