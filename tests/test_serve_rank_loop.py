@@ -6,6 +6,7 @@ import threading
 from multiprocessing.connection import Listener
 from types import SimpleNamespace
 
+from specdp_cli.runtime.engine import RankCounters
 from specdp_cli.server.link import RankLink, new_link_spec
 from specdp_cli.server.rank import serve_rank
 
@@ -17,7 +18,7 @@ class OneTokenEngine:
         self.running, self.waiting = [], []
         self.scheduler = SimpleNamespace(running=self.running, waiting=self.waiting)
         self.pool = SimpleNamespace(num_free=1, num_blocks=1, queries=0, hits=0)
-        self.counters = SimpleNamespace(preemptions=0)
+        self.counters = RankCounters()
         self.spec_len = SimpleNamespace(used={0: 0})
         self.step_no, self.finished, self.idle_checks, self.overlapped = 0, 0, 0, 0
 
