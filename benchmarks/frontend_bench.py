@@ -2,13 +2,14 @@
 steps cost (almost) nothing, under `specdp bench serve`.
 
 The rank process runs the real serving loop (`server/rank.py`) over a stand-in engine that gives every
-running request one token a step (`--step-ms` of sleep per step, 0 = as fast as the loop goes), so
+running request one token a step, or `--tokens-per-step` as speculative decoding's accepted drafts do
+(`--step-ms` of sleep per step, 0 = as fast as the loop goes), so
 what is measured is everything but the model: HTTP, prompt tokenization, the frontend<->rank link,
 detokenization and streaming, and the load generator. It reports the served token rate, the rate the
 rank offered, the CPU the frontend process spent per token and the chunks per token the client read.
 
 Usage: python benchmarks/frontend_bench.py [--tokenizer DIR] [--streams 32] [--requests 256]
-       [--max-tokens 128] [--step-ms 0] [--profile OUT.prof] [--json OUT.json]
+       [--max-tokens 128] [--step-ms 0] [--tokens-per-step 1] [--profile OUT.prof] [--json OUT.json]
 """
 import argparse
 import asyncio
@@ -27,15 +28,17 @@ sys.path.insert(0, ROOT)
 
 
 class InstantEngine:
-    """What serve_rank needs of an engine: each step gives every running request one token (a fixed
+    """What serve_rank needs of an engine: each step gives every running request `per_step` tokens (a fixed
     id), up to max_tokens, for at most `max_seqs` requests at a time."""
 
-    def __init__(self, max_seqs: int, step_s: float, token: int):
-        self.max_seqs, self.step_s, self.token = max_seqs, step_s, token
+    def __init__(self, max_seqs: int, step_s: float, token: int, per_step: int = 1):
+        from specdp_cli.runtime.engine import RankCounters
+
+        self.max_seqs, self.step_s, self.token, self.per_step = max_seqs, step_s, token, per_step
         self.running, self.waiting = [], []
         self.scheduler = SimpleNamespace(running=self.running, waiting=self.waiting)
         self.pool = SimpleNamespace(num_free=1, num_blocks=1, queries=0, hits=0)
-        self.counters = SimpleNamespace(preemptions=0)
+        self.counters = RankCounters()
         self.spec_len = SimpleNamespace(used={0: 0})
         self.fail_stalled = False
         self.step_no = 0
@@ -63,11 +66,14 @@ class InstantEngine:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    def step(self, received: int = 0):
+    def step(self, received: int = 0, while_device_runs=None):
         while self.waiting and len(self.running) < self.max_seqs:
             self.running.append(self.waiting.pop(0))
+        t0 = time.perf_counter()
+        if while_device_runs is not None:     # the last step's tokens go out while the device runs this one
+            while_device_runs()
         if self.step_s:
-            time.sleep(self.step_s)           # the device's time
+            time.sleep(max(0.0, self.step_s - (time.perf_counter() - t0)))     # the device's time
         self.step_no += 1
         self.spec_len.used[0] += 1
         now = time.perf_counter()
@@ -75,9 +81,10 @@ class InstantEngine:
         self.last = now
         outs = []
         for r in list(self.running):
-            r.left -= 1
-            r.generated.append(self.token)
-            self.tokens += 1
+            new = [self.token] * min(self.per_step, r.left)
+            r.left -= len(new)
+            r.generated += new
+            self.tokens += len(new)
             done = r.left == 0
             if done:
                 self.running.remove(r)
@@ -86,14 +93,14 @@ class InstantEngine:
                                   num_prompt=r.n_prompt, generated=r.generated, preemptions=0,
                                   stats=SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
                                                         accepted_per_pos=[]))
-            outs.append(SimpleNamespace(seq=seq, new_tokens=[self.token], finished=done, logprobs=None))
+            outs.append(SimpleNamespace(seq=seq, new_tokens=new, finished=done, logprobs=None))
         return outs
 
 
-def rank_main(link: dict, max_seqs: int, step_s: float, token: int, result_q) -> None:
+def rank_main(link: dict, max_seqs: int, step_s: float, token: int, per_step: int, result_q) -> None:
     from specdp_cli.server.rank import serve_rank
 
-    engine = InstantEngine(max_seqs, step_s, token)
+    engine = InstantEngine(max_seqs, step_s, token, per_step)
     dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
     serve_rank(engine, dp, {"link": link})
     span = (engine.last - engine.first) if engine.first else 0.0
@@ -118,6 +125,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--step-ms", type=float, default=0.0)
+    ap.add_argument("--tokens-per-step", type=int, default=1, help="tokens a request gets a step (drafts accepted)")
     ap.add_argument("--port", type=int, default=8391)
     ap.add_argument("--profile", help="write cProfile's statistics of the frontend's event loop here")
     ap.add_argument("--json")
@@ -140,7 +148,7 @@ def main() -> None:
     frontend.link = link
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    rank = ctx.Process(target=rank_main, args=(link.spec, a.streams, a.step_ms / 1000, token, results), daemon=True)
+    rank = ctx.Process(target=rank_main, args=(link.spec, a.streams, a.step_ms / 1000, token, a.tokens_per_step, results), daemon=True)
     rank.start()
     if not link.wait_connected(60):
         sys.exit("the rank did not connect")
@@ -183,6 +191,7 @@ def main() -> None:
     b = measured["bench"]
     tokens = b["total_output_tokens"]
     res = {"streams": a.streams, "requests": a.requests, "max_tokens": a.max_tokens, "step_ms": a.step_ms,
+           "tokens_per_step": a.tokens_per_step, "rank_steps": r["rank_steps"],
            "served_tok_s": b["output_throughput"], "rank_offered_tok_s": r["rank_tokens"] / max(r["rank_span_s"], 1e-9),
            "frontend_cpu_us_per_token": 1e6 * measured["frontend_cpu_s"] / max(tokens, 1),
            "client_cpu_us_per_token": 1e6 * measured["client_cpu_s"] / max(tokens, 1),
