@@ -167,7 +167,7 @@ memory)
 serve)
   # served vs offline (same config and prompts), then 1,500-token shared prefixes with caching on and off
   # (PART=1 / 2 / 3 run one part each: a call's time box; WORKERS=1,2: each count of load-generating
-  # processes measured on the same server)
+  # processes measured on the same server; PART=4: offline and served eagle under py-spy, needs its wheel in .whl)
   m=none,draft_model; [ -d $P/eagle ] && m=$m,eagle
   if [ "${PART:-1}" = 1 ]; then
     timeout 540 python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers ${WORKERS:-1} --work /tmp/sw1 \
@@ -183,6 +183,35 @@ serve)
   if [ "${PART:-3}" = 3 ]; then
     widen && timeout 240 python3 benchmarks/serve_bench.py --pair $P --target $W/target --methods none,draft_model \
       --concurrency 16 --requests 64 --label 8b --work /tmp/sw3 --json "$out/serve_8b.json" 2>&1 | tail -4
+  fi
+  if [ "${PART:-}" = 4 ]; then       # where served eagle's steps go: offline and served eagle under py-spy
+    # (py-spy from .whl; host samples of each side's Python, benchmarks/pyspy_summary.py), 8 passes over the prompts
+    export PATH=/tmp/site/bin:$PATH
+    timeout 150 py-spy record -r 500 -f raw -o "$out/pyspy_offline_eagle.txt" -- python3 benchmarks/offline.py \
+      --pair $P --requests 256 --batches 32 --repeats 8 --methods eagle --label offline-eagle \
+      --json "$out/offline_eagle_x8.json" > /tmp/off4.log 2>&1 || tail -5 /tmp/off4.log
+    sed -n '/^method/,$p' /tmp/off4.log
+    timeout 200 python3 benchmarks/serve_bench.py --pair $P --methods eagle --requests 2048 --rounds 1 --no-offline \
+      --work /tmp/sw4 --json "$out/serve_eagle_x8.json" > /tmp/sw4.log 2>&1 &
+    sb=$!
+    # the measured round has begun once the rank has generated more than the warm-up's 32 x 128 tokens
+    python3 - <<'PY'
+import time, urllib.request
+for _ in range(300):
+    try:
+        text = urllib.request.urlopen("http://127.0.0.1:8321/metrics", timeout=2).read().decode()
+        if sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
+               if l.startswith("specdp:generation_tokens_total")) > 8000:
+            break
+    except OSError:
+        pass
+    time.sleep(0.2)
+PY
+    timeout 20 py-spy record -r 500 -f raw -d 2 -p "$(pgrep -n -f specdp_cli.rank)" -o "$out/pyspy_served_eagle.txt" \
+      > /tmp/pyspy_served.log 2>&1 || tail -3 /tmp/pyspy_served.log
+    wait $sb; tail -2 /tmp/sw4.log
+    python3 benchmarks/pyspy_summary.py "$out/pyspy_offline_eagle.txt" --under "run (offline.py)" --top 25
+    python3 benchmarks/pyspy_summary.py "$out/pyspy_served_eagle.txt" --under "serve_rank (" --top 25
   fi
   tail -3 /tmp/sw*/server_*.log > "$out/server_logs.txt" 2>/dev/null
   ;;
