@@ -148,7 +148,8 @@ def main() -> None:
     frontend.link = link
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    rank = ctx.Process(target=rank_main, args=(link.spec, a.streams, a.step_ms / 1000, token, a.tokens_per_step, results), daemon=True)
+    rank = ctx.Process(target=rank_main, args=(link.spec, a.streams, a.step_ms / 1000, token, a.tokens_per_step, results),
+                       daemon=True)
     rank.start()
     if not link.wait_connected(60):
         sys.exit("the rank did not connect")

@@ -155,8 +155,8 @@ def summarize(rank_reports: list[dict], new_records: list[dict], wall_s: float |
         "startup": startup,
         "launch_phases": launch,
         "ranks": [{**{k: r.get(k) for k in ("rank", "requests", "steps", "padding_steps", "skipped_drafter_steps",
-                                            "generated_tokens", "preemptions", "planned_ahead", "chunk_steps", "weight_bytes",
-                                            "expert_weight_bytes", "graphs", "gc_collections", "gc_pause_s",
+                                            "generated_tokens", "preemptions", "planned_ahead", "chunk_steps",
+                                            "weight_bytes", "expert_weight_bytes", "graphs", "gc_collections", "gc_pause_s",
                                             "prefix_cache")},
                    **rank_times(r, min(starts) if starts else None)} for r in rank_reports],
     }
