@@ -512,10 +512,10 @@ class Engine:
         the host's time). Otherwise that step is completed first (step returns its outputs)."""
         if self._inflight is not None:
             sc = self.scheduler
-            hold = {s for s in sc.running if s.pending and not (sc.settled(s) and self.drafter.feeds_on_device(s))}
-            if (self.faults.frozen_id is None and len(hold) * 4 <= len(sc.running)
-                    and not any(s.req.special or s.req.grammar is not None for s in sc.running)):
-                plan = self.scheduler.schedule(preempt=False, hold=hold)
+            if self.faults.frozen_id is None and not any(s.req.special or s.req.grammar is not None
+                                                         for s in sc.running):
+                hold = {s for s in sc.running if s.pending and not (sc.settled(s) and self.drafter.feeds_on_device(s))}
+                plan = sc.schedule(preempt=False, hold=hold) if len(hold) * 4 <= len(sc.running) else None
                 if plan is not None and (plan.decode or plan.prefill):
                     self.counters.planned_ahead += 1
                     return plan
@@ -583,10 +583,11 @@ class Engine:
         for s, _start, end in sched.plan.prefill:     # the prompt positions the step writes
             s.target_len = end
             self.scheduler.commit(s)
+        proposes = self._proposes(ctx)
         if self.async_sched:
             # the tokens each row emits count in its sequence's L until they are read, every draft as accepted
             # (`unsure`: how many may not be); an EAGLE head's / MTP layer's proposals stand as K placeholders
-            proposed = [PENDING] * sizes.K if self._proposes(ctx) else None
+            proposed = [PENDING] * sizes.K if proposes else None
             for i, r in enumerate(rows):
                 if i < n_decode or r.done:
                     s = r.seq
@@ -595,7 +596,7 @@ class Engine:
                     s.pending_row, s.unsure = i, r.n_drafts
                     if proposed is not None:
                         s.next_drafts = proposed
-        return LaunchedStep(sched, sizes, host, event, self._proposes(ctx),
+        return LaunchedStep(sched, sizes, host, event, proposes,
                             tuple(t[:len(rows)] for t in logprobs) if logprobs is not None else None)
 
     def _complete(self) -> list[StepOutput]:

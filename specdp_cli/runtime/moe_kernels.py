@@ -21,11 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_kernels import _add_residual, _norm_row, norm_warps
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+from .triton_kernels import _add_residual, _norm_row, _pow2, norm_warps
 
 
 @triton.jit
