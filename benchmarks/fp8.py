@@ -8,7 +8,7 @@ Targets: --target DIR (e.g. the 8B shape, benchmarks/widen.py), or --moe-shape q
 moe_shapes.py into --work; prompts cut to --prompt-len tokens so decoding dominates).
 
 Usage: python benchmarks/fp8.py --pair .bench/codepair (--target DIR | --moe-shape qwen3_30b_a3b --work DIR)
-           [--prompts 16] [--batches 1,16] [--new 128] [--repeats 3] --json OUT.json
+           [--prompts 16] [--batches 1,16] [--new 128] [--repeats 3] [--trace PREFIX] --json OUT.json
 """
 from __future__ import annotations
 
@@ -62,6 +62,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--decode-modes", default="quantize",
                     help="fp8 rows per decode activation mode of fp8_kernels (quantize, fused, weight_only, gemv)")
+    ap.add_argument("--trace", default="", help="a Chrome trace of a few decode steps per row (torch.profiler), at this "
+                    "path + _QUANT_bB.json (benchmarks/kernel_timeline.py reads it)")
     ap.add_argument("--label", default="")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
@@ -111,6 +113,8 @@ def main() -> None:
                                                              if r["batch"] == B and r["quantization"] == "bf16")
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if a.trace:
+                offline.profile(engine, use[:B], a.new, trace=f"{a.trace}_{quant or 'bf16'}{'_' + mode if mode else ''}_b{B}.json")
         del engine
         torch.cuda.empty_cache()
     meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,

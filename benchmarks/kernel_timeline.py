@@ -33,6 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
     ap.add_argument("--steps", type=int, default=20, help="the last N replays are summarised")
+    ap.add_argument("--order", type=int, default=40, help="kernels of one replay listed in order")
     ap.add_argument("--json")
     a = ap.parse_args()
     kernels, launches = load(a.trace)
@@ -53,6 +54,10 @@ def main() -> None:
         gaps = [g[i]["ts"] - (g[i - 1]["ts"] + g[i - 1]["dur"]) if i else 0.0 for g in groups]
         rows.append({"i": i, "name": groups[0][i]["name"], "dur_us": statistics.median(durs),
                      "gap_before_us": statistics.median(gaps)})
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"kernels_per_replay": n, "span_us": span, "busy_us": busy, "between_us": between,
+                       "rows": rows}, fh, indent=1)
     by_name = collections.defaultdict(lambda: [0, 0.0, 0.0])
     for r in rows:
         short = r["name"][:70]
@@ -63,12 +68,8 @@ def main() -> None:
     for name, (c, d, g) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
         print(f"{name:<72}{c:>6}{d:>9.1f}{g:>9.1f}")
     print("\none replay in order (median us):")
-    for r in rows[:40]:
+    for r in rows[:a.order]:
         print(f"{r['i']:>4} {r['dur_us']:>7.1f} gap {r['gap_before_us']:>5.1f}  {r['name'][:90]}")
-    if a.json:
-        with open(a.json, "w") as fh:
-            json.dump({"kernels_per_replay": n, "span_us": span, "busy_us": busy, "between_us": between,
-                       "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -175,6 +175,7 @@ def main() -> None:
                 engine.scheduler.max_num_seqs = B          # the batch size: at most B sequences run at once
                 run(engine, prompts[:2], 8)                # warm-up
                 runs = []
+                print(f"# measuring {method} at batch {B}: {a.repeats} run(s)", flush=True)   # (a profiler waits for it)
                 for _ in range(a.repeats):
                     engine.counters = RankCounters()
                     done, secs = run(engine, prompts, a.new)

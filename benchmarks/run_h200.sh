@@ -35,6 +35,21 @@ offline() {   # NAME ARGS...: one benchmarks/offline.py run on GPU 0, JSON in OU
   CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/offline.py "$@" --json "$out/$name.json" > /tmp/$name.log 2>&1 \
     || { echo "== $name failed"; tail -20 /tmp/$name.log; }
 }
+measured_round_begun() {   # a serve_bench.py run's measured round has begun: the rank has generated more than
+  # the warm-up's 32 x 128 tokens (its /metrics)
+  python3 - <<'PY'
+import time, urllib.request
+for _ in range(300):
+    try:
+        text = urllib.request.urlopen("http://127.0.0.1:8321/metrics", timeout=2).read().decode()
+        if sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
+               if l.startswith("specdp:generation_tokens_total")) > 8000:
+            break
+    except OSError:
+        pass
+    time.sleep(0.2)
+PY
+}
 case "$stage" in
 all)
   # everything in one lease: GPU 1 runs the Hugging Face rows (and builds the 8B-shaped target)
@@ -167,7 +182,8 @@ memory)
 serve)
   # served vs offline (same config and prompts), then 1,500-token shared prefixes with caching on and off
   # (PART=1 / 2 / 3 run one part each: a call's time box; WORKERS=1,2: each count of load-generating
-  # processes measured on the same server; PART=4: offline and served eagle under py-spy, needs its wheel in .whl)
+  # processes measured on the same server; PART=4: offline and served eagle under py-spy, needs its wheel in .whl;
+  # PART=5: the CPU each process of served and offline eagle gets; PART=6: offline eagle beside busy cores)
   m=none,draft_model; [ -d $P/eagle ] && m=$m,eagle
   if [ "${PART:-1}" = 1 ]; then
     timeout 540 python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers ${WORKERS:-1} --work /tmp/sw1 \
@@ -184,34 +200,76 @@ serve)
     widen && timeout 240 python3 benchmarks/serve_bench.py --pair $P --target $W/target --methods none,draft_model \
       --concurrency 16 --requests 64 --label 8b --work /tmp/sw3 --json "$out/serve_8b.json" 2>&1 | tail -4
   fi
-  if [ "${PART:-}" = 4 ]; then       # where served eagle's steps go: offline and served eagle under py-spy
-    # (py-spy from .whl; host samples of each side's Python, benchmarks/pyspy_summary.py), 8 passes over the prompts
+  if [ "${PART:-}" = 4 ]; then       # where served and offline eagle's steps go: each side's rank sampled by py-spy for
+    # 2 s of its measured run without pausing it (--nonblocking: waits for the device show as such), the GPU's SM clock
+    # and utilization beside it (nvidia-smi every 100 ms); py-spy from .whl, summaries by benchmarks/pyspy_summary.py
     export PATH=/tmp/site/bin:$PATH
-    timeout 150 py-spy record -r 500 -f raw -o "$out/pyspy_offline_eagle.txt" -- python3 benchmarks/offline.py \
-      --pair $P --requests 256 --batches 32 --repeats 8 --methods eagle --label offline-eagle \
-      --json "$out/offline_eagle_x8.json" > /tmp/off4.log 2>&1 || tail -5 /tmp/off4.log
-    sed -n '/^method/,$p' /tmp/off4.log
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,utilization.gpu,power.draw --format=csv,noheader -lms 100 \
+      > /tmp/smi.csv 2>/dev/null &
+    smi=$!
+    spy() {   # NAME PID: 2 s of samples
+      timeout 20 py-spy record --nonblocking --idle -r 250 -f raw -d 2 -p "$2" -o "$out/pyspy_$1.txt" > /tmp/spy_$1.log 2>&1 \
+        || tail -3 /tmp/spy_$1.log
+      echo "== $1: GPU over the window (SM MHz, util %)"; tail -n 20 /tmp/smi.csv | awk -F', ' '{c+=$2; u+=$4; n++} END {print c/n, u/n}'
+    }
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/offline.py --pair $P --requests 256 --batches 32 --repeats 16 \
+      --methods eagle --label offline-eagle --json "$out/offline_eagle_x16.json" > /tmp/off4.log 2>&1 &
+    ob=$!
+    for i in $(seq 900); do grep -q "^# measuring" /tmp/off4.log && break; sleep 0.1; done
+    spy offline_eagle "$(pgrep -n -f benchmarks/offline.py)"
+    wait $ob; sed -n '/^method/,$p' /tmp/off4.log
     timeout 200 python3 benchmarks/serve_bench.py --pair $P --methods eagle --requests 2048 --rounds 1 --no-offline \
       --work /tmp/sw4 --json "$out/serve_eagle_x8.json" > /tmp/sw4.log 2>&1 &
     sb=$!
-    # the measured round has begun once the rank has generated more than the warm-up's 32 x 128 tokens
-    python3 - <<'PY'
-import time, urllib.request
-for _ in range(300):
-    try:
-        text = urllib.request.urlopen("http://127.0.0.1:8321/metrics", timeout=2).read().decode()
-        if sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines()
-               if l.startswith("specdp:generation_tokens_total")) > 8000:
-            break
-    except OSError:
-        pass
-    time.sleep(0.2)
-PY
-    timeout 20 py-spy record -r 500 -f raw -d 2 -p "$(pgrep -n -f specdp_cli.rank)" -o "$out/pyspy_served_eagle.txt" \
-      > /tmp/pyspy_served.log 2>&1 || tail -3 /tmp/pyspy_served.log
-    wait $sb; tail -2 /tmp/sw4.log
-    python3 benchmarks/pyspy_summary.py "$out/pyspy_offline_eagle.txt" --under "run (offline.py)" --top 25
-    python3 benchmarks/pyspy_summary.py "$out/pyspy_served_eagle.txt" --under "serve_rank (" --top 25
+    measured_round_begun
+    spy served_eagle "$(pgrep -n -f specdp_cli.rank)"
+    wait $sb; tail -1 /tmp/sw4.log
+    kill $smi
+    python3 -c "import json; r = json.load(open('$out/serve_eagle_x8.json'))['rows'][0]; print('served', round(r['served_tok_s']), 'tok/s', round(r['served_ms_per_step'], 3), 'ms/step')"
+    python3 benchmarks/pyspy_summary.py "$out/pyspy_offline_eagle.txt" --under "run (offline.py)" --top 22
+    python3 benchmarks/pyspy_summary.py "$out/pyspy_served_eagle.txt" --under "serve_rank (" --top 22
+  fi
+  if [ "${PART:-}" = 5 ]; then       # the CPU of served eagle's processes (benchmarks/proc_cpu.py), then offline's;
+    # PIN=1: the rank's threads on CPUs 8-15, the frontend and the client on 0-7
+    nproc; cat /sys/fs/cgroup/cpu.max 2>/dev/null; lscpu | grep -E "^CPU\(s\)|Thread|Core|Socket|Model name|MHz"
+    for pin in ${PINS:-0 1}; do
+      pre=""; [ "$pin" = 1 ] && pre="taskset -c 0-7"
+      timeout 200 $pre python3 benchmarks/serve_bench.py --pair $P --methods eagle --requests 2048 --rounds 1 --no-offline \
+        --work /tmp/sw5_$pin --json "$out/serve_eagle_pin$pin.json" > /tmp/sw5.log 2>&1 &
+      sb=$!
+      if [ "$pin" = 1 ]; then
+        for i in $(seq 300); do r=$(pgrep -n -f specdp_cli.rank) && break; sleep 0.2; done
+        taskset -a -p -c 8-15 "$r" > /dev/null
+      fi
+      measured_round_begun
+      python3 benchmarks/proc_cpu.py --seconds 2 --json "$out/proc_cpu_served_pin$pin.json"
+      wait $sb; tail -1 /tmp/sw5.log
+      python3 -c "import json; r = json.load(open('$out/serve_eagle_pin$pin.json'))['rows'][0]; print('served pin $pin', round(r['served_tok_s']), 'tok/s', round(r['served_ms_per_step'], 3), 'ms/step')"
+    done
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/offline.py --pair $P --requests 256 --batches 32 --repeats 16 \
+      --methods eagle --label offline-eagle --json "$out/offline_eagle_cpu.json" > /tmp/off5.log 2>&1 &
+    ob=$!
+    for i in $(seq 600); do grep -q "^# measuring" /tmp/off5.log && break; sleep 0.1; done
+    python3 benchmarks/proc_cpu.py --seconds 2 --json "$out/proc_cpu_offline.json"
+    wait $ob; sed -n '/^method/,$p' /tmp/off5.log
+  fi
+  if [ "${PART:-}" = 6 ]; then       # offline eagle with 0, 2 and 4 other processes busy on the CPU (Python loops, as a
+    # frontend and a client are): does a host-bound step slow down when other cores work?
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/offline.py --pair $P --requests 256 --batches 32,32,32 --repeats 8 \
+      --methods eagle --label offline-eagle-busy --json "$out/offline_eagle_busy.json" > /tmp/off6.log 2>&1 &
+    ob=$!
+    burn() { timeout 120 python3 -c "
+import time
+t = time.time()
+while time.time() - t < 110:
+    d = {i: str(i) for i in range(2000)}" & }
+    for n in 1 2; do       # two more after each row (a row's JSON line)
+      for i in $(seq 900); do [ "$(grep -c '^{' /tmp/off6.log)" -ge $n ] && break; sleep 0.1; done
+      burn; burn
+    done
+    for i in $(seq 900); do [ "$(grep -c '^# measuring' /tmp/off6.log)" -ge 3 ] && break; sleep 0.1; done
+    python3 benchmarks/proc_cpu.py --seconds 1 --top 6 | head -8
+    wait $ob; pkill -f "d = {i: str" ; sed -n '/^method/,$p' /tmp/off6.log
   fi
   tail -3 /tmp/sw*/server_*.log > "$out/server_logs.txt" 2>/dev/null
   ;;
@@ -438,7 +496,8 @@ fp8)
   # issue 30 (FP8). PART=1: the FP8 GPU tests, then the block-scaled GEMM against cuBLAS's and bf16 (with a decode
   # tile sweep). PART=2: the 8B shape bf16 vs FP8 quantized at load (batch 1 and 16, median of 3, greedy agreement),
   # then the Qwen3-30B-A3B shape bf16 vs FP8 at batch 1 (FP8 rows per decode activation mode, FP8_DECODE_MODES).
-  # Without PART: both; PART=gemm: both without the tests (SWEEP= leaves the tile sweep out).
+  # Without PART: both; PART=gemm: both without the tests (SWEEP= leaves the tile sweep out). PART=trace: kernel
+  # timelines of the 8B shape's batch-1 step in bf16 and FP8 (FP8_DECODE_MODES).
   case "${PART:-all}" in 1|all|gemm)
     [ "${PART:-all}" != gemm ] && timeout 300 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k fp8 > "$out/gpu_tests_fp8.log" 2>&1
     [ "${PART:-all}" != gemm ] && tail -15 "$out/gpu_tests_fp8.log"
@@ -446,6 +505,16 @@ fp8)
       || tail -20 "$out/fp8_gemm.log"
     grep -E "^sweep|^shape|^8b|^a3b" "$out/fp8_gemm.log" ;;
   esac
+  if [ "${PART:-all}" = trace ]; then     # the 8B shape's batch-1 step, bf16 and FP8, kernel by kernel
+    widen || exit 1
+    timeout 300 python3 benchmarks/fp8.py --pair $P --target $W/target --label 8b-shape --prompts 1 --batches 1 --new 64 \
+      --repeats 1 --decode-modes ${FP8_DECODE_MODES:-quantize} --trace /tmp/fp8trace --json "$out/fp8_8b_trace.json" \
+      > "$out/fp8_8b_trace.log" 2>&1 || tail -20 "$out/fp8_8b_trace.log"
+    grep "^profile:" "$out/fp8_8b_trace.log"
+    for f in /tmp/fp8trace_*_b1.json; do
+      echo "== $f"; python3 benchmarks/kernel_timeline.py "$f" --order ${ORDER:-12} --json "$out/kernel_timeline_$(basename "$f")"
+    done
+  fi
   case "${PART:-all}" in 2|all|gemm)
     widen || exit 1
     timeout 330 python3 benchmarks/fp8.py --pair $P --target $W/target --label 8b-shape --prompts 16 --batch1-prompts 8 \
