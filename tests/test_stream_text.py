@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from specdp_cli.modeldir import load_tokenizer
-from specdp_cli.server.frontend import IncrementalText
+from specdp_cli.server.frontend import IncrementalText, text_decoder
 from specdp_cli.server.link import Frames
 
 DEMO = Path(__file__).resolve().parent.parent / "demo" / "pair" / "target"
@@ -62,6 +62,12 @@ def test_streamed_text_is_the_whole_decode(tokenizer, seed):
         sent = "".join(stream.add(p) for p in parts[:-1])
         assert whole.startswith(sent)
         assert sent + stream.finish(parts[-1], None) == whole
+
+
+def test_fast_tokenizers_decode_without_the_wrapper(tokenizer):
+    """Both tokenizers are fast ones: the streams above went through the Rust decode directly, and gave the
+    wrapper's text (`full`)."""
+    assert text_decoder(tokenizer).__name__ == "fast"
 
 
 def test_held_back_stop_string_and_its_cut(tokenizer):

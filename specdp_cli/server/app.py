@@ -19,7 +19,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from .frontend import Event, Frontend, IncrementalText, Inflight
+from .frontend import Event, Frontend, IncrementalText, Inflight, text_decoder
 from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import CONTENT_TYPE
 from .protocol import APIError, GenRequest, parse_json, parse_request
@@ -217,7 +217,7 @@ async def _collect(frontend: Frontend, infs: list[Inflight], req: GenRequest, to
     choices = []
     asked = req.params.get("logprobs") is not None
     for i, (inf, ev) in enumerate(zip(infs, events)):
-        text = tokenizer.decode(tokens[inf.id], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        text = text_decoder(tokenizer)(tokens[inf.id])
         text = text[:ev.stop_text_end] if ev.stop_text_end is not None else text
         if req.chat:
             lp = chat_logprobs(tokenizer, tokens[inf.id], logprobs[inf.id]) if asked else None
