@@ -612,7 +612,9 @@ class Engine:
         """A launched step's results on the host (waiting for its device work)."""
         if launched.event is not None:
             launched.event.synchronize()
-        table = launched.table.numpy() if launched.table is not None else ()
+        # as Python lists in one call: the bookkeeping reads every element (per-element numpy scalars cost ~10 %
+        # of a host-bound step's time at batch 32)
+        table = launched.table.numpy().tolist() if launched.table is not None else ()
         logprobs = tuple(t.cpu().numpy() for t in launched.logprobs) if launched.logprobs is not None else None
         return DeviceResult(table, launched.sizes.T_dec, launched.proposed, logprobs)
 
@@ -667,7 +669,7 @@ class Engine:
                 # async scheduling: the placeholders of a step launched after this one stay
                 later = max(s.drop_pending() - 1 - row.n_drafts, 0)
                 new = [] if frozen is not None and i < n_decode and s.req.id == frozen else \
-                    [int(t) for t in res[:res[W]]]
+                    res[:res[W]]
                 out = self._accept(s, row.n_drafts, new, self._logprobs(result.logprobs, i, row, new))
                 outputs.append(out)
                 if later and not out.finished:
@@ -677,9 +679,9 @@ class Engine:
                 else:
                     s.unsure = 0
                 if row.n_drafts:
-                    verified.append((row.n_drafts, int(res[W]) - 1))
+                    verified.append((row.n_drafts, res[W] - 1))
                 if result.proposed and not later:     # (with a later step: its proposals, on the device)
-                    row.seq.next_drafts = [int(t) for t in res[W + 1:]]
+                    row.seq.next_drafts = res[W + 1:]
         sl = self.spec_len
         sl.used[sched.k] += 1
         if sl.adaptive:                     # read in by `_plan_k` while the next step runs

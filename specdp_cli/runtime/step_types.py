@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-import numpy as np
-
 from .scheduler import Sequence, StepPlan
 from .step_inputs import RowSpec, StepInputs
 
@@ -69,9 +67,9 @@ class StepContext:
 
 @dataclass(slots=True)
 class DeviceResult:
-    """The execute phase's output, on the host: per row its tokens [:W], how many count (column W) and the
-    drafts proposed for its next step (columns W + 1..; an EAGLE head or MTP layer)."""
-    table: np.ndarray
+    """The execute phase's output, on the host: per row (a list of ints) its tokens [:W], how many count
+    (column W) and the drafts proposed for its next step (columns W + 1..; an EAGLE head or MTP layer)."""
+    table: list | tuple
     W: int
     proposed: bool
     logprobs: tuple | None = None     # (emitted tokens' log-probabilities [n, W], top ids [n, W, k], top values)
