@@ -194,7 +194,8 @@ def _exact_activations(M: int, K: int, seed: int) -> torch.Tensor:
 
 def interpreted_kernel_checks() -> None:
     """fp8_kernels.py under Triton's interpreter (TRITON_INTERPRET=1, CPU): the quantization's scales and values
-    and the block-scaled GEMM (every tile path: activations quantized inside or before or not at all, split K, per-row
+    and the block-scaled GEMM (every tile path: activations quantized inside or before or not at all, split K summed
+    by the tile's last program or by a second kernel, per-row
     weight scales, partial blocks, bias) against float64 torch. Inputs quantize without rounding because the
     interpreter's float8 conversion rounds some values below a power of two down a binade (the GPU's does not:
     tests/test_gpu.py checks random inputs there)."""
@@ -218,9 +219,15 @@ def interpreted_kernel_checks() -> None:
         tile = {**fk.tiles(M, N, K, 132), "SPLIT": split}
         for xs in (None, fk.quantize_activations(x)[1]):
             xin = x if xs is None else fk.quantize_activations(x)[0]
-            y = fk.block_fp8_gemm(xin, wq, ws, rows, b, x_scale=xs, out_dtype=torch.float32, tile=tile)
-            err = ((y.double() - ref).norm() / ref.norm()).item()
-            assert err < 1e-6, (M, N, K, rows, split, xs is None, err)
+            ys = []
+            for fk.SPLITK_TICKETS in (True, False):      # split K summed by the last program, or by a second kernel
+                ys.append(fk.block_fp8_gemm(xin, wq, ws, rows, b, x_scale=xs, out_dtype=torch.float32, tile=tile))
+                err = ((ys[-1].double() - ref).norm() / ref.norm()).item()
+                assert err < 1e-6, (M, N, K, rows, split, xs is None, fk.SPLITK_TICKETS, err)
+            fk.SPLITK_TICKETS = True
+            assert torch.equal(ys[0], ys[1])
+            if split > 1:                                # every tile's ticket counter is back at zero
+                assert not fk._TICKETS[None].any()
         y = fk.block_fp8_gemm(x, wq, ws, rows, b, out_dtype=torch.float32, tile=tile, mode="weight_only")
         assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6
     print("interpreted fp8 kernels: ok")
