@@ -1,7 +1,8 @@
 """The block-scaled FP8 GEMM (runtime/fp8_kernels.py) against cuBLAS's (torch's scaled_mm with 1x128 / 128x128
 block scales, where this torch and GPU run it) and against bf16 F.linear, at decode and prefill row counts, on
 the 8B shape's (Llama-3-8B) and the Qwen3-30B-A3B shape's dense projections. Each time is triton.testing.do_bench's
-median (activation quantization included: what a layer pays); GB/s counts the weight bytes read once.
+median (activation quantization included: what a layer pays; "+sum krn": split K summed by a second kernel, the
+path before the tile's last program summed it); GB/s counts the weight bytes read once.
 With --sweep, the GEMV's tiles (BLOCK_N x groups a step x warps / stages) at M = 1, 4, 16 and the GEMM's decode
 tiles (BLOCK_N x split K) at M = 1 and 16.
 
@@ -40,6 +41,15 @@ def bench(fn, calls: int = 20) -> float:
     return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median") / calls
 
 
+def sum_kernel(fn) -> float:
+    """bench(fn) with split K's partial sums added by a second kernel (the path before fp8_kernels.SPLITK_TICKETS)."""
+    fk.SPLITK_TICKETS = False
+    try:
+        return bench(fn)
+    finally:
+        fk.SPLITK_TICKETS = True
+
+
 def quantized(x, wq, ws):
     x_q, x_s = fk.quantize_activations(x)
     return fk.block_fp8_gemm(x_q, wq, ws, 128, x_scale=x_s, out_dtype=x.dtype)
@@ -63,6 +73,7 @@ def main() -> None:
             r = {"shape": name, "N": N, "K": K, "M": M,
                  "bf16_ms": bench(lambda: F.linear(x, w)),
                  "triton_ms": bench(lambda: quantized(x, wq, ws)),
+                 "triton_sum_kernel_ms": sum_kernel(lambda: quantized(x, wq, ws)) if M <= 64 else None,
                  "fused_ms": bench(lambda: fk.block_fp8_gemm(x, wq, ws, 128)) if M <= 64 else None,
                  "w8a16_ms": bench(lambda: fk.block_fp8_gemm(x, wq, ws, 128, mode="weight_only")) if M <= 64 else None,
                  "gemv_ms": bench(lambda: fk.block_fp8_gemv(x, wq, ws, 128)) if M <= 16 else None,
@@ -120,13 +131,13 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'shape':<12}{'M':>6}{'bf16 us':>10}{'triton us':>11}{'gemv us':>9}{'fused us':>10}{'w8a16 us':>10}{'cublas us':>11}"
+    print(f"{'shape':<12}{'M':>6}{'bf16 us':>10}{'triton us':>11}{'+sum krn':>9}{'gemv us':>9}{'fused us':>10}{'w8a16 us':>10}{'cublas us':>11}"
           f"{'triton GB/s':>13}{'bf16 GB/s':>11}")
 
     def us(v):
         return f"{v * 1e3:.1f}" if v is not None else "-"
     for r in rows:
-        print(f"{r['shape']:<12}{r['M']:>6}{us(r['bf16_ms']):>10}{us(r['triton_ms']):>11}{us(r['gemv_ms']):>9}{us(r['fused_ms']):>10}"
+        print(f"{r['shape']:<12}{r['M']:>6}{us(r['bf16_ms']):>10}{us(r['triton_ms']):>11}{us(r.get('triton_sum_kernel_ms')):>9}{us(r['gemv_ms']):>9}{us(r['fused_ms']):>10}"
               f"{us(r['w8a16_ms']):>10}{us(r['cublas_ms']):>11}{r['triton_GBps']:>13.0f}{r['bf16_GBps']:>11.0f}")
 
 
