@@ -8,7 +8,8 @@ Targets: --target DIR (e.g. the 8B shape, benchmarks/widen.py), or --moe-shape q
 moe_shapes.py into --work; prompts cut to --prompt-len tokens so decoding dominates).
 
 Usage: python benchmarks/fp8.py --pair .bench/codepair (--target DIR | --moe-shape qwen3_30b_a3b --work DIR)
-           [--prompts 16] [--batches 1,16] [--new 128] [--repeats 3] [--trace PREFIX] --json OUT.json
+           [--prompts 16] [--batches 1,16] [--new 128] [--repeats 3] [--trace PREFIX]
+           [--decode-modes quantize,quantize-unfused] --json OUT.json
 """
 from __future__ import annotations
 
@@ -61,7 +62,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--decode-modes", default="quantize",
-                    help="fp8 rows per decode activation mode of fp8_kernels (quantize, fused, weight_only, gemv)")
+                    help="fp8 rows per decode activation mode of fp8_kernels (quantize, fused, weight_only, gemv; "
+                    "quantize-unfused: quantize with FUSE_DECODE_QUANT off, the norms' and silu_and_mul's outputs "
+                    "quantized by their own kernel, as before)")
     ap.add_argument("--trace", default="", help="a Chrome trace of a few decode steps per row (torch.profiler), at this "
                     "path + _QUANT_bB.json (benchmarks/kernel_timeline.py reads it)")
     ap.add_argument("--label", default="")
@@ -87,7 +90,8 @@ def main() -> None:
     from specdp_cli.runtime import fp8_kernels
     for quant, mode in [(None, None)] + [("fp8", m) for m in a.decode_modes.split(",")]:
         if mode:
-            fp8_kernels.DECODE_MODE = mode
+            fp8_kernels.DECODE_MODE = mode.removesuffix("-unfused")
+            fp8_kernels.FUSE_DECODE_QUANT = not mode.endswith("-unfused")
         t = time.perf_counter()
         engine, memory = build(a, target, tokenizer, quant, max(batches))
         build_s = time.perf_counter() - t
@@ -122,10 +126,10 @@ def main() -> None:
             "argv": sys.argv[1:]}
     with open(a.json, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-    print(f"{'quant':<6}{'decode':>12}{'batch':>6}{'tok/s':>10}{'x bf16':>8}{'GB read':>9}{'identical':>11}{'1st diff (median)':>19}")
+    print(f"{'quant':<6}{'decode':>18}{'batch':>6}{'tok/s':>10}{'x bf16':>8}{'GB read':>9}{'identical':>11}{'1st diff (median)':>19}")
     for r in rows:
         g = r.get("greedy_vs_bf16") or {}
-        print(f"{r['quantization']:<6}{str(r['decode_mode'] or '-'):>12}{r['batch']:>6}{r['tok_s']:>10.1f}{r.get('speedup_vs_bf16', 1.0):>8.2f}"
+        print(f"{r['quantization']:<6}{str(r['decode_mode'] or '-'):>18}{r['batch']:>6}{r['tok_s']:>10.1f}{r.get('speedup_vs_bf16', 1.0):>8.2f}"
               f"{(r['active_bytes'] or 0) / 1e9:>9.2f}{g.get('identical', '-'):>11}"
               f"{str(g.get('first_divergence_median', '-')):>19}")
     if bw:

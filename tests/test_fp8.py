@@ -332,3 +332,41 @@ def test_quantization_fp8_preflight(tmp_path, models, fp8, monkeypatch):
                    else 2 * torch.Size(s).numel() for n, (_, s) in md.tensor_headers.items())
     assert md.weight_bytes("bfloat16", fp8=True) == expected
     assert r8.plan.memory["weight_bytes"] - r16.plan.memory["weight_bytes"] == expected - md.weight_bytes("bfloat16")
+
+
+def test_fused_quant_wanted_decides_by_shapes_and_settings(monkeypatch):
+    """Where a norm / activation kernel hands an FP8 linear its output quantized (fp8_kernels.fused_quant_wanted):
+    CUDA activations at decode rows (M <= 64) for a weight kept FP8 with K a multiple of 128, DECODE_MODE
+    "quantize" and FUSE_DECODE_QUANT; never on CPU (ops.fused_quant_wanted), for a plain weight, more rows, other K,
+    other decode modes, or with the switch off."""
+    from specdp_cli.runtime import fp8_kernels as fk, ops
+    from specdp_cli.runtime.models.quant import FP8Weight
+
+    class Cuda:                                   # stands for a CUDA tensor: what the decision reads of it
+        is_cuda = True
+
+        def __init__(self, M, K, dtype=torch.bfloat16):
+            self.shape, self.dtype = (M, K), dtype
+
+        def dim(self):
+            return 2
+
+    def fp8(N, K):
+        return FP8Weight(torch.zeros(N, K).to(torch.float8_e4m3fn), torch.ones(-(-N // 128), -(-K // 128)), 128,
+                         torch.bfloat16)
+
+    w = fp8(512, 256)
+    assert fk.fused_quant_wanted(Cuda(1, 256), w) and fk.fused_quant_wanted(Cuda(64, 1024), w)
+    assert fk.fused_quant_wanted(Cuda(5, 256, torch.float32), w)
+    assert not fk.fused_quant_wanted(Cuda(65, 256), w)                 # beyond decode rows
+    assert not fk.fused_quant_wanted(Cuda(0, 256), w)
+    assert not fk.fused_quant_wanted(Cuda(1, 192), fp8(512, 192))      # K not whole groups
+    assert not fk.fused_quant_wanted(Cuda(1, 256), torch.zeros(512, 256))          # not an FP8 weight
+    assert not fk.fused_quant_wanted(Cuda(1, 256), FP8Weight(torch.zeros(512, 256), w.scale, 128, torch.bfloat16))
+    assert not ops.fused_quant_wanted(torch.zeros(1, 256), w)           # CPU: FP8 weights dequantized at load
+    assert not ops.fused_quant_wanted(torch.zeros(1, 256), None)
+    for name, value in (("DECODE_MODE", "gemv"), ("DECODE_MODE", "fused"), ("FUSE_DECODE_QUANT", False),
+                        ("CUBLAS_FROM_M", 1)):
+        with monkeypatch.context() as m:
+            m.setattr(fk, name, value)
+            assert not fk.fused_quant_wanted(Cuda(1, 256), w), (name, value)

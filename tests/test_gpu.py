@@ -743,6 +743,82 @@ def test_fp8_graphs_equal_eager_bf16(models, tmp_path, family):
         assert out[False][i].generated == out[True][i].generated, i
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_norm_and_activation_quantized_for_fp8_equal_quantize_activations(dtype):
+    """RMSNorm (with and without the residual add) and silu_and_mul writing their output quantized for an FP8 linear
+    (fp8_kernels.FP8Activation) give bit for bit quantize_activations' values and scales of their plain output (the
+    GPU's float8 conversion, random inputs), the same residual, and the FP8 GEMM reading them the same product;
+    decode rows, the 8B's widths and widths that are not a power of two; inside a CUDA graph too."""
+    from specdp_cli.runtime import fp8_kernels as fk, ops
+    from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for M in (1, 7, 64):
+        for n in (4096, 384, 1152):
+            x = torch.randn(M, n, device="cuda", generator=g).to(dtype)
+            w = torch.randn(n, device="cuda", generator=g).to(dtype)
+            res = (torch.randn(M, n, device="cuda", generator=g) * 4).to(dtype)
+            wq, ws = quantize_blocks(torch.randn(256, n, device="cuda", generator=g))
+            weight = FP8Weight(wq, ws, 128, dtype)
+            for r in (None, res):
+                r_plain, r_fused = (None, None) if r is None else (r.clone(), r.clone())
+                plain = ops.rms_norm(x, w, 1e-6, r_plain)
+                fused = ops.rms_norm(x, w, 1e-6, r_fused, quantize=True)
+                q, s = fk.quantize_activations(plain)
+                assert isinstance(fused, fk.FP8Activation) and fused.dtype == dtype
+                assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8)), (M, n, r is None)
+                assert torch.equal(fused.scale, s), (M, n, r is None)
+                if r is not None:
+                    assert torch.equal(r_fused, r_plain)
+                assert torch.equal(ops.linear(fused, weight), ops.linear(plain, weight))
+            gu = (torch.randn(M, 2 * n, device="cuda", generator=g) * 3).to(dtype)
+            plain = ops.silu_and_mul(gu)
+            fused = ops.act_and_mul(gu, "silu", quantize=True)
+            q, s = fk.quantize_activations(plain)
+            assert torch.equal(fused.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(fused.scale, s), (M, n)
+            assert torch.equal(ops.linear(fused, weight), ops.linear(plain, weight))
+    x, res = x.clone(), res.clone()
+    want_res = res.clone()
+    want = ops.linear(ops.rms_norm(x, w, 1e-6, want_res), weight)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    r0 = res.clone()
+    with torch.cuda.graph(graph):
+        out = ops.linear(ops.rms_norm(x, w, 1e-6, res, quantize=True), weight)
+    res.copy_(r0)
+    graph.replay()
+    assert torch.equal(out, want) and torch.equal(res, want_res)
+
+
+def test_fp8_fused_decode_quantization_equals_unfused_in_graphs(models, tmp_path, monkeypatch):
+    """A Llama quantized at load (`quantization: fp8`, bf16, hidden 256: whole 128-column groups) in CUDA graphs:
+    its norms and silu_and_mul hand the FP8 linears their outputs quantized (fp8_kernels.FUSE_DECODE_QUANT) or
+    not; greedy tokens are identical either way, and equal eager execution's with it."""
+    from helpers import make_model_dir
+    from specdp_cli.runtime import fp8_kernels as fk
+    from specdp_cli.runtime.models.quant import FP8Weight
+
+    target = make_model_dir(tmp_path / "llama", models["tokenizer"], hidden=256, layers=2, heads=4, kv_heads=2,
+                            seed=11)
+    decided = []
+    wanted = fk.fused_quant_wanted
+    monkeypatch.setattr(fk, "fused_quant_wanted", lambda x, w: decided.append(wanted(x, w)) or decided[-1])
+    prompts = prompts_of_lengths([3, 9, 17, 26, 33])
+    kw = dict(method="draft_model", k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda", cache=ROOM,
+              dtype="bfloat16", quantization="fp8")
+    out = {}
+    for fuse, eager in ((True, False), (False, False), (True, True)):
+        monkeypatch.setattr(fk, "FUSE_DECODE_QUANT", fuse)
+        decided.clear()
+        cfg, plan = make_config(target, models["draft"], enforce_eager=eager, **kw)
+        engine = cuda_engine(cfg, plan)
+        assert isinstance(engine.target.model.layers[0].gate_up, FP8Weight)
+        out[fuse, eager] = run_engine(engine, prompts, max_tokens=20)
+        assert any(decided) == fuse and (engine.graphs == 0) == eager, (fuse, eager, engine.graphs)
+        del engine
+    for i in range(len(prompts)):
+        assert out[True, False][i].generated == out[False, False][i].generated == out[True, True][i].generated, i
+
+
 def test_request_fields_and_prefix_cache_graphs_equal_eager_float32(models):
     """What a request asks of the distribution (penalties, bias, min_tokens, a grammar, log-probabilities) and
     prefix caching on CUDA: a step that asks runs its forwards' graphs one by one and adjusts the verified

@@ -2,7 +2,8 @@
 the torch paths CPU runs: Qwen3's per-head q/k norms inside the rotary-and-store kernel, the routed experts with
 a token's experts partly held elsewhere (expert parallelism) through both align kernels, the routing kernels
 (router logits, the small align, softmax top-k fused with it), the routed sum fused with the residual add and the
-next norm, the one-row output projection's matrix-vector kernel (`gemv_kernels`), and a step's input copies and
+next norm, RMSNorm and silu_and_mul writing their output quantized for an FP8 linear, the one-row output
+projection's matrix-vector kernel (`gemv_kernels`), and a step's input copies and
 logits argmax (`set_rows`, `argmax`). float32 (the interpreter's
 bf16 dot is not the GPU's: tests/test_gpu.py checks bf16 there)."""
 import os
@@ -53,8 +54,49 @@ def interpreted_checks() -> None:
     routing_checks(g)
     one_row_checks(g)
     fused_sum_checks(g)
+    fused_quant_checks(g)
     step_trim_checks(g)
     print("interpreted kernels: ok")
+
+
+def fused_quant_checks(g: torch.Generator) -> None:
+    """RMSNorm (with and without the residual add) and silu_and_mul writing their output quantized for an FP8 linear
+    (`quantize=True`, fp8_kernels.FP8Activation) give exactly quantize_activations' fp8 values and scales of their
+    plain output, and the same residual; float32 and bf16 (kernel against kernel, so the interpreter's own float8 and
+    bf16 rounding is on both sides); M 1 and 5; widths that are not a power of two (a norm block partly past the row,
+    silu_and_mul's last 1024-column block partly past it). The FP8 GEMM reading it equals fp8_linear of the plain
+    output, through ops.linear and an FP8Weight."""
+    from specdp_cli.runtime import fp8_kernels as fk, ops, triton_kernels as tk
+    from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks
+
+    for dtype in (torch.float32, torch.bfloat16):
+        for M, n in ((1, 384), (5, 256), (5, 1152)):
+            x, w = torch.randn(M, n, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+            x[0, :128] *= 1e-3                                  # groups of very different scales
+            if M > 1:
+                x[1, 128:256] = 0                               # an all-zero group (scale 1e-12)
+            res = (torch.randn(M, n, generator=g) * 4).to(dtype)
+            for r in (None, res):
+                r_plain, r_fused = (None, None) if r is None else (r.clone(), r.clone())
+                plain = tk.rms_norm(x, w, 1e-6, r_plain)
+                fused = tk.rms_norm(x, w, 1e-6, r_fused, quantize=True)
+                q, s = fk.quantize_activations(plain)
+                assert isinstance(fused, fk.FP8Activation) and fused.dtype == dtype, type(fused)
+                assert fused.q.dtype == torch.float8_e4m3fn and fused.q.shape == (M, n) and fused.scale.shape == s.shape
+                assert torch.equal(fused.q.float(), q.float()) and torch.equal(fused.scale, s), (dtype, M, n, r is None)
+                if r is not None:
+                    assert torch.equal(r_fused, r_plain), (dtype, M, n)
+            gu = (torch.randn(M, 2 * n, generator=g) * 3).to(dtype)
+            plain = tk.silu_and_mul(gu)
+            fused = tk.silu_and_mul(gu, quantize=True)
+            q, s = fk.quantize_activations(plain)
+            assert isinstance(fused, fk.FP8Activation) and fused.dtype == dtype
+            assert torch.equal(fused.q.float(), q.float()) and torch.equal(fused.scale, s), ("silu", dtype, M, n)
+            wq, ws = quantize_blocks(torch.randn(200, n, generator=g))
+            weight = FP8Weight(wq, ws, 128, dtype)
+            want = fk.fp8_linear(plain, wq, ws, 128)
+            got = ops.linear(fused, weight)
+            assert got.dtype == dtype and torch.equal(got, want), ("linear", dtype, M, n)
 
 
 def step_trim_checks(g: torch.Generator) -> None:

@@ -16,7 +16,8 @@ amax(group) / 448. Then y = sum over the K groups g of (x_q[:, g] @ W_q[:, g]^T)
   ticket counter per tile; `SPLITK_TICKETS`), or `_splitk_sum_kernel` (deterministic either way).
 - `_gemv_kernel`: a few rows in one kernel without tensor cores, each program quantizing its row's activations
   itself (DECODE_MODE "gemv", measured, not the default).
-- `fp8_linear(x, w, bias)`: decode sizes (M <= 64) quantize the activations with `quantize_activations` and run
+- `fp8_linear(x, w, bias)`: decode sizes (M <= 64) quantize the activations with `quantize_activations` (or take
+  them quantized by the norm / activation kernel before, `FP8Activation`, `fused_quant_wanted`) and run
   the Triton GEMM; from `CUBLAS_FROM_M` rows cuBLAS's block-scaled GEMM through torch's scaled_mm (M padded to a
   multiple of 8), where this torch and GPU have it. benchmarks/fp8_gemm.py measures all of them (H200, CUDA
   graphs: the Triton GEMM 1.4-1.65x bf16 at M = 1 on the 8B's large projections, cuBLAS's fastest at 2048 rows;
@@ -24,6 +25,8 @@ amax(group) / 448. Then y = sum over the K groups g of (x_q[:, g] @ W_q[:, g]^T)
 Every size is fixed by the shapes and nothing reads device memory on the host: a CUDA graph holds them.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -35,6 +38,28 @@ GROUP = 128                     # activation group and weight block width along 
 
 
 @triton.jit
+def _quantize_groups(x):
+    """x [groups, 128] float32 -> (values [groups, 128] float32 within +-448, to be cast to float8_e4m3fn; scales
+    [groups]): the numbers of every activation quantization here (`_quant_kernel`, the norm and activation
+    kernels' quantized outputs in triton_kernels.py)."""
+    s = tl.maximum(tl.max(tl.abs(x), 1) / 448.0, 1e-12)
+    return tl.clamp(x / s[:, None], -448.0, 448.0), s
+
+
+@triton.jit
+def store_quantized(y, q_ptr, s_ptr, c0, K, BLOCK: tl.constexpr):
+    """One row's activations y [BLOCK] (columns c0 .. c0 + BLOCK of K, c0 and BLOCK multiples of 128, as rounded to
+    the activation dtype) stored quantized as `quantize_activations` stores them: float8 values at q_ptr + column,
+    float32 scales at s_ptr + group (q_ptr, s_ptr: the row's starts; scales contiguous along the row)."""
+    G: tl.constexpr = BLOCK // 128
+    q, s = _quantize_groups(tl.reshape(y.to(tl.float32), [G, 128]))
+    g = c0 // 128 + tl.arange(0, G)
+    col = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    tl.store(q_ptr + col, q.to(q_ptr.dtype.element_ty), mask=col < K)
+    tl.store(s_ptr + g, s, mask=g * 128 < K)
+
+
+@triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg,
                   GROUP_SIZE: tl.constexpr, GROUPS: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
@@ -43,8 +68,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stri
     col = g[:, None] * GROUP_SIZE + c[None, :]
     ok = col < K
     x = tl.load(x_ptr + m * stride_x + col, mask=ok, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(x), 1) / 448.0, 1e-12)
-    q = tl.clamp(x / s[:, None], -448.0, 448.0)
+    q, s = _quantize_groups(x)
     tl.store(q_ptr + m * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + m * stride_sm + g * stride_sg, s, mask=g * GROUP_SIZE < K)
 
@@ -56,12 +80,35 @@ def quantize_activations(x: torch.Tensor, column_major_scales: bool = False) -> 
     G = triton.cdiv(K, GROUP)
     q = torch.empty((M, K), dtype=torch.float8_e4m3fn, device=x.device)
     s = (torch.empty((G, M), dtype=torch.float32, device=x.device).t() if column_major_scales
-         else torch.empty((M, G), dtype=torch.float32, device=x.device))
+         else activation_scales(M, K, x.device))
     if M:
         per = min(8, triton.next_power_of_2(G))
         _quant_kernel[(M, triton.cdiv(G, per))](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
                                                 GROUP_SIZE=GROUP, GROUPS=per, num_warps=4)
     return q, s
+
+
+def activation_scales(M: int, K: int, device) -> torch.Tensor:
+    """An empty [M, ceil(K / 128)] float32 scale table, row-major (quantize_activations' and the fused kernels')."""
+    return torch.empty((M, triton.cdiv(K, GROUP)), dtype=torch.float32, device=device)
+
+
+class FP8Activation(NamedTuple):
+    """Activations already quantized for an FP8 linear (`quantize_activations`' numbers, written by the kernel that
+    produced them: RMSNorm, silu_and_mul): q [M, K] float8_e4m3fn, scale [M, ceil(K / 128)] float32 (row-major),
+    dtype: the activations' dtype, which the linear's output takes."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        """q * scale per group in `dtype` (a fallback for a consumer that is not an FP8 linear)."""
+        M, K = self.q.shape
+        return (self.q.float() * self.scale.repeat_interleave(GROUP, 1)[:, :K]).to(self.dtype)
 
 
 @triton.jit
@@ -341,14 +388,42 @@ _CUBLAS: dict = {}
 # an H200 (benchmarks/results/). The GEMV beats the GEMM at one row on the smaller projections (8B's qkv 9.4
 # against 11.0 µs) and loses on the large ones (gate_up 41.9 against 34.4); the 8B shape end to end is the same
 # either way (285 against 284 tok/s), so it is not the default.
+#
+# In "quantize" the activations of the decoder layer's FP8 linears come quantized from the kernel before them where
+# `fused_quant_wanted` says so (FUSE_DECODE_QUANT): the RMSNorm before qkv and gate_up (the residual-add variant
+# too) and silu_and_mul before down write fp8 values and scales (FP8Activation) instead of their bf16 output, the
+# same numbers quantize_activations makes of that output, so `_quant_kernel` is skipped: an 8B-shaped model at
+# batch 1 ran 128 of them a step (1.1 µs each and a 0.4 µs gap on an H100, of a 3.9 ms step). The attention's
+# output before o is still quantized by `_quant_kernel`. benchmarks/fp8.py's decode mode "quantize-unfused" is
+# "quantize" without it.
 CUBLAS_FROM_M: int | None = 128
 DECODE_MODE = "quantize"
 GEMV_MAX_WEIGHT = 32 << 20
+FUSE_DECODE_QUANT = True
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows: int,
+def fused_quant_wanted(x: torch.Tensor, w) -> bool:
+    """Whether the kernel reading x [M, ...] (an RMSNorm over K columns, or silu_and_mul's [gate | up] of 2K) may
+    hand the FP8 linear `w` (models/quant.FP8Weight, K = its columns) its output already quantized (FP8Activation):
+    x on CUDA, w kept FP8, M rows that fp8_linear runs as "quantize" (M <= 64, DECODE_MODE "quantize", not cuBLAS's
+    rows), K a multiple of 128 (whole groups in every program of those kernels: the RMSNorm holds its row in one
+    block of next_power_of_2(K) columns, silu_and_mul blocks of min(that, 1024)). Shapes, dtypes and these settings
+    alone decide it, so a CUDA graph captures the same path it replays."""
+    if not (FUSE_DECODE_QUANT and DECODE_MODE == "quantize" and x.is_cuda) or isinstance(w, torch.Tensor):
+        return False
+    weight = getattr(w, "weight", None)
+    M, K = x.shape[0], w.shape[-1]
+    return (weight is not None and weight.dtype == torch.float8_e4m3fn and weight.dim() == 2 and x.dim() == 2
+            and 0 < M <= 64 and (CUBLAS_FROM_M is None or M < CUBLAS_FROM_M) and K % GROUP == 0
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def fp8_linear(x: torch.Tensor | FP8Activation, weight: torch.Tensor, scale: torch.Tensor, rows: int,
                bias: torch.Tensor | None = None, cublas_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] through the FP8 weight: [..., N] in x's dtype."""
+    """x [..., K] through the FP8 weight: [..., N] in x's dtype. x may come quantized (FP8Activation [M, K], where
+    `fused_quant_wanted` said so): the GEMM reads it as it is."""
+    if isinstance(x, FP8Activation):
+        return block_fp8_gemm(x.q, weight, scale, rows, bias, x_scale=x.scale, out_dtype=x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]

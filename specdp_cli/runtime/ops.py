@@ -29,15 +29,32 @@ def _triton():
     return triton_kernels
 
 
-def linear(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w^T (+ bias): F.linear for a tensor; for an FP8 weight (models/quant.FP8Weight, kept FP8 only on CUDA
-    devices with FP8) the W8A8 block-scaled GEMM of `fp8_kernels.py` (elsewhere: its dequantized copy)."""
+    devices with FP8) the W8A8 block-scaled GEMM of `fp8_kernels.py` (elsewhere: its dequantized copy). x may be
+    the output of `rms_norm` / `silu_and_mul` / `act_and_mul` already quantized for w (fp8_kernels.FP8Activation,
+    asked for where `fused_quant_wanted(.., w)`): the GEMM reads it as it is."""
+    if not isinstance(x, torch.Tensor):                  # an FP8Activation (CUDA only)
+        if isinstance(w, torch.Tensor):
+            return F.linear(x.dequantize(), w, bias)
+        from .fp8_kernels import fp8_linear
+        return fp8_linear(x, w.weight, w.scale, w.rows, bias, w.cublas_scale)
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
     if x.is_cuda:
         from .fp8_kernels import fp8_linear
         return fp8_linear(x, w.weight, w.scale, w.rows, bias, w.cublas_scale)
     return F.linear(x, w.dequantize(x.dtype), bias)
+
+
+def fused_quant_wanted(x: torch.Tensor, w) -> bool:
+    """Whether the norm / activation kernel reading x may hand `linear(.., w)` its output quantized (`quantize=True`
+    of rms_norm, silu_and_mul, act_and_mul): w an FP8 weight kept FP8, x on CUDA at decode sizes
+    (fp8_kernels.fused_quant_wanted). Never on CPU, where FP8 weights are dequantized at load."""
+    if not x.is_cuda or w is None or isinstance(w, torch.Tensor):
+        return False
+    from . import fp8_kernels
+    return fp8_kernels.fused_quant_wanted(x, w)
 
 
 def linear_one_row(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -64,11 +81,14 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------------------------
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             quantize: bool = False) -> torch.Tensor:
     """weight * x / rms(x), as transformers' Llama RMSNorm rounds it. With `residual`, first
-    residual += x (in place, the layer's residual stream) and normalise that."""
+    residual += x (in place, the layer's residual stream) and normalise that. `quantize` (only where
+    `fused_quant_wanted(x, w)` for the FP8 linear w that alone reads the result): on CUDA the result comes quantized
+    for it (fp8_kernels.FP8Activation, the numbers `linear` would make of the plain result); ignored on CPU."""
     if x.is_cuda:
-        return _triton().rms_norm(x, weight, eps, residual)
+        return _triton().rms_norm(x, weight, eps, residual, quantize)
     if residual is not None:
         residual.add_(x)
         x = residual
@@ -90,18 +110,20 @@ def head_rms_norm_(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Te
     heads[:, H:H + KV] = rms_norm(heads[:, H:H + KV].reshape(N * KV, D), k_weight, eps).view(N, KV, D)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, quantize: bool = False) -> torch.Tensor:
+    """silu(gate) * up over x = [gate | up]. `quantize`: as rms_norm's (the result quantized for an FP8 linear on
+    CUDA, where `fused_quant_wanted(x, w)`; ignored on CPU)."""
     if x.is_cuda:
-        return _triton().silu_and_mul(x)
+        return _triton().silu_and_mul(x, quantize)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def act_and_mul(x: torch.Tensor, act: str) -> torch.Tensor:
+def act_and_mul(x: torch.Tensor, act: str, quantize: bool = False) -> torch.Tensor:
     """act(gate) * up over x = [gate | up]: "silu" (Llama's SwiGLU) or "gelu_tanh" (Gemma's GeGLU,
-    transformers' gelu_pytorch_tanh)."""
+    transformers' gelu_pytorch_tanh). `quantize`: silu_and_mul's (gelu_tanh ignores it: a plain tensor)."""
     if act == "silu":
-        return silu_and_mul(x)
+        return silu_and_mul(x, quantize)
     gate, up = x.chunk(2, dim=-1)
     if act == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up

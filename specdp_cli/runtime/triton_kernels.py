@@ -11,7 +11,8 @@ reference of each, which CPU runs and the GPU tests compare against).
   strided [tokens, heads, rot] view (latent attention's rope parts, a partial rotary factor).
 - `head_rms_norm_`: Qwen3's per-head q and k RMSNorms, in place, one program per (token, head).
 - `add_rms_norm` / `rms_norm` and `silu_and_mul`: the fused elementwise steps of a decoder layer,
-  rounding where Hugging Face's modules round so bf16 results stay close to theirs.
+  rounding where Hugging Face's modules round so bf16 results stay close to theirs; with `quantize` their output
+  goes to an FP8 linear quantized (fp8_kernels.FP8Activation, `fused_quant_wanted`), one kernel fewer.
 - `forward_layout`: a forward's token positions, cache slots and logits rows from its per-row inputs,
   in one kernel (at batch 1 a decoder layer is a handful of kernels of ~3 µs each, and the dozen tiny
   torch ops this replaces cost as much as two layers); `set_rows`: the copies of a forward's inputs into
@@ -24,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .fp8_kernels import GROUP, FP8Activation, activation_scales, store_quantized
 
 
 def _pow2(n: int) -> int:
@@ -467,26 +470,37 @@ def _add_residual(x, res_ptr, c, ok):
 
 
 @triton.jit
-def _norm_row(x, w_ptr, out_ptr, c, ok, n, eps):
-    """out = weight * (x / rms(x)) of one row x [BLOCK] of n columns (out_ptr: the row's start)."""
+def _normed(x, w_ptr, dt_ptr, c, ok, n, eps):
+    """weight * (x / rms(x)) of one row x [BLOCK] of n columns, rounded to dt_ptr's element type as HF rounds it."""
+    dt = dt_ptr.dtype.element_ty
     xf = x.to(tl.float32)
     var = tl.sum(xf * xf, 0) / n
-    y = (xf * tl.rsqrt(var + eps)).to(out_ptr.dtype.element_ty)
+    y = (xf * tl.rsqrt(var + eps)).to(dt)
     w = tl.load(w_ptr + c, mask=ok, other=0.0)
-    tl.store(out_ptr + c, (w.to(tl.float32) * y.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok)
+    return (w.to(tl.float32) * y.to(tl.float32)).to(dt)
+
+
+@triton.jit
+def _norm_row(x, w_ptr, out_ptr, c, ok, n, eps):
+    """out = weight * (x / rms(x)) of one row x [BLOCK] of n columns (out_ptr: the row's start)."""
+    tl.store(out_ptr + c, _normed(x, w_ptr, out_ptr, c, ok, n, eps), mask=ok)
 
 
 # `moe_kernels._sum_add_norm_kernel` shares these two steps (and `norm_warps`): its norms round as these do
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n, eps,
-                     HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, s_ptr, stride_x, stride_r, stride_o, stride_s, n, eps,
+                     HAS_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     ok = c < n
     x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
     if HAS_RES:
         x = _add_residual(x, res_ptr + row * stride_r, c, ok)
-    _norm_row(x, w_ptr, out_ptr + row * stride_o, c, ok, n, eps)
+    if QUANT:       # the output as x's dtype rounds it, stored quantized for an FP8 linear (fp8_kernels.FP8Activation)
+        store_quantized(_normed(x, w_ptr, x_ptr, c, ok, n, eps), out_ptr + row * stride_o, s_ptr + row * stride_s, 0,
+                        n, BLOCK)
+    else:
+        _norm_row(x, w_ptr, out_ptr + row * stride_o, c, ok, n, eps)
 
 
 @triton.jit
@@ -517,15 +531,22 @@ def norm_warps(n: int) -> int:
     return 4 if n <= 4096 else 8
 
 
-def rms_norm(x, weight, eps: float, residual=None):
-    """y = weight * (x / rms(x)); with `residual`: residual += x first (in place) and x = residual."""
+def rms_norm(x, weight, eps: float, residual=None, quantize: bool = False):
+    """y = weight * (x / rms(x)); with `residual`: residual += x first (in place) and x = residual. `quantize` (x's
+    columns a multiple of 128): y as x's dtype rounds it, returned quantized for an FP8 linear instead
+    (fp8_kernels.FP8Activation: quantize_activations(y)'s numbers)."""
     N, n = x.shape
-    out = torch.empty_like(x)
+    if quantize:
+        assert n % GROUP == 0, n
+        out, scales = torch.empty((N, n), dtype=torch.float8_e4m3fn, device=x.device), activation_scales(N, n, x.device)
+    else:
+        out = scales = torch.empty_like(x)
     if N:
         res = residual if residual is not None else x
-        _rms_norm_kernel[(N,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), n, eps,
-                               HAS_RES=residual is not None, BLOCK=_pow2(n), num_warps=norm_warps(n))
-    return out
+        _rms_norm_kernel[(N,)](x, res, weight, out, scales, x.stride(0), res.stride(0), out.stride(0),
+                               scales.stride(0), n, eps, HAS_RES=residual is not None, QUANT=quantize, BLOCK=_pow2(n),
+                               num_warps=norm_warps(n))
+    return FP8Activation(out, scales, x.dtype) if quantize else out
 
 
 @triton.jit
@@ -553,22 +574,34 @@ def head_rms_norm_(qkv, q_weight, k_weight, H: int, KV: int, D: int, eps: float)
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, s_ptr, stride_x, stride_o, stride_s, n, QUANT: tl.constexpr,
+                     BLOCK: tl.constexpr):
     row = tl.program_id(0)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    c0 = tl.program_id(1) * BLOCK
+    c = c0 + tl.arange(0, BLOCK)
     ok = c < n
+    dt = x_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + n + c, mask=ok, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + c, (act * up).to(out_ptr.dtype.element_ty), mask=ok)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+    if QUANT:       # whole 128-column groups in each program (BLOCK and n multiples of 128)
+        store_quantized((act * up).to(dt), out_ptr + row * stride_o, s_ptr + row * stride_s, c0, n, BLOCK)
+    else:
+        tl.store(out_ptr + row * stride_o + c, (act * up).to(dt), mask=ok)
 
 
-def silu_and_mul(x):
-    """x [N, 2I] = [gate | up] -> silu(gate) * up [N, I]."""
+def silu_and_mul(x, quantize: bool = False):
+    """x [N, 2I] = [gate | up] -> silu(gate) * up [N, I]; `quantize` (I a multiple of 128): returned quantized for
+    an FP8 linear (fp8_kernels.FP8Activation: quantize_activations' numbers of that output in x's dtype)."""
     N, two = x.shape
     n = two // 2
-    out = torch.empty((N, n), dtype=x.dtype, device=x.device)
+    if quantize:
+        assert n % GROUP == 0, n
+        out, scales = torch.empty((N, n), dtype=torch.float8_e4m3fn, device=x.device), activation_scales(N, n, x.device)
+    else:
+        out = scales = torch.empty((N, n), dtype=x.dtype, device=x.device)
     if N:
         BLOCK = min(_pow2(n), 1024)
-        _silu_mul_kernel[(N, triton.cdiv(n, BLOCK))](x, out, x.stride(0), out.stride(0), n, BLOCK=BLOCK, num_warps=4)
-    return out
+        _silu_mul_kernel[(N, triton.cdiv(n, BLOCK))](x, out, scales, x.stride(0), out.stride(0), scales.stride(0), n,
+                                                      QUANT=quantize, BLOCK=BLOCK, num_warps=4)
+    return FP8Activation(out, scales, x.dtype) if quantize else out

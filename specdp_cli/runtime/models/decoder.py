@@ -126,13 +126,13 @@ class CausalLM:
         x = self.embedding(ids)
         residual = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, self.kv_caches)):
-            h, residual = self._join(x, residual, layer.in_norm)
+            h, residual = self._join(x, residual, layer.in_norm, layer.qkv if layer.mla is None else None)
             if i in self.aux_layers:
                 self._keep_aux(i, residual)
             x = self._attention(layer, h, meta, k_cache, v_cache)
             if layer.attn_out_norm is not None:
                 x = ops.rms_norm(x, layer.attn_out_norm, self.eps)
-            h, residual = self._join(x, residual, layer.mlp_norm)
+            h, residual = self._join(x, residual, layer.mlp_norm, layer.gate_up if layer.moe is None else None)
             x = self._mlp(layer, h, unsummed=layer.mlp_out_norm is None)
             if layer.mlp_out_norm is not None:
                 x = ops.rms_norm(x, layer.mlp_out_norm, self.eps)
@@ -141,18 +141,26 @@ class CausalLM:
             self._keep_aux(len(self.layers), residual)
         return out
 
-    def _join(self, x: torch.Tensor | RoutedPairs, residual: torch.Tensor | None, norm: torch.Tensor | None):
+    def _join(self, x: torch.Tensor | RoutedPairs, residual: torch.Tensor | None, norm: torch.Tensor | None,
+              feeds=None):
         """x joins the residual stream (the first layer's x starts it); returns (what the next block
         reads: the stream's norm, or the stream itself without one, the stream). x may be a sparse MLP's
-        unsummed output (`_mlp`): its sums join the stream in the norm's kernel."""
+        unsummed output (`_mlp`): its sums join the stream in the norm's kernel. `feeds`: the weight of the one
+        linear that alone reads the norm (qkv, a dense MLP's gate_up); where it is FP8 at decode sizes
+        (ops.fused_quant_wanted) the norm comes quantized for it (fp8_kernels.FP8Activation)."""
         if isinstance(x, RoutedPairs):
             return x.add_to(residual, norm, self.eps), residual
+        quantize = norm is not None and self._fused_quant(x, feeds)
         if residual is None:
-            return (x if norm is None else ops.rms_norm(x, norm, self.eps)), x
+            return (x if norm is None else ops.rms_norm(x, norm, self.eps, quantize=quantize)), x
         if norm is None:
             residual.add_(x)
             return residual, residual
-        return ops.rms_norm(x, norm, self.eps, residual), residual          # residual += x, then its norm
+        return ops.rms_norm(x, norm, self.eps, residual, quantize), residual     # residual += x, then its norm
+
+    def _fused_quant(self, x: torch.Tensor, w) -> bool:
+        """Whether the kernel reading x hands the FP8 linear w its output quantized (not split over a TP group)."""
+        return self.tp is None and w is not None and ops.fused_quant_wanted(x, w)
 
     def _keep_aux(self, layer: int, stream: torch.Tensor) -> None:
         h = stream.shape[1]
@@ -164,8 +172,9 @@ class CausalLM:
         """`unsummed`: a sparse MLP may hand back its experts' outputs unsummed (moe.MoE), for `_join`."""
         if layer.moe is not None:
             return layer.moe(h, unsummed)
-        return self._row_parallel(ops.act_and_mul(ops.linear(h, layer.gate_up, layer.gate_up_bias), layer.act),
-                                  layer.down, layer.down_bias)
+        gate_up = ops.linear(h, layer.gate_up, layer.gate_up_bias)
+        act = ops.act_and_mul(gate_up, layer.act, self._fused_quant(gate_up, layer.down))    # quantized for down?
+        return self._row_parallel(act, layer.down, layer.down_bias)
 
     def _row_parallel(self, x: torch.Tensor, w, bias: torch.Tensor | None, o: bool = False) -> torch.Tensor:
         """x @ w^T + bias; split over a TP group, x and w hold this process's columns: the partial sums are
@@ -178,9 +187,10 @@ class CausalLM:
         return y if bias is None else y + bias
 
     def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
-        N = h.shape[0]
+        """h: the layer's input (its norm), a tensor or quantized for an FP8 qkv (`_join`'s `feeds`)."""
         H, KV, D = self.H, self.KV, self.D
         qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
+        N = qkv.shape[0]
         head_norms = None
         if layer.q_norm is not None:
             if layer.qk_norm_whole:
