@@ -9,7 +9,7 @@ moe_shapes.py into --work; prompts cut to --prompt-len tokens so decoding domina
 
 Usage: python benchmarks/fp8.py --pair .bench/codepair (--target DIR | --moe-shape qwen3_30b_a3b --work DIR)
            [--prompts 16] [--batches 1,16] [--new 128] [--repeats 3] [--trace PREFIX]
-           [--decode-modes quantize,quantize-unfused] --json OUT.json
+           [--decode-modes quantize,quantize-s16,bf16-nosplit] --json OUT.json
 """
 from __future__ import annotations
 
@@ -39,6 +39,21 @@ def build(a, target: str, tokenizer: str, quantization: str | None, max_seqs: in
     return engine, engine.plan.memory
 
 
+def apply_mode(mode: str | None) -> None:
+    """A row's kernel settings: "bf16" or an FP8 decode mode of fp8_kernels (quantize, fused, weight_only, gemv),
+    then the changes switched off: "-unfused" (the activations quantized by their own kernel, not in the norm's),
+    "-sumkernel" (split K summed by a second kernel, not by a tile's last program), "-nosplit" (decode attention in
+    one pass, not split over the keys), "-s16" (all three: session 16's path)."""
+    from specdp_cli.runtime import fp8_kernels, triton_kernels
+    base, *off = (mode or "bf16").split("-")
+    off = {"unfused", "sumkernel", "nosplit"} if "s16" in off else set(off)
+    if base != "bf16":
+        fp8_kernels.DECODE_MODE = base
+    fp8_kernels.FUSE_DECODE_QUANT = "unfused" not in off
+    fp8_kernels.SPLITK_TICKETS = "sumkernel" not in off
+    triton_kernels.MAX_SPLITS = 1 if "nosplit" in off else 16
+
+
 def agreement(outs: list[list[int]], ref: list[list[int]]) -> dict:
     """Share of identical outputs; for the others the first position where they differ."""
     same = sum(o == r for o, r in zip(outs, ref))
@@ -62,9 +77,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--decode-modes", default="quantize",
-                    help="fp8 rows per decode activation mode of fp8_kernels (quantize, fused, weight_only, gemv; "
-                    "quantize-unfused: quantize with FUSE_DECODE_QUANT off, the norms' and silu_and_mul's outputs "
-                    "quantized by their own kernel, as before)")
+                    help="rows after the bf16 one, each a mode of `apply_mode` (e.g. quantize, quantize-unfused, "
+                    "quantize-s16, bf16-nosplit)")
     ap.add_argument("--trace", default="", help="a Chrome trace of a few decode steps per row (torch.profiler), at this "
                     "path + _QUANT_bB.json (benchmarks/kernel_timeline.py reads it)")
     ap.add_argument("--label", default="")
@@ -87,11 +101,9 @@ def main() -> None:
     batches = [int(b) for b in a.batches.split(",")]
     bw = offline.copy_bandwidth()
     rows, ref = [], {}
-    from specdp_cli.runtime import fp8_kernels
-    for quant, mode in [(None, None)] + [("fp8", m) for m in a.decode_modes.split(",")]:
-        if mode:
-            fp8_kernels.DECODE_MODE = mode.removesuffix("-unfused")
-            fp8_kernels.FUSE_DECODE_QUANT = not mode.endswith("-unfused")
+    modes = [m for m in a.decode_modes.split(",") if m]
+    for quant, mode in [(None, None)] + [(None if m.startswith("bf16") else "fp8", m) for m in modes]:
+        apply_mode(mode)
         t = time.perf_counter()
         engine, memory = build(a, target, tokenizer, quant, max(batches))
         build_s = time.perf_counter() - t
@@ -109,7 +121,7 @@ def main() -> None:
                    "prompts": len(use), "new_tokens": a.new, "weight_bytes": memory["weight_bytes"],
                    "active_bytes": (memory.get("weights_per_token") or {}).get("active_bytes"),
                    "build_s": build_s, "graphs": engine.graphs}
-            if quant is None:
+            if quant is None and B not in ref:
                 ref[B] = outs
             else:
                 row["greedy_vs_bf16"] = agreement(outs, ref[B])
