@@ -69,6 +69,28 @@ def test_triton_kernels_match_reference(dtype):
             assert rel(ops.paged_attention(q, kc, vc, m, 0.1, 20, sinks),
                        ops._attention_reference(q, kc, vc, m, 0.1, 20, sinks)) < tol, ("sinks", H, KV, D, DV, T)
 
+    # small batch: each row's keys split over several programs and combined (attention_splits' automatic choice),
+    # R = 1 over 1500 keys and R = 2 (one row short: most of its parts empty), T 1 and 4, a window, sinks; the
+    # explicit single pass and splits agree with it
+    from specdp_cli.runtime import triton_kernels as tk
+    H, KV, D, DV = 32, 8, 128, 128
+    kc, vc = rnd(300, BS, KV, D).cuda(), rnd(300, BS, KV, DV).cuda()
+    bt = (torch.randperm(299, generator=g)[:2 * 128] + 1).view(2, 128).to(torch.int32).cuda()    # 2048 keys a row
+    sinks = (torch.randn(H, generator=g) * 3).to(dtype).cuda()
+    for R, starts in ((1, [1500]), (2, [1500, 30])):
+        assert tk.attention_splits(R, KV, 1, H, DV, bt.shape[1] * BS, 64, tk._sm_count(kc.device)) > 1
+        for T in (1, 4):
+            p = (torch.tensor(starts)[:, None] + torch.arange(T)[None]).view(-1).cuda()
+            q = rnd(R * T, H, D).cuda()
+            m = ops.AttnMeta(p, None, bt[:R], T)
+            for window, sk in ((None, None), (100, None), (None, sinks)):
+                ref = ops._attention_reference(q, kc, vc, m, 0.1, window, sk)
+                assert rel(ops.paged_attention(q, kc, vc, m, 0.1, window, sk), ref) < tol, ("split", R, T, window)
+                for S in (1, 3, 16):
+                    out = torch.empty_like(q)
+                    tk.paged_attention(q, kc, vc, out, p, bt[:R], T, 0.1, window, sk, splits=S)
+                    assert rel(out, ref) < tol, ("splits", S, R, T, window)
+
     # a partial rotary factor (Phi-4-mini: 0.75): the leading 3/4 of each head rotate (`rotate_` on CUDA), the rest not
     D, rot = 64, 48
     cos, sin = torch.randn(200, rot // 2, generator=g), torch.randn(200, rot // 2, generator=g)

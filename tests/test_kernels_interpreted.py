@@ -3,8 +3,8 @@ the torch paths CPU runs: Qwen3's per-head q/k norms inside the rotary-and-store
 a token's experts partly held elsewhere (expert parallelism) through both align kernels, the routing kernels
 (router logits, the small align, softmax top-k fused with it), the routed sum fused with the residual add and the
 next norm, RMSNorm and silu_and_mul writing their output quantized for an FP8 linear, the one-row output
-projection's matrix-vector kernel (`gemv_kernels`), and a step's input copies and
-logits argmax (`set_rows`, `argmax`). float32 (the interpreter's
+projection's matrix-vector kernel (`gemv_kernels`), a step's input copies and
+logits argmax (`set_rows`, `argmax`), and paged attention with its keys split over several programs. float32 (the interpreter's
 bf16 dot is not the GPU's: tests/test_gpu.py checks bf16 there)."""
 import os
 import subprocess
@@ -56,7 +56,39 @@ def interpreted_checks() -> None:
     fused_sum_checks(g)
     fused_quant_checks(g)
     step_trim_checks(g)
+    attention_checks(g)
     print("interpreted kernels: ok")
+
+
+def attention_checks(g: torch.Generator) -> None:
+    """`triton_kernels.paged_attention` against the torch reference, the single pass (splits=1) and the keys split
+    over 2, 3 and 5 programs a (row, KV head) with the combine kernel: rows of 133, 7 and 84 keys (BLOCK_N 64: the
+    7-key row leaves every part but the first empty, the others some), GQA (4 query heads on 2 KV heads), T 1 and
+    3, values narrower than keys, a sliding window (the first key rounded down to BLOCK_N), sink logits (counted
+    once, in the combine). `attention_splits`' choice at a few sizes."""
+    from specdp_cli.runtime import ops, triton_kernels as tk
+
+    H, KV, D, BS = 4, 2, 64, 16
+    bt = torch.zeros(3, 10, dtype=torch.int32)
+    perm = torch.randperm(19, generator=g) + 1
+    bt[0, :9], bt[1, :1], bt[2, :6] = perm[:9], perm[9:10], perm[10:16]
+    for DV, T, window, sinks in ((64, 1, None, None), (64, 3, 20, torch.randn(H, generator=g) * 3),
+                                 (32, 3, None, torch.randn(H, generator=g)), (32, 1, 40, None)):
+        kc, vc = torch.randn(20, BS, KV, D, generator=g), torch.randn(20, BS, KV, DV, generator=g)
+        p = (torch.tensor([130, 4, 81])[:, None] + torch.arange(T)[None]).view(-1)
+        q = torch.randn(3 * T, 2 * H, D, generator=g)[:, ::2]          # strided heads
+        meta = ops.AttnMeta(p, None, bt, T)
+        ref = ops._attention_reference(q, kc, vc, meta, 0.1, window, sinks)
+        for S in (1, 2, 3, 5):
+            out = torch.full((3 * T, H, 2 * DV), float("nan"))[..., :DV]    # strided out
+            tk.paged_attention(q, kc, vc, out, p, bt, T, 0.1, window, sinks, splits=S)
+            assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (DV, T, window, S, (out - ref).abs().max())
+    # batch 1 of an 8B model on 132 SMs: 16 parts; a short table or a window caps them; a full GPU: one pass
+    assert tk.attention_splits(1, 8, 1, 32, 128, 8192, 64, 132) == 16
+    assert tk.attention_splits(4, 8, 4, 32, 128, 8192, 64, 132) == 5
+    assert tk.attention_splits(1, 8, 1, 32, 128, 192, 64, 132) == 3
+    assert tk.attention_splits(64, 8, 1, 32, 128, 8192, 64, 132) == 1
+    assert tk.attention_splits(1, 8, 1, 32, 128, 8192, 64, 0) == 1
 
 
 def fused_quant_checks(g: torch.Generator) -> None:

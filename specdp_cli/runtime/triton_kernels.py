@@ -5,7 +5,9 @@ reference of each, which CPU runs and the GPU tests compare against).
   program per (row, KV head): the row's T queries and the G query heads sharing the KV head form
   one [BLOCK_M, D] block, so GQA costs no KV copies. Keys are read through the row's block table
   up to the row's last query position, with an online softmax (flash attention). Nothing but the
-  tensors it reads decides its work, so a CUDA graph can hold it.
+  tensors it reads decides its work, so a CUDA graph can hold it. Where R * KV programs leave the GPU
+  mostly idle (small batch), each row's keys are split over S programs (`attention_splits`, chosen by
+  shapes alone) writing float32 partial sums, and a second kernel combines them (flash-decoding).
 - `rope_and_store`: rotary embedding of q and k (in place, HF's rotate-half convention) and the
   store of k and v into their cache slots, one program per token; `rotate_`: the rotation alone, of any
   strided [tokens, heads, rot] view (latent attention's rope parts, a partial rotary factor).
@@ -38,13 +40,13 @@ def _pow2(n: int) -> int:
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, k_cache, v_cache, out_ptr, pos_ptr, bt_ptr, sinks_ptr,
+        q_ptr, k_cache, v_cache, out_ptr, pos_ptr, bt_ptr, sinks_ptr, part_acc, part_ml,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        qn, scale, window,
+        qn, scale, window, NT, H,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        BS: tl.constexpr, PREC: tl.constexpr, HAS_SINKS: tl.constexpr):
+        BS: tl.constexpr, PREC: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr):
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     q0 = row * qn
@@ -66,16 +68,23 @@ def _paged_attention_kernel(
     if window > 0:
         lo = tl.maximum(first - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
+    hi = last + 1
+    if SPLIT:           # part s of S: [lo + s * chunk, lo + (s + 1) * chunk) ∩ [lo, hi), chunk a multiple of BLOCK_N
+        parts = tl.num_programs(2)
+        part = tl.program_id(2)
+        chunk = tl.cdiv(tl.cdiv(hi - lo, parts), BLOCK_N) * BLOCK_N
+        lo = lo + part * chunk
+        hi = tl.minimum(lo + chunk, hi)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if HAS_SINKS:       # a head's sink logit starts its softmax: it takes probability and adds no value
+    if HAS_SINKS and not SPLIT:     # a head's sink logit starts its softmax: it takes probability and adds no value
         m_i = tl.load(sinks_ptr + head, mask=m_ok, other=0.0).to(tl.float32) * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     qk_scale = scale * 1.4426950408889634            # exp2 instead of exp
-    for start in range(lo, last + 1, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
-        k_ok = kpos <= last
+        k_ok = kpos < hi
         blk = tl.load(bt_ptr + row * stride_bt + kpos // BS, mask=k_ok, other=0).to(tl.int64)
         off = kpos % BS
         k = tl.load(k_cache + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh + d[None, :],
@@ -93,15 +102,83 @@ def _paged_attention_kernel(
                     mask=k_ok[:, None] & (dv[None, :] < DV), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
-    acc = acc / tl.maximum(l_i, 1e-30)[:, None]
-    tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < DV))
+    if SPLIT:           # the part's unnormalised sum and its softmax state (float32), for `_attention_combine_kernel`
+        i = (tl.program_id(2) * NT + tok) * H + head
+        tl.store(part_acc + i[:, None] * DV + dv[None, :], acc, mask=m_ok[:, None] & (dv[None, :] < DV))
+        tl.store(part_ml + i, m_i, mask=m_ok)
+        tl.store(part_ml + tl.num_programs(2) * NT * H + i, l_i, mask=m_ok)
+    else:
+        acc = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < DV))
+
+
+@triton.jit
+def _attention_combine_kernel(part_acc, part_ml, sinks_ptr, out_ptr, stride_ot, stride_oh, NT, H, S,
+                              DV: tl.constexpr, BLOCK_DV: tl.constexpr, S_PAD: tl.constexpr,
+                              HAS_SINKS: tl.constexpr):
+    """out[tok, head] from the S parts of its keys: each part's sum rescaled to the common max (exp2 domain),
+    summed, divided by the summed denominators (with the head's sink, if any, counted here once)."""
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, S_PAD)
+    s_ok = s < S
+    dv = tl.arange(0, BLOCK_DV)
+    i = (s * NT + tok) * H + head
+    m = tl.load(part_ml + i, mask=s_ok, other=-1.0e30)
+    l = tl.load(part_ml + S * NT * H + i, mask=s_ok, other=0.0)
+    m_max = tl.max(m, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
+    w = tl.exp2(m - m_max)                            # an empty part: m = -1e30, l = 0, acc = 0
+    l_sum = tl.sum(l * w, 0)
+    if HAS_SINKS:
+        l_sum += tl.exp2(sink - m_max)
+    acc = tl.load(part_acc + i[:, None] * DV + dv[None, :], mask=s_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.maximum(l_sum, 1e-30)
+    tl.store(out_ptr + tok * stride_ot + head * stride_oh + dv, o.to(out_ptr.dtype.element_ty), mask=dv < DV)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """The device's SM count (cached per device index); 0 off CUDA (the interpreter: no split unless asked)."""
+    if device.type != "cuda":
+        return 0
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+MAX_SPLITS = 16
+SPLIT_SCRATCH = 1 << 24         # at most this many float32 elements of partial sums (64 MiB)
+
+
+def attention_splits(R: int, KV: int, T: int, H: int, DV: int, max_keys: int, block_n: int, sms: int) -> int:
+    """How many parts S `paged_attention` cuts each row's keys into (grid (R, KV, S), then a combine kernel).
+
+    One program per (row, KV head) leaves most of the GPU idle at small batch (batch 1 of an 8B model: 8 programs
+    on 132 SMs, each walking the whole context), so below one program per SM the keys are split for R * KV * S
+    around 1-2x the SM count. Capped by the BLOCK_N chunks a row can hold (`max_keys`: the block table's width in
+    keys, or less with a sliding window), by MAX_SPLITS and by the float32 scratch of the partial sums. Shapes and
+    Python ints only, never tensor values: a CUDA graph captured at (R, T) replays the same split. S = 1 (the single
+    pass, no scratch, no combine) once R * KV fills the GPU."""
+    progs = R * KV
+    if progs == 0 or progs >= sms:
+        return 1
+    S = min(-(-sms // progs), MAX_SPLITS, max(max_keys // block_n, 1))
+    S = min(S, max(SPLIT_SCRATCH // max(R * T * H * DV, 1), 1))
+    return max(S, 1)
 
 
 def paged_attention(q, k_cache, v_cache, out, positions, block_table, T: int, scale: float, window: int,
-                    sinks=None) -> None:
+                    sinks=None, splits: int | None = None) -> None:
     """q [N, H, D] (any token/head strides, unit last stride), caches [blocks, BS, KV, D(V)],
-    out [N, H, DV]; row r (of block_table's rows) owns tokens [r*T, (r+1)*T); sinks [H] or None."""
+    out [N, H, DV]; row r (of block_table's rows) owns tokens [r*T, (r+1)*T); sinks [H] or None.
+    `splits`: parts each row's keys are cut into (None: `attention_splits`' choice; 1: the single pass)."""
     H, D = q.shape[1], q.shape[2]
     BS, KV, DV = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     G = H // KV
@@ -109,15 +186,32 @@ def paged_attention(q, k_cache, v_cache, out, positions, block_table, T: int, sc
     R = block_table.shape[0]
     if R == 0:
         return
-    _paged_attention_kernel[(R, KV)](
-        q, k_cache, v_cache, out, positions, block_table, sinks if sinks is not None else positions,
+    BLOCK_N = 64 if _pow2(D) <= 128 else 32
+    if splits is None:
+        max_keys = block_table.shape[1] * BS
+        if window:                      # lo is rounded down to BLOCK_N: at most window + T - 1 + BLOCK_N - 1 keys
+            max_keys = min(max_keys, window + T + BLOCK_N)
+        splits = attention_splits(R, KV, T, H, DV, max_keys, BLOCK_N, _sm_count(q.device))
+    NT = R * T
+    if splits > 1:
+        part_acc = torch.empty((splits, NT, H, DV), dtype=torch.float32, device=q.device)
+        part_ml = torch.empty((2, splits, NT, H), dtype=torch.float32, device=q.device)     # max m, sum l
+    else:
+        part_acc = part_ml = out        # unused
+    has_sinks = sinks is not None
+    _paged_attention_kernel[(R, KV, splits)](
+        q, k_cache, v_cache, out, positions, block_table, sinks if has_sinks else positions, part_acc, part_ml,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
-        T, scale, window or 0,
+        T, scale, window or 0, NT, H,
         G=G, G_PAD=G_PAD, D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
-        BLOCK_Q=max(_pow2(T), 16 // min(G_PAD, 16)), BLOCK_N=64 if _pow2(D) <= 128 else 32, BS=BS,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=sinks is not None, num_warps=4)
+        BLOCK_Q=max(_pow2(T), 16 // min(G_PAD, 16)), BLOCK_N=BLOCK_N, BS=BS,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=has_sinks, SPLIT=splits > 1, num_warps=4)
+    if splits > 1:
+        _attention_combine_kernel[(NT, H)](
+            part_acc, part_ml, sinks if has_sinks else part_ml, out, out.stride(0), out.stride(1), NT, H, splits,
+            DV=DV, BLOCK_DV=_pow2(DV), S_PAD=_pow2(splits), HAS_SINKS=has_sinks, num_warps=2)
 
 
 # ---------------------------------------------------------------------------------------------
