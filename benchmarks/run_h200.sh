@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21 OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -559,6 +559,34 @@ batch1)
   sed -n '/^shape /,$p' /tmp/moe_shapes.log
   python3 benchmarks/kernel_timeline.py /tmp/trace_qwen3_30b_a3b_b1.json --json "$out/kernel_timeline_qwen3_b1.json" \
     2>&1 | tail -45
+  ;;
+s21)
+  # session 21's one call: the GPU tests of what changed (split-K sums by a tile's last program, activation
+  # quantization inside the norms, split-KV decode attention), the attention and FP8 GEMM microbenchmarks, then the
+  # 8B shape bf16 vs FP8 at batch 1 and 16 (median of 3; FP8_DECODE_MODES: each change on and off), then offline eagle
+  timeout ${GPU_TEST_S:-200} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
+    -k "${GPU_TESTS_K:-fp8 or attention or graphs_equal_eager}" > "$out/gpu_tests.log" 2>&1; tail -6 "$out/gpu_tests.log"
+  [ -f benchmarks/attention_decode.py ] && { timeout 90 python3 benchmarks/attention_decode.py --json "$out/attention_decode.json" \
+    > "$out/attention_decode.log" 2>&1 || tail -5 "$out/attention_decode.log"; tail -28 "$out/attention_decode.log"; }
+  if [ "${GEMM:-1}" = 1 ]; then
+    timeout 120 python3 benchmarks/fp8_gemm.py --rows 1,16 --json "$out/fp8_gemm.json" > "$out/fp8_gemm.log" 2>&1 \
+      || tail -10 "$out/fp8_gemm.log"
+    sed -n '/^shape /,$p' "$out/fp8_gemm.log"
+  fi
+  [ "${E2E:-1}" = 1 ] && widen && timeout ${E2E_S:-330} python3 benchmarks/fp8.py --pair $P --target $W/target --label 8b-shape --prompts 16 --batch1-prompts 8 \
+    --batches 1,16 --repeats 3 --decode-modes ${FP8_DECODE_MODES:-quantize} --json "$out/fp8_8b.json" > "$out/fp8_8b.log" 2>&1 \
+    || tail -20 "$out/fp8_8b.log"
+  [ -f "$out/fp8_8b.log" ] && sed -n '/^quant /,$p' "$out/fp8_8b.log"
+  if [ "${EAGLE:-1}" = 1 ]; then    # host time at batch 32: session 20's engine (.bench/old_s20.tar: `git archive -o
+    # .bench/old_s20.tar 3433a38 specdp_cli benchmarks/offline.py benchmarks/workloads.py`) against this one, in turn
+    mkdir -p /tmp/old && tar -xf .bench/old_s20.tar -C /tmp/old && ln -sfn "$PWD/.bench" /tmp/old/.bench
+    for side in ${SIDES:-old new old new}; do
+      py=benchmarks/offline.py; [ $side = old ] && py=/tmp/old/benchmarks/offline.py
+      CUDA_VISIBLE_DEVICES=0 timeout 100 python3 $py --pair $P --requests 256 --batches 32 --repeats 5 --methods eagle \
+        --label $side --json "$out/offline_eagle_$side.$SECONDS.json" > /tmp/off_$side.log 2>&1 || tail -5 /tmp/off_$side.log
+      echo "$side: $(grep '^eagle' /tmp/off_$side.log)"
+    done
+  fi
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
