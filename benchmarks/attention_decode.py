@@ -20,22 +20,12 @@ import torch
 import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from fp8_gemm import bench  # noqa: E402  (calls in one CUDA graph, replayed under do_bench)
 from specdp_cli.runtime import triton_kernels as tk  # noqa: E402
 
 H, KV, D, BS = 32, 8, 128, 16
-
-
-def bench(fn, calls: int = 20) -> float:
-    """ms per call: `calls` calls captured in one CUDA graph (no host launch cost), the graph replayed under
-    do_bench (median)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median") / calls
 
 
 def case(R: int, ctx: int, T: int, max_len: int, dev) -> dict:

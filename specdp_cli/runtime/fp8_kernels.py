@@ -101,10 +101,6 @@ class FP8Activation(NamedTuple):
     scale: torch.Tensor
     dtype: torch.dtype
 
-    @property
-    def shape(self):
-        return self.q.shape
-
     def dequantize(self) -> torch.Tensor:
         """q * scale per group in `dtype` (a fallback for a consumer that is not an FP8 linear)."""
         M, K = self.q.shape
