@@ -43,10 +43,14 @@ def apply_mode(mode: str | None) -> None:
     """A row's kernel settings: "bf16" or an FP8 decode mode of fp8_kernels (quantize, fused, weight_only, gemv),
     then the changes switched off: "-unfused" (the activations quantized by their own kernel, not in the norm's),
     "-sumkernel" (split K summed by a second kernel, not by a tile's last program), "-nosplit" (decode attention in
-    one pass, not split over the keys), "-s16" (all three: session 16's path)."""
-    from specdp_cli.runtime import fp8_kernels, triton_kernels
+    one pass, not split over the keys), "-s16" (all three: session 16's path), "-nopdl" (kernels launched plainly,
+    not with programmatic dependent launch; runtime/pdl.py), "-noprefetch" (PDL without the GEMMs' weight prefetch),
+    "-s21" (session 21's path: "-nopdl")."""
+    from specdp_cli.runtime import fp8_kernels, pdl, triton_kernels
     base, *off = (mode or "bf16").split("-")
-    off = {"unfused", "sumkernel", "nosplit"} if "s16" in off else set(off)
+    off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
+    pdl.ENABLED = "nopdl" not in off
+    pdl.PREFETCH = "noprefetch" not in off
     if base != "bf16":
         fp8_kernels.DECODE_MODE = base
     fp8_kernels.FUSE_DECODE_QUANT = "unfused" not in off

@@ -4,9 +4,10 @@ the 8B shape's (Llama-3-8B) and the Qwen3-30B-A3B shape's dense projections. Eac
 median (activation quantization included: what a layer pays; "+sum krn": split K summed by a second kernel, the
 path before the tile's last program summed it); GB/s counts the weight bytes read once.
 With --sweep, the GEMV's tiles (BLOCK_N x groups a step x warps / stages) at M = 1, 4, 16 and the GEMM's decode
-tiles (BLOCK_N x split K) at M = 1 and 16.
+tiles (BLOCK_N x split K) at M = 1 and 16. With --sweep-stages (alone), the decode GEMM's tiles with 3-8 pipeline
+stages on cold weights (`sweep_stages`).
 
-Usage: python benchmarks/fp8_gemm.py [--rows 1,16,64,256,2048] [--sweep] --json OUT.json
+Usage: python benchmarks/fp8_gemm.py [--rows 1,16,64,256,2048] [--sweep | --sweep-stages] --json OUT.json
 """
 from __future__ import annotations
 
@@ -59,9 +60,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,16,64,256,2048")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-stages", action="store_true",
+                    help="only the decode GEMM's tiles with their pipeline depth, cold weights (sweep_stages)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
+    if a.sweep_stages:
+        sweep = sweep_stages(dev)
+        with open(a.json, "w") as fh:
+            json.dump({"meta": {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                                "triton": triton.__version__, "argv": sys.argv[1:]}, "sweep": sweep}, fh, indent=1)
+        return
     cublas = fk.cublas_supported(dev)
     rows = []
     for name, (N, K) in SHAPES.items():
@@ -128,6 +137,48 @@ def main() -> None:
             "triton": triton.__version__, "cublas_block_scaled": cublas, "argv": sys.argv[1:]}
     with open(a.json, "w") as fh:
         json.dump({"meta": meta, "rows": rows, "sweep": sweep}, fh, indent=1)
+
+
+def sweep_stages(dev) -> list[dict]:
+    """The decode GEMM (activations quantized before it) at 1 and 16 rows over BLOCK_N x split K x pipeline stages,
+    each call reading another copy of the weight (at least 160 MB of copies, cycled: nothing is left in L2 from the
+    call before, as in a model's step). A weight-streaming kernel keeps about programs x stages x tile bytes in
+    flight; an FP8 tile holds half a bf16 tile's bytes, so the depth that saturates bf16 may not saturate FP8."""
+    out = []
+    print(f"{'shape':<12}{'M':>4}{'default us':>12}{'best us':>9}{'best GB/s':>11}  best tile")
+    for name, (N, K) in SHAPES.items():
+        copies = max(1, -(-(160 << 20) // (N * K)))
+        ws_ = [quantize_blocks(torch.randn(N, K, device=dev) / 30) for _ in range(copies)]
+        for M in (1, 16):
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            x_q, x_s = fk.quantize_activations(x)
+            i = [0]
+
+            def call(t):
+                wq, wsc = ws_[i[0] % copies]
+                i[0] += 1
+                return fk.block_fp8_gemm(x_q, wq, wsc, 128, x_scale=x_s, tile=t, out_dtype=torch.bfloat16)
+            default = fk.tiles(M, N, K, fk._num_sms(dev))
+            tried = [dict(default, label="default")]
+            for bn in (32, 64, 128):
+                for split in (1, 2, 4, 8):
+                    for stages in (3, 4, 6, 8):
+                        tried.append(dict(BLOCK_M=16, BLOCK_N=bn, SPLIT=split, warps=4, stages=stages, GROUP_M=1))
+            found = []
+            for t in tried:
+                try:
+                    ms = bench(lambda: call(t), calls=2 * copies)
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
+                    print(f"skip {t}: {type(e).__name__}")
+                    continue
+                found.append({"shape": name, "M": M, **t, "us": ms * 1e3, "GBps": N * K / ms / 1e6})
+            out += found
+            best = min(found, key=lambda r: r["us"])
+            print(f"{name:<12}{M:>4}{found[0]['us']:>12.1f}{best['us']:>9.1f}{best['GBps']:>11.0f}  "
+                  f"BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} stages {best['stages']}", flush=True)
+        ws_ = None
+        torch.cuda.empty_cache()
+    return out
 
 
 def print_table(rows: list[dict]) -> None:

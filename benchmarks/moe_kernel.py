@@ -6,7 +6,9 @@ replayed (what a decode step does), timed with CUDA events; "GB/s" is the bytes 
 (each read once) over the time, and "% copy" that against the device's measured copy bandwidth.
 
 Usage: python benchmarks/moe_kernel.py [--shapes qwen3_30b_a3b,deepseek_v3] [--tokens 1,16,64,256] [--sweep]
-           [--dtype bfloat16] --json OUT.json
+           [--dtype bfloat16] [--fp8] --json OUT.json
+(--fp8: the experts in FP8, read weight-only by the Triton kernels, with deeper-pipelined tiles under --sweep; bytes
+and GB/s count FP8 bytes)
 (prompt chunks: --tokens 2048,8192)
 
 --routing times only a layer's routing for few tokens, old (cuBLAS router logits, the top-k kernel, `_align_kernel`)
@@ -36,6 +38,7 @@ from moe_expert_count import all_experts  # noqa: E402
 from specdp_cli.runtime.models.moe import MoE, router_logits as pick_router  # noqa: E402
 from specdp_cli.runtime import moe_kernels as mk  # noqa: E402
 from specdp_cli.runtime.moe_kernels import routed_experts, softmax_topk, tiles  # noqa: E402
+from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks  # noqa: E402
 
 SHAPES = {   # experts, top_k, hidden, expert width
     "qwen3_30b_a3b": (128, 8, 2048, 768),
@@ -46,6 +49,11 @@ SWEEP = [dict(BLOCK_M=bm, UP_N=un, DOWN_N=dn, BLOCK_K=bk, warps=w, stages=s)
          for bm, un, dn, bk, w, s in [(16, 32, 32, 128, 4, 4), (16, 64, 64, 128, 4, 4), (16, 32, 64, 128, 4, 4),
                                       (16, 32, 64, 256, 4, 3), (32, 64, 64, 64, 4, 4), (64, 64, 128, 64, 8, 3),
                                       (128, 128, 128, 64, 8, 3)]]
+# FP8 experts (--fp8; weight-only, BLOCK_K dividing 128): an FP8 tile holds half a bf16 tile's bytes, so deeper
+# pipelines and more programs are tried for the bytes in flight that stream the experts
+SWEEP_FP8 = [dict(BLOCK_M=16, UP_N=un, DOWN_N=dn, BLOCK_K=128, warps=4, stages=s)
+             for un, dn, s in [(32, 64, 3), (32, 64, 6), (32, 64, 8), (16, 32, 4), (16, 32, 6), (16, 64, 6),
+                               (64, 64, 6), (32, 32, 6)]]
 # matrix-vector kernels (one program per pair for gate/up, one per token summing its experts' down projections;
 # no grouping): the alternative for few pairs that the engine does not use (it lost to the grouped kernels)
 GEMV = [dict(UP_N=un, DOWN_N=dn, BLOCK_K=bk, warps=w)
@@ -207,6 +215,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16,64,256")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="the experts in FP8 (128 x 128 blocks, read weight-only by "
+                    "the Triton kernels; the other paths read them dequantized)")
     ap.add_argument("--all-experts-max-e", type=int, default=128, help="time the old path up to this many experts")
     ap.add_argument("--routing", action="store_true", help="time the routing kernels only, old against new")
     ap.add_argument("--json", required=True)
@@ -228,6 +238,10 @@ def main() -> None:
         gate_up = torch.randn(E, 2 * I, H, device="cuda", dtype=dtype) * H ** -0.5
         down = torch.randn(E, H, I, device="cuda", dtype=dtype) * I ** -0.5
         expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+        if a.fp8:       # the Triton kernels read FP8Weight; the reference and the other paths its dequantized values
+            gu8, d8 = (FP8Weight(*quantize_blocks(t.float()), 128, dtype) for t in (gate_up, down))
+            gate_up, down = gu8.dequantize(dtype), d8.dequantize(dtype)
+            expert_bytes //= 2
         for N in [int(t) for t in a.tokens.split(",")]:
             x = torch.randn(N, H, device="cuda", dtype=dtype)
             idx = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(N)])
@@ -235,8 +249,9 @@ def main() -> None:
             used = int(torch.unique(idx).numel())
             read = used * expert_bytes
             ref = grouped_mm_path(x, w, idx, gate_up, down).float()
-            variants = [("triton", None)] + ([(f"triton {t}", t) for t in SWEEP] if a.sweep else [])
-            variants += [(f"gemv {t}", ("gemv", t)) for t in GEMV] if a.sweep and N * K <= 128 else []
+            variants = [("triton", None)] + ([(f"triton {t}", t) for t in (SWEEP_FP8 if a.fp8 else SWEEP)]
+                                             if a.sweep else [])
+            variants += [(f"gemv {t}", ("gemv", t)) for t in GEMV] if a.sweep and N * K <= 128 and not a.fp8 else []
             variants += [("grouped_mm", "gmm"), ("routing (softmax top-k)", "route")]
             if E <= a.all_experts_max_e and N <= 64:
                 variants.append(("all experts (before)", "all"))
@@ -251,6 +266,8 @@ def main() -> None:
                 elif t == "all":
                     old = MoE(None, gate_up, down, True, range(E))
                     fn = lambda: all_experts(old, x, w, idx)     # noqa: E731
+                elif a.fp8:
+                    fn = lambda t=t: routed_experts(x, w, idx, gu8, d8, tile=t)  # noqa: E731
                 else:
                     fn = lambda t=t: routed_experts(x, w, idx, gate_up, down, tile=t)  # noqa: E731
                 try:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22 OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -587,6 +587,17 @@ s21)
       echo "$side: $(grep '^eagle' /tmp/off_$side.log)"
     done
   fi
+  ;;
+s22)
+  # session 22 (issue 30): programmatic dependent launch on an 8B-shaped layer chain (benchmarks/pdl_chain.py), then
+  # what the kernel timelines pointed at: the FP8 decode GEMM's pipeline depth on cold weights (its small
+  # projections stream at 1.9-2.5 TB/s, cuBLAS's bf16 ones at 3.2-4.2) and the FP8 routed experts' tiles (16.6 µs
+  # for gate/up at one token on the Qwen3-30B-A3B shape, bf16 14.9). End to end: PART=2 of the fp8 stage.
+  timeout ${CHAIN_S:-150} python3 benchmarks/pdl_chain.py --json "$out/pdl_chain.json" 2>&1 | grep -v -i warn | tail -26
+  timeout ${STAGES_S:-240} python3 benchmarks/fp8_gemm.py --sweep-stages --json "$out/fp8_gemm_stages.json" \
+    > "$out/fp8_gemm_stages.log" 2>&1; grep -v -i -E "warn|^skip" "$out/fp8_gemm_stages.log" | tail -14
+  timeout ${MOE_S:-150} python3 benchmarks/moe_kernel.py --shapes qwen3_30b_a3b --tokens 1,16 --fp8 --sweep \
+    --json "$out/moe_kernel_fp8.json" > "$out/moe_kernel_fp8.log" 2>&1; sed -n '/^shape /,$p' "$out/moe_kernel_fp8.log"
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

@@ -241,7 +241,7 @@ def routing_checks(g: torch.Generator) -> None:
         pairs = torch.full((max_blocks * bm,), -7, dtype=torch.int32)     # stale contents the kernel must not leave
         block_expert = torch.full((max_blocks,), -7, dtype=torch.int32)
         mk._align_small_kernel[(1,)](idx, pairs, block_expert, P, E, max_blocks, BLOCK_M=bm, P_BLOCK=mk._pow2(P),
-                                     B_BLOCK=mk._pow2(max_blocks))
+                                     B_BLOCK=mk._pow2(max_blocks), PDL=False)
         check_grouping(idx, E, bm, pairs, block_expert)
         check_grouping(idx, E, bm, *mk.align(idx, E, bm))
     idx = torch.randint(-2, 12, (200,), generator=g)

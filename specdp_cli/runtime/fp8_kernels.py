@@ -22,7 +22,9 @@ amax(group) / 448. Then y = sum over the K groups g of (x_q[:, g] @ W_q[:, g]^T)
   multiple of 8), where this torch and GPU have it. benchmarks/fp8_gemm.py measures all of them (H200, CUDA
   graphs: the Triton GEMM 1.4-1.65x bf16 at M = 1 on the 8B's large projections, cuBLAS's fastest at 2048 rows;
   quantizing inside the GEMM was slowest: a row reduction and a layout change in every K step).
-Every size is fixed by the shapes and nothing reads device memory on the host: a CUDA graph holds them.
+Every size is fixed by the shapes and nothing reads device memory on the host: a CUDA graph holds them. The
+quantization and split-K sum kernels launch with programmatic dependent launch on Hopper (pdl.py); the GEMM plainly
+unless pdl.GEMM_TRIGGER says otherwise.
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from . import pdl
 
 GROUP = 128                     # activation group and weight block width along K
 # in the kernels: 448 is float8_e4m3fn's largest finite value; an all-zero group gets scale 1e-12 (its values
@@ -61,7 +65,8 @@ def store_quantized(y, q_ptr, s_ptr, c0, K, BLOCK: tl.constexpr):
 
 @triton.jit
 def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stride_sg,
-                  GROUP_SIZE: tl.constexpr, GROUPS: tl.constexpr):
+                  GROUP_SIZE: tl.constexpr, GROUPS: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     m = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     c = tl.arange(0, GROUP_SIZE)
@@ -84,7 +89,8 @@ def quantize_activations(x: torch.Tensor, column_major_scales: bool = False) -> 
     if M:
         per = min(8, triton.next_power_of_2(G))
         _quant_kernel[(M, triton.cdiv(G, per))](x, q, s, M, K, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                                GROUP_SIZE=GROUP, GROUPS=per, num_warps=4)
+                                                GROUP_SIZE=GROUP, GROUPS=per, num_warps=4,
+                                                **pdl.options(x.device))
     return q, s
 
 
@@ -110,9 +116,10 @@ class FP8Activation(NamedTuple):
 @triton.jit
 def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_ptr, M, N, K, k_blocks_per_split,
                  n_splits, stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm,
-                 stride_ym, B_ROWS: tl.constexpr, A_MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                 TICKET: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                 stride_ym, prefetch_bytes, B_ROWS: tl.constexpr, A_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 SPLIT: tl.constexpr, TICKET: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+                 PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr):
     # program -> (row block, column block), grouped so that GROUP_M row blocks share the weights in L2
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -133,6 +140,12 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
     a_ptrs = a_ptr + m.to(tl.int64)[:, None] * stride_am + (kb0 * BLOCK_K + k)[None, :]
     b_ptrs = b_ptr + n.to(tl.int64)[None, :] * stride_bn + (kb0 * BLOCK_K + k)[:, None]
     bs_ptrs = bs_ptr + (n // B_ROWS) * stride_bsn
+    if not LATE:
+        pdl.launch_next(PDL)
+    if PREFETCH:        # this program's first weight bytes on their way to L2 while the kernel before still runs
+        pdl.prefetch_rows(b_ptr, pid_n * BLOCK_N, N, stride_bn, kb0 * BLOCK_K,
+                          tl.minimum(prefetch_bytes, K - kb0 * BLOCK_K), BLOCK_N, LANES)
+    pdl.wait_previous(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(kb0, tl.minimum(kb0 + k_blocks_per_split, tl.cdiv(K, BLOCK_K))):
         if EVEN_K:
@@ -155,6 +168,8 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
             acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if LATE:
+        pdl.launch_next(PDL)
     ok = m_ok[:, None] & n_ok[None, :]
     out = c_ptr + split * stride_cs + m.to(tl.int64)[:, None] * stride_cm + n[None, :]
     if SPLIT:            # float32 partial sums; _splitk_sum_kernel adds the bias and casts, or (TICKET) the tile's last
@@ -180,7 +195,8 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
 
 @triton.jit
 def _splitk_sum_kernel(ws_ptr, bias_ptr, c_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -296,6 +312,20 @@ def tiles(M: int, N: int, K: int, sms: int) -> dict:
                 GROUP_M=8)
 
 
+# Where the GEMMs take part in PDL (pdl.GEMM_TRIGGER not "off"; not the default, measured slower) each program
+# prefetches the first bytes of its weight rows into L2 before it waits for the kernel before it (pdl.PREFETCH): at
+# most PREFETCH_BUDGET bytes over the whole grid (H200's L2 holds 50 MB; the kernel before a projection runs a few
+# microseconds, in which the device reads ~10-20 MB).
+PREFETCH_BUDGET = 24 << 20
+
+
+def prefetch_bytes(programs: int, block_n: int, row_bytes: int) -> int:
+    """Bytes of each weight row (of a program's K range, `row_bytes`) to prefetch: whole 128-byte lines, the
+    grid's total within PREFETCH_BUDGET; 0: none."""
+    per_row = PREFETCH_BUDGET // max(programs * block_n, 1) // 128 * 128
+    return min(row_bytes, per_row)
+
+
 def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows: int,
                    bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, tile: dict | None = None, mode: str = "fused") -> torch.Tensor:
@@ -320,18 +350,23 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
     a_s = x_scale if x_scale is not None else scale          # unused unless pre-quantized
     grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"]), split)
     tickets = _tickets(x.device, grid[0]) if split > 1 and SPLITK_TICKETS else None
+    launch = pdl.gemm_options(x.device)
+    prefetch = prefetch_bytes(grid[0] * grid[1], t["BLOCK_N"], per_split * GROUP * weight.element_size()) \
+        if launch["PDL"] and pdl.PREFETCH and M <= 64 and K % GROUP == 0 and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0 else 0
     _gemm_kernel[grid](x, a_s, weight, scale, bias if bias is not None else scale, c, out,
                        tickets if tickets is not None else scale, M, N, K, per_split, split,
                        x.stride(0), a_s.stride(0), a_s.stride(1), weight.stride(0), scale.stride(0), scale.stride(1),
-                       c.stride(0) if split > 1 else 0, c.stride(-2), out.stride(0),
+                       c.stride(0) if split > 1 else 0, c.stride(-2), out.stride(0), prefetch,
                        B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None, SPLIT=split > 1,
                        TICKET=tickets is not None, EVEN_K=K % GROUP == 0, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
-                       BLOCK_K=GROUP, GROUP_M=t["GROUP_M"], num_warps=t["warps"], num_stages=t["stages"])
+                       BLOCK_K=GROUP, GROUP_M=t["GROUP_M"], PREFETCH=prefetch > 0, LANES=32 * t["warps"],
+                       num_warps=t["warps"],
+                       num_stages=t["stages"], **launch)
     if split > 1 and tickets is None:
         BLOCK = 1024
         _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](c, bias if bias is not None else c, out, M * N, N,
                                                          SPLITS=split, HAS_BIAS=bias is not None, BLOCK=BLOCK,
-                                                         num_warps=4)
+                                                         num_warps=4, **pdl.options(x.device))
     return out
 
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
+from .fp8_kernels import prefetch_bytes
 from .triton_kernels import _pow2
 
 # the largest weight (elements) measured faster than cuBLAS at one token: Llama-8B's o [4096 x 4096]; larger
@@ -28,13 +30,21 @@ ONE_ROW_MAX_WEIGHT = 4096 * 4096
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, M_BLOCK: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DEFER: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, prefetch_bytes, M_BLOCK: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, DEFER: tl.constexpr,
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr, LANES: tl.constexpr, ELEMENT: tl.constexpr,
+                 LATE: tl.constexpr):
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = tl.arange(0, M_BLOCK)
     k = tl.arange(0, BLOCK_K)
     # rows past N / tokens past M read the last one (in bounds) and are not stored: no masks on the loads
-    w_ptrs = w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn + k[None, :]
+    rows = tl.minimum(n, N - 1).to(tl.int64)
+    w_ptrs = w_ptr + rows[:, None] * stride_wn + k[None, :]
+    if not LATE:
+        pdl.launch_next(PDL)
+    if PREFETCH:        # the first bytes of this program's rows on their way to L2 while the kernel before runs
+        pdl.prefetch_rows(w_ptr, tl.program_id(0) * BLOCK_N, N, stride_wn * ELEMENT, 0, prefetch_bytes, BLOCK_N, LANES)
+    pdl.wait_previous(PDL)
     x_ptrs = x_ptr + tl.minimum(m, M - 1)[:, None] * stride_xm + k[None, :]
     if DEFER:
         acc = tl.zeros([M_BLOCK, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -53,6 +63,8 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, 
             acc += p
         else:
             acc += tl.sum(p, 2)
+    if LATE:
+        pdl.launch_next(PDL)
     if DEFER:
         y = tl.sum(acc, 2)
     else:
@@ -81,7 +93,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, tile
     if M == 0:
         return out
     bn, bk, warps, stages, defer = tile or default_tile(M, N, K)
-    _gemv_kernel[(triton.cdiv(N, bn),)](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0),
+    launch = pdl.gemm_options(x.device)
+    row_bytes = K * w.element_size()
+    aligned = row_bytes % 16 == 0 and w.stride(0) * w.element_size() % 16 == 0 and w.data_ptr() % 16 == 0
+    prefetch = prefetch_bytes(triton.cdiv(N, bn), bn, row_bytes) if launch["PDL"] and pdl.PREFETCH and aligned else 0
+    _gemv_kernel[(triton.cdiv(N, bn),)](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), prefetch,
                                         M_BLOCK=_pow2(M), BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
-                                        DEFER=defer, num_warps=warps, num_stages=stages)
+                                        DEFER=defer, PREFETCH=prefetch > 0, LANES=32 * warps, ELEMENT=w.element_size(),
+                                        num_warps=warps, num_stages=stages,
+                                        **launch)
     return out

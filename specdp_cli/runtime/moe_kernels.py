@@ -13,7 +13,8 @@ A forward's N tokens choose top_k experts each: P = N * top_k token-expert pairs
 4. `_sum_kernel`: each token's sum over its top_k pairs (those held here). `routed_pairs` runs steps 1-3 alone: a
    decoder layer then sums them in `_sum_add_norm_kernel`, with the residual add and the next RMSNorm.
 Every size is a function of N, top_k and the experts held, and every count the data decides (how many blocks
-an expert fills) is read from device memory, so a CUDA graph holds all four.
+an expert fills) is read from device memory, so a CUDA graph holds all four. Every kernel here launches with
+programmatic dependent launch on Hopper (pdl.py).
 """
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .triton_kernels import _add_residual, _norm_row, _pow2, norm_warps
 
 
 @triton.jit
 def _align_kernel(idx_ptr, pairs_ptr, block_expert_ptr, count_ptr, rank_ptr, P, E, max_blocks,
-                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, B_CHUNK: tl.constexpr):
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, B_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     ebins = tl.arange(0, E_BLOCK)
     tl.store(count_ptr + ebins, tl.zeros([E_BLOCK], dtype=tl.int32))
     c = tl.arange(0, CHUNK)
@@ -93,7 +96,8 @@ def _align_pairs(pid, e, held, P, max_blocks, pairs_ptr, block_expert_ptr, BLOCK
 
 @triton.jit
 def _align_small_kernel(idx_ptr, pairs_ptr, block_expert_ptr, P, E, max_blocks, BLOCK_M: tl.constexpr,
-                        P_BLOCK: tl.constexpr, B_BLOCK: tl.constexpr):
+                        P_BLOCK: tl.constexpr, B_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     p = tl.arange(0, P_BLOCK)
     e = tl.load(idx_ptr + p, mask=p < P, other=-1).to(tl.int32)
     _align_pairs(p, e, (p < P) & (e >= 0) & (e < E), P, max_blocks, pairs_ptr, block_expert_ptr, BLOCK_M, B_BLOCK)
@@ -121,12 +125,14 @@ def align(idx: torch.Tensor, E: int, block_m: int, small: bool | None = None) ->
         small = P <= SMALL_P
     if small:
         _align_small_kernel[(1,)](idx, pairs, block_expert, P, E, max_blocks, BLOCK_M=block_m, P_BLOCK=_pow2(P),
-                                  B_BLOCK=_pow2(max_blocks), num_warps=_align_warps(_pow2(P)))
+                                  B_BLOCK=_pow2(max_blocks), num_warps=_align_warps(_pow2(P)),
+                                  **pdl.options(idx.device))
     else:
         counts = torch.empty(_pow2(E), dtype=torch.int32, device=idx.device)
         ranks = torch.empty(P, dtype=torch.int32, device=idx.device)
         _align_kernel[(1,)](idx, pairs, block_expert, counts, ranks, P, E, max_blocks, BLOCK_M=block_m, CHUNK=1024,
-                            E_BLOCK=_pow2(E), B_CHUNK=max(16, min(64, 8192 // _pow2(E))), num_warps=4)
+                            E_BLOCK=_pow2(E), B_CHUNK=max(16, min(64, 8192 // _pow2(E))), num_warps=4,
+                            **pdl.options(idx.device))
     return pairs, block_expert
 
 
@@ -134,7 +140,8 @@ def align(idx: torch.Tensor, E: int, block_m: int, small: bool | None = None) ->
 def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr, P, TOPK, I, H,
                stride_x, stride_we, stride_wn, stride_be, stride_a, stride_wse, stride_wsn, stride_wsk, alpha, limit,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
-               HAS_BIAS: tl.constexpr, PREC: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr):
+               HAS_BIAS: tl.constexpr, PREC: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
@@ -188,7 +195,8 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr
 def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, pairs_ptr, block_expert_ptr, y_ptr, ws_ptr, P, H, I,
                  stride_a, stride_we, stride_wn, stride_be, stride_y, stride_wse, stride_wsn, stride_wsk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PREC: tl.constexpr, ROUND_W: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr):
+                 PREC: tl.constexpr, ROUND_W: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
@@ -237,7 +245,8 @@ def _pairs_sum(y_ptr, idx_ptr, t, c, ok, TOPK, E, stride_y, K_BLOCK: tl.constexp
 
 
 @triton.jit
-def _sum_kernel(y_ptr, idx_ptr, out_ptr, TOPK, H, E, stride_y, stride_o, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_kernel(y_ptr, idx_ptr, out_ptr, TOPK, H, E, stride_y, stride_o, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < H
@@ -247,7 +256,8 @@ def _sum_kernel(y_ptr, idx_ptr, out_ptr, TOPK, H, E, stride_y, stride_o, K_BLOCK
 
 @triton.jit
 def _sum_add_norm_kernel(y_ptr, idx_ptr, res_ptr, w_ptr, out_ptr, TOPK, H, E, stride_y, stride_r, stride_o, eps,
-                         K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
+                         K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     # `_sum_kernel` then triton_kernels' `_rms_norm_kernel` with a residual, step for step, one program a token: the
     # sum rounded to y's dtype as `_sum_kernel` stores it, the same residual add and norm (shared steps)
     t = tl.program_id(0)
@@ -320,17 +330,19 @@ def routed_pairs(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, 
     pairs, block_expert = align(idx, E, BM)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     gss = gu_s.stride() if fp8 else (0, 0, 0)
+    launch = pdl.options(dev)
     _up_kernel[(max_blocks, triton.cdiv(I, t["UP_N"]))](
         x, gate_up, gub, pairs, block_expert, act_out, gu_s, P, K, I, H,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gub_stride, act_out.stride(0), *gss, float(alpha),
         float(limit), BLOCK_M=BM, BLOCK_N=t["UP_N"], BLOCK_K=t["BLOCK_K"], ACT=ACT, HAS_BIAS=gate_up_bias is not None,
-        PREC=prec, W_FP8=fp8, W_ROWS=gu_rows, num_warps=t["warps"], num_stages=t["stages"])
+        PREC=prec, W_FP8=fp8, W_ROWS=gu_rows, num_warps=t["warps"], num_stages=t["stages"], **launch)
     dss = d_s.stride() if fp8 else (0, 0, 0)
     _down_kernel[(max_blocks, triton.cdiv(H, t["DOWN_N"]))](
         act_out, down, db, rw, pairs, block_expert, y, d_s, P, H, I,
         act_out.stride(0), down.stride(0), down.stride(1), db_stride, y.stride(0), *dss,
         BLOCK_M=BM, BLOCK_N=t["DOWN_N"], BLOCK_K=min(t["BLOCK_K"], _pow2(I)), HAS_BIAS=down_bias is not None,
-        PREC=prec, ROUND_W=round_weights, W_FP8=fp8, W_ROWS=d_rows, num_warps=t["warps"], num_stages=t["stages"])
+        PREC=prec, ROUND_W=round_weights, W_FP8=fp8, W_ROWS=d_rows, num_warps=t["warps"], num_stages=t["stages"],
+        **launch)
     return y
 
 
@@ -342,7 +354,8 @@ def sum_pairs(y: torch.Tensor, experts: torch.Tensor, E: int) -> torch.Tensor:
     if N:
         BLOCK = min(_pow2(H), 4096 // _pow2(K), 1024)
         _sum_kernel[(N, triton.cdiv(H, BLOCK))](y, experts.contiguous().view(-1), out, K, H, E, y.stride(0),
-                                                out.stride(0), K_BLOCK=_pow2(K), BLOCK=BLOCK, num_warps=4)
+                                                out.stride(0), K_BLOCK=_pow2(K), BLOCK=BLOCK, num_warps=4,
+                                                **pdl.options(y.device))
     return out
 
 
@@ -359,7 +372,7 @@ def sum_add_rms_norm(y: torch.Tensor, experts: torch.Tensor, E: int, residual: t
         _sum_add_norm_kernel[(N,)](y, experts.contiguous().view(-1), residual,
                                    weight if weight is not None else residual, o, K, H, E, y.stride(0),
                                    residual.stride(0), o.stride(0), float(eps), K_BLOCK=_pow2(K), BLOCK=_pow2(H),
-                                   NORM=weight is not None, num_warps=norm_warps(H))
+                                   NORM=weight is not None, num_warps=norm_warps(H), **pdl.options(y.device))
     return out
 
 
@@ -375,7 +388,8 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
 
 @triton.jit
 def _softmax_topk_kernel(logits_ptr, w_ptr, idx_ptr, E, stride_l, TOPK: tl.constexpr, K_BLOCK: tl.constexpr,
-                         E_BLOCK: tl.constexpr, RENORM: tl.constexpr):
+                         E_BLOCK: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_BLOCK)
     ok = e < E
@@ -404,7 +418,8 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     idx = torch.empty((N, top_k), dtype=torch.int64, device=logits.device)
     if N:
         _softmax_topk_kernel[(N,)](logits, w, idx, E, logits.stride(0), TOPK=top_k, K_BLOCK=_pow2(top_k),
-                                   E_BLOCK=_pow2(E), RENORM=renormalize, num_warps=4 if E >= 256 else 1)
+                                   E_BLOCK=_pow2(E), RENORM=renormalize, num_warps=4 if E >= 256 else 1,
+                                   **pdl.options(logits.device))
     return w, idx
 
 
@@ -412,7 +427,8 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 def _grouped_sigmoid_topk_kernel(logits_ptr, bias_ptr, w_ptr, idx_ptr, stride_l, scaling,
                                  G: tl.constexpr, PG: tl.constexpr, G_BLOCK: tl.constexpr, PG_BLOCK: tl.constexpr,
                                  TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, K_BLOCK: tl.constexpr,
-                                 RENORM: tl.constexpr):
+                                 RENORM: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, G_BLOCK)
     j = tl.arange(0, PG_BLOCK)
@@ -458,7 +474,7 @@ def grouped_sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, top_k: int, g
         _grouped_sigmoid_topk_kernel[(N,)](logits, bias, w, idx, logits.stride(0), float(scaling), G=groups, PG=PG,
                                            G_BLOCK=_pow2(groups), PG_BLOCK=_pow2(PG), TOPK_GROUP=topk_group,
                                            TOPK=top_k, K_BLOCK=_pow2(top_k), RENORM=renormalize,
-                                           num_warps=4 if E >= 256 else 1)
+                                           num_warps=4 if E >= 256 else 1, **pdl.options(logits.device))
     return w, idx
 
 
@@ -476,7 +492,8 @@ ROUTER_MAX_TOKENS = 8
 
 @triton.jit
 def _router_kernel(x_ptr, w_ptr, out_ptr, N, E, H, stride_x, stride_w, stride_o, N_BLOCK: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     t = tl.arange(0, N_BLOCK)
     k = tl.arange(0, BLOCK_K)
@@ -506,5 +523,6 @@ def router_logits(x: torch.Tensor, router: torch.Tensor, dtype: torch.dtype | No
         be = block_e or 1
         bk = block_k or min(_pow2(H), max(64, 8192 // (nb * be)))    # the product tile: 64 floats a thread
         _router_kernel[(triton.cdiv(E, be),)](x, router, out, N, E, H, x.stride(0), router.stride(0), out.stride(0),
-                                              N_BLOCK=nb, BLOCK_E=be, BLOCK_K=bk, num_warps=4)
+                                              N_BLOCK=nb, BLOCK_E=be, BLOCK_K=bk, num_warps=4,
+                                              **pdl.options(x.device))
     return out

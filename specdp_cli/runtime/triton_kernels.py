@@ -21,6 +21,8 @@ reference of each, which CPU runs and the GPU tests compare against).
   the runner's buffers, one launch instead of one per input.
 - `argmax`: the argmax of logits rows, one program a row (torch's reduce takes 5.6 µs for one bf16 row
   of 16k on an H200: a single block of 512 threads).
+The attention, rotary, norm and activation kernels launch with programmatic dependent launch on Hopper (pdl.py:
+each lets the next launch at its top, then waits for the one before).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .fp8_kernels import GROUP, FP8Activation, activation_scales, store_quantized
 
 
@@ -46,7 +49,8 @@ def _paged_attention_kernel(
         qn, scale, window, NT, H,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        BS: tl.constexpr, PREC: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr):
+        BS: tl.constexpr, PREC: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
     q0 = row * qn
@@ -116,9 +120,10 @@ def _paged_attention_kernel(
 @triton.jit
 def _attention_combine_kernel(part_acc, part_ml, sinks_ptr, out_ptr, stride_ot, stride_oh, NT, H, S,
                               DV: tl.constexpr, BLOCK_DV: tl.constexpr, S_PAD: tl.constexpr,
-                              HAS_SINKS: tl.constexpr):
+                              HAS_SINKS: tl.constexpr, PDL: tl.constexpr):
     """out[tok, head] from the S parts of its keys: each part's sum rescaled to the common max (exp2 domain),
     summed, divided by the summed denominators (with the head's sink, if any, counted here once)."""
+    pdl.begin(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     s = tl.arange(0, S_PAD)
@@ -199,6 +204,7 @@ def paged_attention(q, k_cache, v_cache, out, positions, block_table, T: int, sc
     else:
         part_acc = part_ml = out        # unused
     has_sinks = sinks is not None
+    launch = pdl.options(q.device)
     _paged_attention_kernel[(R, KV, splits)](
         q, k_cache, v_cache, out, positions, block_table, sinks if has_sinks else positions, part_acc, part_ml,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -207,11 +213,12 @@ def paged_attention(q, k_cache, v_cache, out, positions, block_table, T: int, sc
         T, scale, window or 0, NT, H,
         G=G, G_PAD=G_PAD, D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
         BLOCK_Q=max(_pow2(T), 16 // min(G_PAD, 16)), BLOCK_N=BLOCK_N, BS=BS,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=has_sinks, SPLIT=splits > 1, num_warps=4)
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=has_sinks, SPLIT=splits > 1, num_warps=4,
+        **launch)
     if splits > 1:
         _attention_combine_kernel[(NT, H)](
             part_acc, part_ml, sinks if has_sinks else part_ml, out, out.stride(0), out.stride(1), NT, H, splits,
-            DV=DV, BLOCK_DV=_pow2(DV), S_PAD=_pow2(splits), HAS_SINKS=has_sinks, num_warps=2)
+            DV=DV, BLOCK_DV=_pow2(DV), S_PAD=_pow2(splits), HAS_SINKS=has_sinks, num_warps=2, **launch)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,7 +469,8 @@ def next_draft(d, drafts, j: int, start, ids, feats, hidden, R: int) -> None:
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache, v_cache, qw_ptr, kw_ptr, eps,
                        stride_t, stride_ct, stride_kslot, stride_kh, stride_vslot, stride_vh,
                        H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + t)
@@ -521,12 +529,13 @@ def rope_and_store(qkv, cos, sin, positions, slot_mapping, k_cache, v_cache, H: 
     _rope_store_kernel[(N,)](qkv, cos, sin, positions, slot_mapping, kf, vf, qw, kw, float(eps),
                              qkv.stride(0), cos.stride(0), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1),
                              H=H, KV=KV, D=D, HALF=D // 2, BLOCK_H=_pow2(H + KV), BLOCK_HALF=_pow2(D // 2),
-                             BLOCK_D=_pow2(D), NORM=head_norms is not None, num_warps=4)
+                             BLOCK_D=_pow2(D), NORM=head_norms is not None, num_warps=4, **pdl.options(qkv.device))
 
 
 @triton.jit
 def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h, stride_ct, HEADS, HALF,
-                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     i = tl.arange(0, BLOCK_HALF)
@@ -548,7 +557,8 @@ def rotate_(x, cos, sin, positions) -> None:
     N, heads, rot = x.shape
     if N:
         _rotate_kernel[(N,)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0), heads, rot // 2,
-                             BLOCK_H=_pow2(heads), BLOCK_HALF=_pow2(rot // 2), num_warps=4 if heads > 16 else 1)
+                             BLOCK_H=_pow2(heads), BLOCK_HALF=_pow2(rot // 2), num_warps=4 if heads > 16 else 1,
+                             **pdl.options(x.device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -583,7 +593,8 @@ def _norm_row(x, w_ptr, out_ptr, c, ok, n, eps):
 # `moe_kernels._sum_add_norm_kernel` shares these two steps (and `norm_warps`): its norms round as these do
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, s_ptr, stride_x, stride_r, stride_o, stride_s, n, eps,
-                     HAS_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr):
+                     HAS_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     ok = c < n
@@ -639,12 +650,13 @@ def rms_norm(x, weight, eps: float, residual=None, quantize: bool = False):
         res = residual if residual is not None else x
         _rms_norm_kernel[(N,)](x, res, weight, out, scales, x.stride(0), res.stride(0), out.stride(0),
                                scales.stride(0), n, eps, HAS_RES=residual is not None, QUANT=quantize, BLOCK=_pow2(n),
-                               num_warps=norm_warps(n))
+                               num_warps=norm_warps(n), **pdl.options(x.device))
     return FP8Activation(out, scales, x.dtype) if quantize else out
 
 
 @triton.jit
-def _head_rms_norm_kernel(x_ptr, qw_ptr, kw_ptr, stride_t, eps, H, D: tl.constexpr, BLOCK_D: tl.constexpr):
+def _head_rms_norm_kernel(x_ptr, qw_ptr, kw_ptr, stride_t, eps, H, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -664,12 +676,13 @@ def head_rms_norm_(qkv, q_weight, k_weight, H: int, KV: int, D: int, eps: float)
     N = qkv.shape[0]
     if N:
         _head_rms_norm_kernel[(N, H + KV)](qkv, q_weight, k_weight, qkv.stride(0), eps, H, D=D, BLOCK_D=_pow2(D),
-                                           num_warps=1 if D <= 256 else 4)
+                                           num_warps=1 if D <= 256 else 4, **pdl.options(qkv.device))
 
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, s_ptr, stride_x, stride_o, stride_s, n, QUANT: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.begin(PDL)
     row = tl.program_id(0)
     c0 = tl.program_id(1) * BLOCK
     c = c0 + tl.arange(0, BLOCK)
@@ -697,5 +710,6 @@ def silu_and_mul(x, quantize: bool = False):
     if N:
         BLOCK = min(_pow2(n), 1024)
         _silu_mul_kernel[(N, triton.cdiv(n, BLOCK))](x, out, scales, x.stride(0), out.stride(0), scales.stride(0), n,
-                                                      QUANT=quantize, BLOCK=BLOCK, num_warps=4)
+                                                      QUANT=quantize, BLOCK=BLOCK, num_warps=4,
+                                                      **pdl.options(x.device))
     return FP8Activation(out, scales, x.dtype) if quantize else out
