@@ -504,7 +504,7 @@ def test_moe_sum_fused_with_add_and_norm(dtype):
     """The routed pairs' sum fused with the residual add and the next RMSNorm (moe_kernels.sum_add_rms_norm, what
     the decoder runs after a MoE) against the sum kernel then rms_norm: the same residual and norm bit for bit
     (Qwen3-30B-A3B's and DeepSeek-V3's layer shapes, a non-power-of-two hidden, pairs held elsewhere, without a
-    norm); through MoE.__call__ (unsummed where nothing else adds to the sum) and in a CUDA graph."""
+    norm, quantized for an FP8 linear); through MoE.__call__ (unsummed where nothing else adds to the sum) and in a CUDA graph."""
     from specdp_cli.runtime import triton_kernels as tk
     from specdp_cli.runtime.models.moe import MoE, RoutedPairs, SoftmaxTopK
     from specdp_cli.runtime.moe_kernels import sum_add_rms_norm, sum_pairs
@@ -524,6 +524,12 @@ def test_moe_sum_fused_with_add_and_norm(dtype):
         assert torch.equal(got, want), (N, H, (got.float() - want.float()).abs().max())
         r2 = res.clone()
         assert sum_add_rms_norm(y, idx, E, r2, None, 1e-6) is None and torch.equal(r2, r1)
+        if H % 128 == 0:             # quantized for an FP8 linear: quantize_activations' numbers of the plain norm
+            from specdp_cli.runtime.fp8_kernels import quantize_activations
+            r2 = res.clone()
+            fused = sum_add_rms_norm(y, idx, E, r2, w, 1e-6, quantize=True)
+            q, s = quantize_activations(want)
+            assert torch.equal(r2, r1) and torch.equal(fused.q.float(), q.float()) and torch.equal(fused.scale, s)
 
     E, H, I = 64, 2048, 96
     moe = MoE(SoftmaxTopK(rnd(E, H, scale=H ** -0.5), 8, True), rnd(E, 2 * I, H, scale=H ** -0.5),

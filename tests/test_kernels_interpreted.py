@@ -180,8 +180,9 @@ def one_row_checks(g: torch.Generator) -> None:
 def fused_sum_checks(g: torch.Generator) -> None:
     """The routed pairs' sum fused with the residual add and the next RMSNorm (`_sum_add_norm_kernel`) equals
     the sum kernel then rms_norm: top_k 8 over hidden 2048, non-powers of two, pairs held elsewhere (their rows of y
-    hold garbage the sum must skip); without a norm, the residual add alone. Also bf16, kernel against kernel (the
-    interpreter rounds to bf16 by truncation, not as torch does)."""
+    hold garbage the sum must skip); without a norm, the residual add alone; the norm quantized for an FP8 linear
+    (quantize_activations' values and scales of the plain norm). Also bf16, kernel against kernel (the interpreter
+    rounds to bf16 by truncation, not as torch does)."""
     from specdp_cli.runtime import moe_kernels as mk, triton_kernels as tk
 
     for N, K, E, H, dtype in ((1, 8, 128, 2048, torch.float32), (3, 8, 64, 2048, torch.float32),
@@ -200,6 +201,13 @@ def fused_sum_checks(g: torch.Generator) -> None:
         got_res = res.clone()
         assert mk.sum_add_rms_norm(y, idx, E, got_res, None, 1e-6) is None
         assert torch.equal(got_res, want_res), (N, K, H)
+        if H % 128 == 0:        # quantized for an FP8 linear: quantize_activations' numbers of the plain norm
+            from specdp_cli.runtime import fp8_kernels as fk
+            got_res = res.clone()
+            fused = mk.sum_add_rms_norm(y, idx, E, got_res, w, 1e-6, quantize=True)
+            q, sc = fk.quantize_activations(want)
+            assert isinstance(fused, fk.FP8Activation) and fused.dtype == dtype and torch.equal(got_res, want_res)
+            assert torch.equal(fused.q.float(), q.float()) and torch.equal(fused.scale, sc), ("quantized", N, H)
 
 
 def check_grouping(idx: torch.Tensor, E: int, block_m: int, pairs: torch.Tensor, block_expert: torch.Tensor) -> None:

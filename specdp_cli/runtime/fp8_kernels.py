@@ -351,8 +351,9 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
     grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"]), split)
     tickets = _tickets(x.device, grid[0]) if split > 1 and SPLITK_TICKETS else None
     launch = pdl.gemm_options(x.device)
+    aligned = K % GROUP == 0 and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
     prefetch = prefetch_bytes(grid[0] * grid[1], t["BLOCK_N"], per_split * GROUP * weight.element_size()) \
-        if launch["PDL"] and pdl.PREFETCH and M <= 64 and K % GROUP == 0 and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0 else 0
+        if launch["PDL"] and pdl.PREFETCH and M <= 64 and aligned else 0
     _gemm_kernel[grid](x, a_s, weight, scale, bias if bias is not None else scale, c, out,
                        tickets if tickets is not None else scale, M, N, K, per_split, split,
                        x.stride(0), a_s.stride(0), a_s.stride(1), weight.stride(0), scale.stride(0), scale.stride(1),

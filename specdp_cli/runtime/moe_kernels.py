@@ -23,12 +23,14 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .triton_kernels import _add_residual, _norm_row, _pow2, norm_warps
+from .fp8_kernels import GROUP, FP8Activation, activation_scales, store_quantized
+from .triton_kernels import _add_residual, _norm_row, _normed, _pow2, norm_warps
 
 
 @triton.jit
 def _align_kernel(idx_ptr, pairs_ptr, block_expert_ptr, count_ptr, rank_ptr, P, E, max_blocks,
-                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, B_CHUNK: tl.constexpr, PDL: tl.constexpr):
+                  BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, E_BLOCK: tl.constexpr, B_CHUNK: tl.constexpr,
+                  PDL: tl.constexpr):
     pdl.begin(PDL)
     ebins = tl.arange(0, E_BLOCK)
     tl.store(count_ptr + ebins, tl.zeros([E_BLOCK], dtype=tl.int32))
@@ -140,7 +142,8 @@ def align(idx: torch.Tensor, E: int, block_m: int, small: bool | None = None) ->
 def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr, P, TOPK, I, H,
                stride_x, stride_we, stride_wn, stride_be, stride_a, stride_wse, stride_wsn, stride_wsk, alpha, limit,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
-               HAS_BIAS: tl.constexpr, PREC: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr, PDL: tl.constexpr):
+               HAS_BIAS: tl.constexpr, PREC: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr,
+               PDL: tl.constexpr):
     pdl.begin(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
@@ -195,7 +198,8 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr
 def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, pairs_ptr, block_expert_ptr, y_ptr, ws_ptr, P, H, I,
                  stride_a, stride_we, stride_wn, stride_be, stride_y, stride_wse, stride_wsn, stride_wsk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 PREC: tl.constexpr, ROUND_W: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr, PDL: tl.constexpr):
+                 PREC: tl.constexpr, ROUND_W: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr,
+                 PDL: tl.constexpr):
     pdl.begin(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
@@ -245,7 +249,8 @@ def _pairs_sum(y_ptr, idx_ptr, t, c, ok, TOPK, E, stride_y, K_BLOCK: tl.constexp
 
 
 @triton.jit
-def _sum_kernel(y_ptr, idx_ptr, out_ptr, TOPK, H, E, stride_y, stride_o, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _sum_kernel(y_ptr, idx_ptr, out_ptr, TOPK, H, E, stride_y, stride_o, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                PDL: tl.constexpr):
     pdl.begin(PDL)
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -255,17 +260,22 @@ def _sum_kernel(y_ptr, idx_ptr, out_ptr, TOPK, H, E, stride_y, stride_o, K_BLOCK
 
 
 @triton.jit
-def _sum_add_norm_kernel(y_ptr, idx_ptr, res_ptr, w_ptr, out_ptr, TOPK, H, E, stride_y, stride_r, stride_o, eps,
-                         K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+def _sum_add_norm_kernel(y_ptr, idx_ptr, res_ptr, w_ptr, out_ptr, s_ptr, TOPK, H, E, stride_y, stride_r, stride_o,
+                         stride_s, eps, K_BLOCK: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr,
+                         QUANT: tl.constexpr, PDL: tl.constexpr):
     pdl.begin(PDL)
     # `_sum_kernel` then triton_kernels' `_rms_norm_kernel` with a residual, step for step, one program a token: the
-    # sum rounded to y's dtype as `_sum_kernel` stores it, the same residual add and norm (shared steps)
+    # sum rounded to y's dtype as `_sum_kernel` stores it, the same residual add and norm (shared steps), quantized
+    # for an FP8 linear as `_rms_norm_kernel` quantizes it (QUANT)
     t = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     ok = c < H
     x = _pairs_sum(y_ptr, idx_ptr, t, c, ok, TOPK, E, stride_y, K_BLOCK).to(y_ptr.dtype.element_ty)
     x = _add_residual(x, res_ptr + t.to(tl.int64) * stride_r, c, ok)
-    if NORM:
+    if QUANT:
+        store_quantized(_normed(x, w_ptr, res_ptr, c, ok, H, eps), out_ptr + t.to(tl.int64) * stride_o,
+                        s_ptr + t.to(tl.int64) * stride_s, 0, H, BLOCK)
+    elif NORM:
         _norm_row(x, w_ptr, out_ptr + t.to(tl.int64) * stride_o, c, ok, H, eps)
 
 
@@ -360,20 +370,29 @@ def sum_pairs(y: torch.Tensor, experts: torch.Tensor, E: int) -> torch.Tensor:
 
 
 def sum_add_rms_norm(y: torch.Tensor, experts: torch.Tensor, E: int, residual: torch.Tensor,
-                     weight: torch.Tensor | None, eps: float) -> torch.Tensor | None:
+                     weight: torch.Tensor | None, eps: float, quantize: bool = False):
     """`sum_pairs` joined to the residual stream in one kernel: residual [N, hidden] += each token's sum (in place),
     then the new residual's RMSNorm with `weight` (None: no norm, returns None); the numbers of `sum_pairs` then
-    triton_kernels.rms_norm(sum, weight, eps, residual)."""
+    triton_kernels.rms_norm(sum, weight, eps, residual, quantize). `quantize` (with a weight, hidden a multiple of
+    128): the norm returned quantized for an FP8 linear (fp8_kernels.FP8Activation), as rms_norm's."""
     N, K = experts.shape
     H = residual.shape[1]
-    out = torch.empty((N, H), dtype=y.dtype, device=y.device) if weight is not None else None
+    quantize = quantize and weight is not None
+    if quantize:
+        assert H % GROUP == 0, H
+        out = torch.empty((N, H), dtype=torch.float8_e4m3fn, device=y.device)
+        scales = activation_scales(N, H, y.device)
+    else:
+        out = torch.empty((N, H), dtype=y.dtype, device=y.device) if weight is not None else None
+        scales = residual
     if N:
         o = out if out is not None else residual
         _sum_add_norm_kernel[(N,)](y, experts.contiguous().view(-1), residual,
-                                   weight if weight is not None else residual, o, K, H, E, y.stride(0),
-                                   residual.stride(0), o.stride(0), float(eps), K_BLOCK=_pow2(K), BLOCK=_pow2(H),
-                                   NORM=weight is not None, num_warps=norm_warps(H), **pdl.options(y.device))
-    return out
+                                   weight if weight is not None else residual, o, scales, K, H, E, y.stride(0),
+                                   residual.stride(0), o.stride(0), scales.stride(0), float(eps), K_BLOCK=_pow2(K),
+                                   BLOCK=_pow2(H), NORM=weight is not None, QUANT=quantize, num_warps=norm_warps(H),
+                                   **pdl.options(y.device))
+    return FP8Activation(out, scales, residual.dtype) if quantize else out
 
 
 def routed_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up, down,

@@ -469,7 +469,8 @@ def next_draft(d, drafts, j: int, start, ids, feats, hidden, R: int) -> None:
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr, k_cache, v_cache, qw_ptr, kw_ptr, eps,
                        stride_t, stride_ct, stride_kslot, stride_kh, stride_vslot, stride_vh,
                        H: tl.constexpr, KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
+                       PDL: tl.constexpr):
     pdl.begin(PDL)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
@@ -655,7 +656,8 @@ def rms_norm(x, weight, eps: float, residual=None, quantize: bool = False):
 
 
 @triton.jit
-def _head_rms_norm_kernel(x_ptr, qw_ptr, kw_ptr, stride_t, eps, H, D: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+def _head_rms_norm_kernel(x_ptr, qw_ptr, kw_ptr, stride_t, eps, H, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PDL: tl.constexpr):
     pdl.begin(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)

@@ -58,11 +58,12 @@ class RoutedPairs:
         from ..moe_kernels import sum_pairs
         return sum_pairs(self.y, self.experts, self.E)
 
-    def add_to(self, residual: torch.Tensor, norm: torch.Tensor | None, eps: float) -> torch.Tensor:
+    def add_to(self, residual: torch.Tensor, norm: torch.Tensor | None, eps: float, quantize: bool = False):
         """residual += the sums (in place); returns the new residual's RMSNorm (`norm` None: the residual), the
-        numbers of ops.rms_norm(self.sum(), norm, eps, residual)."""
+        numbers of ops.rms_norm(self.sum(), norm, eps, residual, quantize): `quantize` (where
+        ops.fused_quant_wanted for the FP8 linear that alone reads the norm) quantized for it."""
         from ..moe_kernels import sum_add_rms_norm
-        out = sum_add_rms_norm(self.y, self.experts, self.E, residual, norm, eps)
+        out = sum_add_rms_norm(self.y, self.experts, self.E, residual, norm, eps, quantize)
         return residual if out is None else out
 
 
