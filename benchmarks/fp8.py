@@ -45,12 +45,14 @@ def apply_mode(mode: str | None) -> None:
     "-sumkernel" (split K summed by a second kernel, not by a tile's last program), "-nosplit" (decode attention in
     one pass, not split over the keys), "-s16" (all three: session 16's path), "-nopdl" (kernels launched plainly,
     not with programmatic dependent launch; runtime/pdl.py), "-noprefetch" (PDL without the GEMMs' weight prefetch),
-    "-s21" (session 21's path: "-nopdl")."""
+    "-expertsplain" (PDL, but the routed-expert kernels launched plainly, as the GEMMs), "-s21" (session 21's path:
+    "-nopdl")."""
     from specdp_cli.runtime import fp8_kernels, pdl, triton_kernels
     base, *off = (mode or "bf16").split("-")
     off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
     pdl.ENABLED = "nopdl" not in off
     pdl.PREFETCH = "noprefetch" not in off
+    pdl.EXPERTS_PLAIN = "expertsplain" in off
     if base != "bf16":
         fp8_kernels.DECODE_MODE = base
     fp8_kernels.FUSE_DECODE_QUANT = "unfused" not in off

@@ -592,7 +592,9 @@ s22)
   # session 22 (issue 30): programmatic dependent launch on an 8B-shaped layer chain (benchmarks/pdl_chain.py), then
   # what the kernel timelines pointed at: the FP8 decode GEMM's pipeline depth on cold weights (its small
   # projections stream at 1.9-2.5 TB/s, cuBLAS's bf16 ones at 3.2-4.2) and the FP8 routed experts' tiles (16.6 µs
-  # for gate/up at one token on the Qwen3-30B-A3B shape, bf16 14.9). End to end: PART=2 of the fp8 stage.
+  # for gate/up at one token on the Qwen3-30B-A3B shape, bf16 14.9). End to end: PART=2 of the fp8 stage, e.g. with
+  # FP8_DECODE_MODES=quantize,quantize-nopdl,quantize-expertsplain,bf16-expertsplain (the FP8 MoE shape lost 9 % with
+  # PDL in session 22).
   timeout ${CHAIN_S:-150} python3 benchmarks/pdl_chain.py --json "$out/pdl_chain.json" 2>&1 | grep -v -i warn | tail -26
   timeout ${STAGES_S:-240} python3 benchmarks/fp8_gemm.py --sweep-stages --json "$out/fp8_gemm_stages.json" \
     > "$out/fp8_gemm_stages.log" 2>&1; grep -v -i -E "warn|^skip" "$out/fp8_gemm_stages.log" | tail -14

@@ -51,6 +51,12 @@ def options(device: torch.device) -> dict:
     return {"PDL": on, "launch_pdl": on} if on else {"PDL": False}
 
 
+# The routed-expert kernels (moe_kernels._up_kernel / _down_kernel) stream weights as the GEMMs do, but take part
+# by default: the Qwen3-30B-A3B shape gained 11 % in bf16 with them taking part. In FP8 it lost 9 %; an FP8 tile
+# needs half the shared memory, so more of their programs fit an SM and early-launched ones may crowd onto a few
+# (what slowed the GEMMs). True: they launch plainly (benchmarks/fp8.py's "-expertsplain" rows).
+EXPERTS_PLAIN = False
+
 # Where a GEMM lets the next kernel launch: "start" (at its top, as the small kernels do), "end" (after its main
 # loop), or "off" (GEMMs launched plainly: the fastest, measured by benchmarks/pdl_chain.py; module docstring).
 GEMM_TRIGGER = "off"
