@@ -361,8 +361,7 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
                        B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None, SPLIT=split > 1,
                        TICKET=tickets is not None, EVEN_K=K % GROUP == 0, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
                        BLOCK_K=GROUP, GROUP_M=t["GROUP_M"], PREFETCH=prefetch > 0, LANES=32 * t["warps"],
-                       num_warps=t["warps"],
-                       num_stages=t["stages"], **launch)
+                       num_warps=t["warps"], num_stages=t["stages"], **launch)
     if split > 1 and tickets is None:
         BLOCK = 1024
         _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](c, bias if bias is not None else c, out, M * N, N,

@@ -100,6 +100,5 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, tile
     _gemv_kernel[(triton.cdiv(N, bn),)](x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), prefetch,
                                         M_BLOCK=_pow2(M), BLOCK_N=bn, BLOCK_K=bk, EVEN_K=K % bk == 0,
                                         DEFER=defer, PREFETCH=prefetch > 0, LANES=32 * warps, ELEMENT=w.element_size(),
-                                        num_warps=warps, num_stages=stages,
-                                        **launch)
+                                        num_warps=warps, num_stages=stages, **launch)
     return out

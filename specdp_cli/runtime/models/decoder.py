@@ -149,7 +149,8 @@ class CausalLM:
         linear that alone reads the norm (qkv, a dense MLP's gate_up); where it is FP8 at decode sizes
         (ops.fused_quant_wanted) the norm comes quantized for it (fp8_kernels.FP8Activation)."""
         if isinstance(x, RoutedPairs):          # the residual has the shape and dtype of the sums it takes
-            return x.add_to(residual, norm, self.eps, norm is not None and self._fused_quant(residual, feeds)), residual
+            quantize = norm is not None and self._fused_quant(residual, feeds)
+            return x.add_to(residual, norm, self.eps, quantize), residual
         quantize = norm is not None and self._fused_quant(x, feeds)
         if residual is None:
             return (x if norm is None else ops.rms_norm(x, norm, self.eps, quantize=quantize)), x
