@@ -340,7 +340,7 @@ def routed_pairs(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, 
     pairs, block_expert = align(idx, E, BM)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     gss = gu_s.stride() if fp8 else (0, 0, 0)
-    launch = {"PDL": False} if pdl.EXPERTS_PLAIN else pdl.options(dev)
+    launch = pdl.expert_options(dev)
     _up_kernel[(max_blocks, triton.cdiv(I, t["UP_N"]))](
         x, gate_up, gub, pairs, block_expert, act_out, gu_s, P, K, I, H,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gub_stride, act_out.stride(0), *gss, float(alpha),

@@ -57,6 +57,11 @@ def options(device: torch.device) -> dict:
 # (what slowed the GEMMs). True: they launch plainly (benchmarks/fp8.py's "-expertsplain" rows).
 EXPERTS_PLAIN = False
 
+
+def expert_options(device: torch.device) -> dict:
+    """`options` for the routed-expert kernels (plain launches where EXPERTS_PLAIN)."""
+    return {"PDL": False} if EXPERTS_PLAIN else options(device)
+
 # Where a GEMM lets the next kernel launch: "start" (at its top, as the small kernels do), "end" (after its main
 # loop), or "off" (GEMMs launched plainly: the fastest, measured by benchmarks/pdl_chain.py; module docstring).
 GEMM_TRIGGER = "off"
