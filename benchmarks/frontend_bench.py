@@ -3,13 +3,15 @@ steps cost (almost) nothing, under `specdp bench serve`.
 
 The rank process runs the real serving loop (`server/rank.py`) over a stand-in engine that gives every
 running request one token a step, or `--tokens-per-step` as speculative decoding's accepted drafts do
-(`--step-ms` of sleep per step, 0 = as fast as the loop goes), so
+(`--step-ms` of sleep per step, 0 = as fast as the loop goes; `--host-ms` of Python before it, holding the GIL
+as a host-bound engine's step does), so
 what is measured is everything but the model: HTTP, prompt tokenization, the frontend<->rank link,
 detokenization and streaming, and the load generator. It reports the served token rate, the rate the
 rank offered, the CPU the frontend process spent per token and the chunks per token the client read.
 
 Usage: python benchmarks/frontend_bench.py [--tokenizer DIR] [--streams 32] [--requests 256]
-       [--max-tokens 128] [--step-ms 0] [--tokens-per-step 1] [--profile OUT.prof] [--json OUT.json]
+       [--max-tokens 128] [--step-ms 0] [--tokens-per-step 1] [--host-ms 0] [--rank-cpu N] [--profile OUT.prof]
+       [--json OUT.json]
 """
 import argparse
 import asyncio
@@ -31,10 +33,11 @@ class InstantEngine:
     """What serve_rank needs of an engine: each step gives every running request `per_step` tokens (a fixed
     id), up to max_tokens, for at most `max_seqs` requests at a time."""
 
-    def __init__(self, max_seqs: int, step_s: float, token: int, per_step: int = 1):
+    def __init__(self, max_seqs: int, step_s: float, token: int, per_step: int = 1, host_s: float = 0.0):
         from specdp_cli.runtime.engine import RankCounters
 
         self.max_seqs, self.step_s, self.token, self.per_step = max_seqs, step_s, token, per_step
+        self.host_s = host_s
         self.running, self.waiting = [], []
         self.scheduler = SimpleNamespace(running=self.running, waiting=self.waiting)
         self.pool = SimpleNamespace(num_free=1, num_blocks=1, queries=0, hits=0)
@@ -70,6 +73,9 @@ class InstantEngine:
         while self.waiting and len(self.running) < self.max_seqs:
             self.running.append(self.waiting.pop(0))
         t0 = time.perf_counter()
+        while time.perf_counter() - t0 < self.host_s:      # a host-bound engine's Python, holding the GIL
+            pass
+        t0 = time.perf_counter()
         if while_device_runs is not None:     # the last step's tokens go out while the device runs this one
             while_device_runs()
         if self.step_s:
@@ -97,10 +103,14 @@ class InstantEngine:
         return outs
 
 
-def rank_main(link: dict, max_seqs: int, step_s: float, token: int, per_step: int, result_q) -> None:
+def rank_main(link: dict, max_seqs: int, step_s: float, token: int, per_step: int, host_s: float, cpu: int | None,
+              result_q) -> None:
     from specdp_cli.server.rank import serve_rank
 
-    engine = InstantEngine(max_seqs, step_s, token, per_step)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+
+    engine = InstantEngine(max_seqs, step_s, token, per_step, host_s)
     dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
     serve_rank(engine, dp, {"link": link})
     span = (engine.last - engine.first) if engine.first else 0.0
@@ -126,10 +136,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--step-ms", type=float, default=0.0)
     ap.add_argument("--tokens-per-step", type=int, default=1, help="tokens a request gets a step (drafts accepted)")
+    ap.add_argument("--rank-cpu", type=int, help="the rank on this CPU alone, the frontend and the client on the others "
+                    "(as on a GPU machine with cores to spare)")
+    ap.add_argument("--host-ms", type=float, default=0.0,
+                    help="Python work a step does before its --step-ms sleep, holding the GIL (a host-bound engine)")
     ap.add_argument("--port", type=int, default=8391)
     ap.add_argument("--profile", help="write cProfile's statistics of the frontend's event loop here")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if a.rank_cpu is not None:
+        os.sched_setaffinity(0, set(os.sched_getaffinity(0)) - {a.rank_cpu})
 
     import uvicorn
 
@@ -148,7 +164,8 @@ def main() -> None:
     frontend.link = link
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    rank = ctx.Process(target=rank_main, args=(link.spec, a.streams, a.step_ms / 1000, token, a.tokens_per_step, results),
+    rank = ctx.Process(target=rank_main, args=(link.spec, a.streams, a.step_ms / 1000, token, a.tokens_per_step,
+                                                a.host_ms / 1000, a.rank_cpu, results),
                        daemon=True)
     rank.start()
     if not link.wait_connected(60):
@@ -191,8 +208,9 @@ def main() -> None:
     rank.join(10)
     b = measured["bench"]
     tokens = b["total_output_tokens"]
-    res = {"streams": a.streams, "requests": a.requests, "max_tokens": a.max_tokens, "step_ms": a.step_ms,
+    res = {"streams": a.streams, "requests": a.requests, "max_tokens": a.max_tokens, "step_ms": a.step_ms, "host_ms": a.host_ms,
            "tokens_per_step": a.tokens_per_step, "rank_steps": r["rank_steps"],
+           "rank_ms_per_step": 1e3 * r["rank_span_s"] / max(r["rank_steps"], 1),
            "served_tok_s": b["output_throughput"], "rank_offered_tok_s": r["rank_tokens"] / max(r["rank_span_s"], 1e-9),
            "frontend_cpu_us_per_token": 1e6 * measured["frontend_cpu_s"] / max(tokens, 1),
            "client_cpu_us_per_token": 1e6 * measured["client_cpu_s"] / max(tokens, 1),
@@ -200,10 +218,10 @@ def main() -> None:
            "server_ttft_ms_mean": b.get("server_ttft_ms"), "itl_ms_median": b["itl_ms"]["median"],
            "itl_ms_p99": b["itl_ms"]["p99"], "failed": b["failed"], "tokens": tokens}
     print(f"{'streams':>8} {'served tok/s':>13} {'rank tok/s':>11} {'frontend us/tok':>16} {'client us/tok':>14} "
-          f"{'TTFT ms':>8} {'ITL p50':>8} {'ITL p99':>8}")
+          f"{'TTFT ms':>8} {'ITL p50':>8} {'ITL p99':>8} {'rank ms/step':>13}")
     print(f"{a.streams:>8} {res['served_tok_s']:>13,.0f} {res['rank_offered_tok_s']:>11,.0f} "
           f"{res['frontend_cpu_us_per_token']:>16.1f} {res['client_cpu_us_per_token']:>14.1f} "
-          f"{res['ttft_ms_median']:>8.1f} {res['itl_ms_median']:>8.2f} {res['itl_ms_p99']:>8.2f}")
+          f"{res['ttft_ms_median']:>8.1f} {res['itl_ms_median']:>8.2f} {res['itl_ms_p99']:>8.2f} {res['rank_ms_per_step']:>13.3f}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -181,17 +181,18 @@ memory)
   ;;
 serve)
   # served vs offline (same config and prompts), then 1,500-token shared prefixes with caching on and off
-  # (PART=1 / 2 / 3 run one part each: a call's time box; WORKERS=1,2: each count of load-generating
-  # processes measured on the same server; PART=4: offline and served eagle under py-spy, needs its wheel in .whl;
+  # (PART=1 / 2 / 3 run one part each: a call's time box; PROCS=2: two offline processes and two servers a method,
+  # alternating; PREFIX_NEW=32: PART=2's 32-token run only; WORKERS=1,2: each count of load-generating
+  # processes measured on the same server; PART=4: offline and served eagle (SPY_METHOD) under py-spy, needs its wheel in .whl;
   # PART=5: the CPU each process of served and offline eagle gets; PART=6: offline eagle beside busy cores)
   m=none,draft_model; [ -d $P/eagle ] && m=$m,eagle
   if [ "${PART:-1}" = 1 ]; then
-    timeout 540 python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers ${WORKERS:-1} --work /tmp/sw1 \
-      --json "$out/serve_codepair.json" \
+    timeout ${SERVE_S:-540} python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers ${WORKERS:-1} --work /tmp/sw1 \
+      --processes ${PROCS:-1} --json "$out/serve_codepair.json" \
       2>&1 | tail -8
   fi
   if [ "${PART:-2}" = 2 ]; then      # 128 and 32 new tokens a request (decode-bound, prefill-bound)
-    for n in 128 32; do
+    for n in ${PREFIX_NEW:-128 32}; do
       timeout 240 python3 benchmarks/serve_bench.py --pair $P --methods draft_model --prefix 1500 --caching on,off \
         --client-workers ${WORKERS:-1} --max-tokens $n --label prefix$n --work /tmp/sw2_$n --json "$out/serve_prefix_$n.json" 2>&1 | tail -5
     done
@@ -204,6 +205,7 @@ serve)
     # 2 s of its measured run without pausing it (--nonblocking: waits for the device show as such), the GPU's SM clock
     # and utilization beside it (nvidia-smi every 100 ms); py-spy from .whl, summaries by benchmarks/pyspy_summary.py
     export PATH=/tmp/site/bin:$PATH
+    sm=${SPY_METHOD:-eagle}      # the method profiled
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,utilization.gpu,power.draw --format=csv,noheader -lms 100 \
       > /tmp/smi.csv 2>/dev/null &
     smi=$!
@@ -213,21 +215,21 @@ serve)
       echo "== $1: GPU over the window (SM MHz, util %)"; tail -n 20 /tmp/smi.csv | awk -F', ' '{c+=$2; u+=$4; n++} END {print c/n, u/n}'
     }
     CUDA_VISIBLE_DEVICES=0 timeout 150 python3 benchmarks/offline.py --pair $P --requests 256 --batches 32 --repeats 16 \
-      --methods eagle --label offline-eagle --json "$out/offline_eagle_x16.json" > /tmp/off4.log 2>&1 &
+      --methods $sm --label offline-$sm --json "$out/offline_${sm}_x16.json" > /tmp/off4.log 2>&1 &
     ob=$!
     for i in $(seq 900); do grep -q "^# measuring" /tmp/off4.log && break; sleep 0.1; done
-    spy offline_eagle "$(pgrep -n -f benchmarks/offline.py)"
+    spy offline_$sm "$(pgrep -n -f benchmarks/offline.py)"
     wait $ob; sed -n '/^method/,$p' /tmp/off4.log
-    timeout 200 python3 benchmarks/serve_bench.py --pair $P --methods eagle --requests 2048 --rounds 1 --no-offline \
-      --work /tmp/sw4 --json "$out/serve_eagle_x8.json" > /tmp/sw4.log 2>&1 &
+    timeout 200 python3 benchmarks/serve_bench.py --pair $P --methods $sm --requests 2048 --rounds 1 --no-offline \
+      --work /tmp/sw4 --json "$out/serve_${sm}_x8.json" > /tmp/sw4.log 2>&1 &
     sb=$!
     measured_round_begun
-    spy served_eagle "$(pgrep -n -f specdp_cli.rank)"
+    spy served_$sm "$(pgrep -n -f specdp_cli.rank)"
     wait $sb; tail -1 /tmp/sw4.log
     kill $smi
-    python3 -c "import json; r = json.load(open('$out/serve_eagle_x8.json'))['rows'][0]; print('served', round(r['served_tok_s']), 'tok/s', round(r['served_ms_per_step'], 3), 'ms/step')"
-    python3 benchmarks/pyspy_summary.py "$out/pyspy_offline_eagle.txt" --under "run (offline.py)" --top 22
-    python3 benchmarks/pyspy_summary.py "$out/pyspy_served_eagle.txt" --under "serve_rank (" --top 22
+    python3 -c "import json; r = json.load(open('$out/serve_${sm}_x8.json'))['rows'][0]; print('served', round(r['served_tok_s']), 'tok/s', round(r['served_ms_per_step'], 3), 'ms/step')"
+    python3 benchmarks/pyspy_summary.py "$out/pyspy_offline_$sm.txt" --under "run (offline.py)" --top 22
+    python3 benchmarks/pyspy_summary.py "$out/pyspy_served_$sm.txt" --under "serve_rank (" --top 22
   fi
   if [ "${PART:-}" = 5 ]; then       # the CPU of served eagle's processes (benchmarks/proc_cpu.py), then offline's;
     # PIN=1: the rank's threads on CPUs 8-15, the frontend and the client on 0-7

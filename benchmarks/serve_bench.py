@@ -8,11 +8,13 @@ Two workloads:
     served with prefix caching on and off (`--caching on,off`): TTFT and throughput with and without it.
 Prompts go to the server as token ids, so both sides see the same tokens. Each side is measured `--rounds` times
 (offline: one engine; served: one server) and the median reported: a 256-request run lasts about a second, and
-single offline runs of one method differed by up to 40 % between machines.
+single offline runs of one method differed by up to 40 % between machines. `--processes N` alternates N offline
+processes and N servers per method and takes the median over all their rounds (one process's host-bound steps
+ran up to 1.3x slower than another's on the same machine).
 
 Usage: python benchmarks/serve_bench.py --pair PAIR_DIR [--target DIR] [--methods none,draft_model,eagle]
        [--requests 256] [--concurrency 32] [--max-tokens 128] [--dp 1] [--prefix 0] [--caching on]
-       [--dtype bfloat16] [--client-workers 1,2] [--rounds 3]
+       [--dtype bfloat16] [--client-workers 1,2] [--rounds 3] [--processes 1]
        [--no-offline] --work DIR --json OUT.json
 """
 from __future__ import annotations
@@ -63,19 +65,18 @@ def config(a, method: str, caching: bool) -> dict:
             "server": {"port": a.port, "model_name": "bench"}}
 
 
-def offline(a, method: str) -> tuple[dict | None, list[float]]:
-    """The offline run of median tok/s of `--rounds` runs (one process, one engine), and every run's tok/s."""
-    out = os.path.join(a.work, f"offline_{method}.json")
+def offline(a, method: str, proc: int) -> list[dict]:
+    """`--rounds` offline runs (one process, one engine), each run's row; [] when the process failed."""
+    out = os.path.join(a.work, f"offline_{method}_p{proc}.json")
     cmd = [sys.executable, os.path.join(HERE, "offline.py"), "--pair", a.pair, "--requests", str(a.requests),
            "--batches", ",".join([str(a.concurrency)] * a.rounds), "--methods", method, "--k", str(a.k), "--new", str(a.max_tokens),
            "--max-model-len", str(a.max_model_len), "--dtype", a.dtype, "--json", out]
     cmd += ["--target", a.target] if a.target else []
-    with open(os.path.join(a.work, f"offline_{method}.log"), "w") as log:
+    with open(os.path.join(a.work, f"offline_{method}_p{proc}.log"), "w") as log:
         if subprocess.run(cmd, stdout=log, stderr=log).returncode != 0:
             print(f"offline {method} failed: see {log.name}")
-            return None, []
-    runs = sorted(json.load(open(out))["rows"], key=lambda r: r["tok_s"])
-    return runs[len(runs) // 2], [r["tok_s"] for r in runs]
+            return []
+    return json.load(open(out))["rows"]
 
 
 STEP_COUNTS = {"steps": "specdp:spec_decode_steps_by_k_total", "planned_ahead": "specdp:steps_planned_ahead_total",
@@ -90,10 +91,10 @@ def steps_so_far(url: str) -> dict[str, int]:
             for key, name in STEP_COUNTS.items()}
 
 
-def served(a, method: str, caching: bool, prompts_path: str) -> dict[int, dict]:
-    """The bench results of one server (method, caching) for each --client-workers count: of `--rounds`
-    measured rounds, the one of median throughput (with every round's tok/s in "rounds_tok_s")."""
-    tag = f"{method}_{'on' if caching else 'off'}"
+def served(a, method: str, caching: bool, prompts_path: str, proc: int) -> dict[int, list[dict]]:
+    """The bench results of one server (method, caching) for each --client-workers count: its `--rounds`
+    measured rounds."""
+    tag = f"{method}_{'on' if caching else 'off'}_p{proc}"
     cfg_path = os.path.join(a.work, f"serve_{tag}.yaml")
     with open(cfg_path, "w") as fh:
         yaml.safe_dump(config(a, method, caching), fh)
@@ -129,8 +130,7 @@ def served(a, method: str, caching: bool, prompts_path: str) -> dict[int, dict]:
                 r.update({key: after[key] - before[key] for key in STEP_COUNTS})
                 r["ms_per_step"] = r["duration_s"] / max(r["steps"], 1) * 1e3
                 rounds.append(r)
-            rounds.sort(key=lambda r: r["output_throughput"])
-            results[workers] = {**rounds[len(rounds) // 2], "rounds_tok_s": [r["output_throughput"] for r in rounds]}
+            results[workers] = rounds
         return results
     finally:
         server.send_signal(signal.SIGTERM)
@@ -155,6 +155,10 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=0)
     ap.add_argument("--caching", default="on")
     ap.add_argument("--rounds", type=int, default=3, help="measured runs, offline and served; the median is reported")
+    ap.add_argument("--processes", type=int, default=1,
+                    help="offline processes and servers per method, alternating (offline, served, offline, ...); the "
+                    "median is over every process's rounds: on the H200 machines one process's host-bound steps ran "
+                    "up to 1.3x slower or faster than another's on the same machine")
     ap.add_argument("--client-workers", default="1",
                     help="load-generating processes of `bench serve`, a list: each count measured on the same server")
     ap.add_argument("--no-offline", action="store_true")
@@ -175,30 +179,41 @@ def main() -> None:
             fh.write(json.dumps({"prompt": p}) + "\n")
     rows = []
     for method in a.methods.split(","):
-        off_row, off_runs = (None, []) if a.no_offline or a.prefix else offline(a, method)
+        cachings = [c == "on" for c in a.caching.split(",")]
+        off_rows: list[dict] = []
+        rounds: dict[tuple[bool, int], list[dict]] = {}
+        for proc in range(a.processes):
+            off_rows += [] if a.no_offline or a.prefix else offline(a, method, proc)
+            for caching in cachings:
+                for workers, rs in served(a, method, caching, prompts_path, proc).items():
+                    rounds.setdefault((caching, workers), []).extend(rs)
+        off_rows.sort(key=lambda r: r["tok_s"])
+        off_row = off_rows[len(off_rows) // 2] if off_rows else None
         off = off_row["tok_s"] if off_row else None
-        for caching in (c == "on" for c in a.caching.split(",")):
-            for workers, r in served(a, method, caching, prompts_path).items():
-                row = {"label": a.label, "method": method, "caching": caching, "dp": a.dp, "prefix": a.prefix,
-                       "client_workers": workers,
-                       "served_tok_s": r["output_throughput"], "offline_tok_s": off,
-                       "served_rounds_tok_s": r["rounds_tok_s"], "offline_rounds_tok_s": off_runs,
-                       "served_over_offline": r["output_throughput"] / off if off else None,
-                       "ttft_ms": r["ttft_ms"], "itl_ms": r["itl_ms"], "tpot_ms": r["tpot_ms"],
-                       "acceptance_rate": r["acceptance_rate"], "completed": r["completed"], "failed": r["failed"],
-                       "server_queue_ms": r.get("server_queue_ms"), "server_prefill_ms": r.get("server_prefill_ms"),
-                       "server_ttft_ms": r.get("server_ttft_ms"), "output_tokens": r["total_output_tokens"],
-                       # tokens a step and a step's time: fewer tokens a step served = emptier batches (the
-                       # closed-loop clients' gaps), a longer step = more work in it or host time around it
-                       "served_steps": r["steps"], "served_ms_per_step": r["ms_per_step"],
-                       "offline_steps": off_row["steps"] if off_row else None,
-                       "offline_ms_per_step": off_row["ms_per_step"] if off_row else None,
-                       # steps planned ahead (async scheduling) and steps with prompt chunks, each side
-                       "served_planned_ahead": r["planned_ahead"], "served_chunk_steps": r["chunk_steps"],
-                       "offline_planned_ahead": off_row.get("planned_ahead") if off_row else None,
-                       "offline_chunk_steps": off_row.get("chunk_steps") if off_row else None}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for (caching, workers), rs in rounds.items():
+            rs.sort(key=lambda r: r["output_throughput"])
+            r = rs[len(rs) // 2]
+            row = {"label": a.label, "method": method, "caching": caching, "dp": a.dp, "prefix": a.prefix,
+                   "client_workers": workers, "processes": a.processes,
+                   "served_tok_s": r["output_throughput"], "offline_tok_s": off,
+                   "served_rounds_tok_s": [x["output_throughput"] for x in rs],
+                   "offline_rounds_tok_s": [x["tok_s"] for x in off_rows],
+                   "served_over_offline": r["output_throughput"] / off if off else None,
+                   "ttft_ms": r["ttft_ms"], "itl_ms": r["itl_ms"], "tpot_ms": r["tpot_ms"],
+                   "acceptance_rate": r["acceptance_rate"], "completed": r["completed"], "failed": r["failed"],
+                   "server_queue_ms": r.get("server_queue_ms"), "server_prefill_ms": r.get("server_prefill_ms"),
+                   "server_ttft_ms": r.get("server_ttft_ms"), "output_tokens": r["total_output_tokens"],
+                   # tokens a step and a step's time: fewer tokens a step served = emptier batches (the
+                   # closed-loop clients' gaps), a longer step = more work in it or host time around it
+                   "served_steps": r["steps"], "served_ms_per_step": r["ms_per_step"],
+                   "offline_steps": off_row["steps"] if off_row else None,
+                   "offline_ms_per_step": off_row["ms_per_step"] if off_row else None,
+                   # steps planned ahead (async scheduling) and steps with prompt chunks, each side
+                   "served_planned_ahead": r["planned_ahead"], "served_chunk_steps": r["chunk_steps"],
+                   "offline_planned_ahead": off_row.get("planned_ahead") if off_row else None,
+                   "offline_chunk_steps": off_row.get("chunk_steps") if off_row else None}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "requests": a.requests,
             "concurrency": a.concurrency, "max_tokens": a.max_tokens}
     with open(a.json, "w") as fh:

@@ -21,6 +21,26 @@ def shared_prefix_prompts(n=6, prefix=30, seed=3):
     return [base + t for t in tails]
 
 
+def test_block_hashes_chain_sha256_over_each_blocks_int64_tokens():
+    """The definition the frontend's routing and every rank share: block i's hash is sha256 of block i-1's hash
+    and its tokens as little-endian int64; extending known hashes gives the hashes of hashing all at once."""
+    import hashlib
+    import random
+    import struct
+
+    rng = random.Random(5)
+    toks = [rng.randrange(200_000) for _ in range(70)]
+    prev, want = b"specdp", []
+    for i in range(70 // 16):
+        prev = hashlib.sha256(prev + struct.pack("<16q", *toks[i * 16:(i + 1) * 16])).digest()
+        want.append(prev)
+    assert block_hashes(toks, 16, [], 4) == want
+    for k in range(5):
+        known = block_hashes(toks, 16, [], k)
+        assert block_hashes(toks, 16, known, 4) == want and known == want    # extended in place
+    assert block_hashes(toks, 16, list(want), 2) == want[:2]
+
+
 def test_pool_shares_counts_and_evicts_the_least_recently_freed():
     pool = BlockPool(4, 2, prefix_caching=True)
     toks = [5, 6, 7, 8, 9, 10]

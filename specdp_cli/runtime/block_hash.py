@@ -3,15 +3,22 @@ the server's frontend). Torch-free: the frontend process uses it too."""
 from __future__ import annotations
 
 import hashlib
-
-import numpy as np
+import struct
 
 
 def block_hashes(tokens: list[int], block_size: int, known: list[bytes], n_blocks: int) -> list[bytes]:
     """The chained hashes of the first `n_blocks` full blocks of `tokens`, extending `known` (those already
     worked out for the same tokens) in place: block i's hash covers every token up to its end."""
-    for i in range(len(known), n_blocks):
-        h = hashlib.sha256(known[-1] if known else b"specdp")
-        h.update(np.asarray(tokens[i * block_size:(i + 1) * block_size], dtype=np.int64).tobytes())
-        known.append(h.digest())
+    start = len(known)
+    if n_blocks > start:
+        # the new blocks' tokens packed once, then one sha256 call a block: the rank's step loop hashes every
+        # admitted prompt (a 1,500-token one's 95 blocks: 178 us with a numpy conversion and a hash object a
+        # block, 83 us so, on the development machine)
+        part = tokens[start * block_size:n_blocks * block_size]
+        data = struct.pack(f"<{len(part)}q", *part)        # int64, little-endian
+        width = block_size * 8
+        prev = known[-1] if known else b"specdp"
+        for at in range(0, (n_blocks - start) * width, width):
+            prev = hashlib.sha256(prev + data[at:at + width]).digest()
+            known.append(prev)
     return known[:n_blocks]
