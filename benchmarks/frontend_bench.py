@@ -136,8 +136,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--step-ms", type=float, default=0.0)
     ap.add_argument("--tokens-per-step", type=int, default=1, help="tokens a request gets a step (drafts accepted)")
-    ap.add_argument("--rank-cpu", type=int, help="the rank on this CPU alone, the frontend and the client on the others "
-                    "(as on a GPU machine with cores to spare)")
+    ap.add_argument("--rank-cpu", type=int, help="the rank on this CPU alone, the frontend and the client on the "
+                    "others (as on a GPU machine with cores to spare)")
     ap.add_argument("--host-ms", type=float, default=0.0,
                     help="Python work a step does before its --step-ms sleep, holding the GIL (a host-bound engine)")
     ap.add_argument("--port", type=int, default=8391)
@@ -208,7 +208,8 @@ def main() -> None:
     rank.join(10)
     b = measured["bench"]
     tokens = b["total_output_tokens"]
-    res = {"streams": a.streams, "requests": a.requests, "max_tokens": a.max_tokens, "step_ms": a.step_ms, "host_ms": a.host_ms,
+    res = {"streams": a.streams, "requests": a.requests, "max_tokens": a.max_tokens, "step_ms": a.step_ms,
+           "host_ms": a.host_ms,
            "tokens_per_step": a.tokens_per_step, "rank_steps": r["rank_steps"],
            "rank_ms_per_step": 1e3 * r["rank_span_s"] / max(r["rank_steps"], 1),
            "served_tok_s": b["output_throughput"], "rank_offered_tok_s": r["rank_tokens"] / max(r["rank_span_s"], 1e-9),
@@ -221,7 +222,8 @@ def main() -> None:
           f"{'TTFT ms':>8} {'ITL p50':>8} {'ITL p99':>8} {'rank ms/step':>13}")
     print(f"{a.streams:>8} {res['served_tok_s']:>13,.0f} {res['rank_offered_tok_s']:>11,.0f} "
           f"{res['frontend_cpu_us_per_token']:>16.1f} {res['client_cpu_us_per_token']:>14.1f} "
-          f"{res['ttft_ms_median']:>8.1f} {res['itl_ms_median']:>8.2f} {res['itl_ms_p99']:>8.2f} {res['rank_ms_per_step']:>13.3f}")
+          f"{res['ttft_ms_median']:>8.1f} {res['itl_ms_median']:>8.2f} {res['itl_ms_p99']:>8.2f} "
+          f"{res['rank_ms_per_step']:>13.3f}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -9,8 +9,8 @@ Two workloads:
 Prompts go to the server as token ids, so both sides see the same tokens. Each side is measured `--rounds` times
 (offline: one engine; served: one server) and the median reported: a 256-request run lasts about a second, and
 single offline runs of one method differed by up to 40 % between machines. `--processes N` alternates N offline
-processes and N servers per method and takes the median over all their rounds (one process's host-bound steps
-ran up to 1.3x slower than another's on the same machine).
+processes and N servers per method and takes the median over all their rounds (on the H200 machines two processes
+of one side ran up to 2x apart on the same machine).
 
 Usage: python benchmarks/serve_bench.py --pair PAIR_DIR [--target DIR] [--methods none,draft_model,eagle]
        [--requests 256] [--concurrency 32] [--max-tokens 128] [--dp 1] [--prefix 0] [--caching on]
@@ -157,8 +157,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="measured runs, offline and served; the median is reported")
     ap.add_argument("--processes", type=int, default=1,
                     help="offline processes and servers per method, alternating (offline, served, offline, ...); the "
-                    "median is over every process's rounds: on the H200 machines one process's host-bound steps ran "
-                    "up to 1.3x slower or faster than another's on the same machine")
+                    "median is over every process's rounds: on the H200 machines two processes of one side ran up "
+                    "to 2x apart on the same machine")
     ap.add_argument("--client-workers", default="1",
                     help="load-generating processes of `bench serve`, a list: each count measured on the same server")
     ap.add_argument("--no-offline", action="store_true")
