@@ -79,6 +79,17 @@ def test_lone_surrogates_are_prompt_errors(models):
     assert enc.encode_text("abc")
 
 
+def test_token_id_prompts_take_only_ints_in_the_vocabulary(models):
+    from specdp_cli.modeldir import load_tokenizer
+
+    enc = PromptEncoder(load_tokenizer(str(models["tokenizer"])))
+    n = len(enc.tokenizer)
+    assert enc.encode_text([0, 5, n - 1]) == [0, 5, n - 1]
+    for bad in ([], [True], [3, False], [1.0], [2, 2.5], [-1], [n], [1, "2"], [None], [[1]]):
+        with pytest.raises(PromptError, match="list of integers"):
+            enc.encode_text(json.loads(json.dumps(bad)))
+
+
 def test_generate_turns_hostile_lines_into_error_lines(models, tmp_path):
     cfg = write_config(tmp_path / "c.yaml", {
         "model": str(models["target"]), "max_model_len": 96, "device": "cpu",
