@@ -99,6 +99,13 @@ def activation_scales(M: int, K: int, device) -> torch.Tensor:
     return torch.empty((M, triton.cdiv(K, GROUP)), dtype=torch.float32, device=device)
 
 
+def quantized_rows(M: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty float8 values [M, K] and their scale table, for a kernel that writes its output quantized for an FP8
+    linear (K a multiple of 128: whole groups)."""
+    assert K % GROUP == 0, K
+    return torch.empty((M, K), dtype=torch.float8_e4m3fn, device=device), activation_scales(M, K, device)
+
+
 class FP8Activation(NamedTuple):
     """Activations already quantized for an FP8 linear (`quantize_activations`' numbers, written by the kernel that
     produced them: RMSNorm, silu_and_mul): q [M, K] float8_e4m3fn, scale [M, ceil(K / 128)] float32 (row-major),

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .fp8_kernels import GROUP, FP8Activation, activation_scales, store_quantized
+from .fp8_kernels import FP8Activation, quantized_rows, store_quantized
 from .triton_kernels import _add_residual, _norm_row, _normed, _pow2, norm_warps
 
 
@@ -383,9 +383,7 @@ def sum_add_rms_norm(y: torch.Tensor, experts: torch.Tensor, E: int, residual: t
     H = residual.shape[1]
     quantize = quantize and weight is not None
     if quantize:
-        assert H % GROUP == 0, H
-        out = torch.empty((N, H), dtype=torch.float8_e4m3fn, device=y.device)
-        scales = activation_scales(N, H, y.device)
+        out, scales = quantized_rows(N, H, y.device)
     else:
         out = torch.empty((N, H), dtype=y.dtype, device=y.device) if weight is not None else None
         scales = residual

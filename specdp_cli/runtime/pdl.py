@@ -76,14 +76,6 @@ def gemm_options(device: torch.device) -> dict:
 
 
 @triton.jit
-def begin(PDL: tl.constexpr):
-    """Let the next kernel launch, then wait for the one before (no-ops unless PDL)."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
 def launch_next(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -93,6 +85,13 @@ def launch_next(PDL: tl.constexpr):
 def wait_previous(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def begin(PDL: tl.constexpr):
+    """Let the next kernel launch, then wait for the one before (no-ops unless PDL)."""
+    launch_next(PDL)
+    wait_previous(PDL)
 
 
 @triton.jit

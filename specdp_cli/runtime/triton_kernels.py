@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .fp8_kernels import GROUP, FP8Activation, activation_scales, store_quantized
+from .fp8_kernels import FP8Activation, quantized_rows, store_quantized
 
 
 def _pow2(n: int) -> int:
@@ -643,8 +643,7 @@ def rms_norm(x, weight, eps: float, residual=None, quantize: bool = False):
     (fp8_kernels.FP8Activation: quantize_activations(y)'s numbers)."""
     N, n = x.shape
     if quantize:
-        assert n % GROUP == 0, n
-        out, scales = torch.empty((N, n), dtype=torch.float8_e4m3fn, device=x.device), activation_scales(N, n, x.device)
+        out, scales = quantized_rows(N, n, x.device)
     else:
         out = scales = torch.empty_like(x)
     if N:
@@ -705,8 +704,7 @@ def silu_and_mul(x, quantize: bool = False):
     N, two = x.shape
     n = two // 2
     if quantize:
-        assert n % GROUP == 0, n
-        out, scales = torch.empty((N, n), dtype=torch.float8_e4m3fn, device=x.device), activation_scales(N, n, x.device)
+        out, scales = quantized_rows(N, n, x.device)
     else:
         out = scales = torch.empty((N, n), dtype=x.dtype, device=x.device)
     if N:
