@@ -140,6 +140,9 @@ def main() -> None:
                     "others (as on a GPU machine with cores to spare)")
     ap.add_argument("--host-ms", type=float, default=0.0,
                     help="Python work a step does before its --step-ms sleep, holding the GIL (a host-bound engine)")
+    ap.add_argument("--prefix", type=int, default=0,
+                    help="prompts as token ids sharing a PREFIX-token prefix, each with its own 32-token tail "
+                         "(serve_bench.py --prefix's shape): a request's own cost in the frontend")
     ap.add_argument("--port", type=int, default=8391)
     ap.add_argument("--profile", help="write cProfile's statistics of the frontend's event loop here")
     ap.add_argument("--json")
@@ -183,6 +186,13 @@ def main() -> None:
         cmd = [sys.executable, "-m", "specdp_cli", "bench", "serve", "--url", f"http://127.0.0.1:{a.port}",
                "--max-concurrency", str(a.streams), "--num-prompts", str(a.requests), "--max-tokens",
                str(a.max_tokens), "--result-filename", out]
+        if a.prefix:
+            ids = [token] * a.prefix
+            path = os.path.join(os.path.dirname(out), "prompts.jsonl")
+            with open(path, "w") as fh:
+                for i in range(a.requests):
+                    fh.write(json.dumps({"prompt": ids + [(i * 32 + j) % 1000 + 10 for j in range(32)]}) + "\n")
+            cmd += ["--input", path]
         c0, t0, k0 = cpu_seconds(), time.perf_counter(), children_cpu_seconds()
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.DEVNULL, env={**os.environ,
                                                                                           "PYTHONPATH": ROOT})
@@ -208,22 +218,24 @@ def main() -> None:
     rank.join(10)
     b = measured["bench"]
     tokens = b["total_output_tokens"]
-    res = {"streams": a.streams, "requests": a.requests, "max_tokens": a.max_tokens, "step_ms": a.step_ms,
+    res = {"streams": a.streams, "requests": a.requests, "prefix": a.prefix, "max_tokens": a.max_tokens,
+           "step_ms": a.step_ms,
            "host_ms": a.host_ms,
            "tokens_per_step": a.tokens_per_step, "rank_steps": r["rank_steps"],
            "rank_ms_per_step": 1e3 * r["rank_span_s"] / max(r["rank_steps"], 1),
            "served_tok_s": b["output_throughput"], "rank_offered_tok_s": r["rank_tokens"] / max(r["rank_span_s"], 1e-9),
            "frontend_cpu_us_per_token": 1e6 * measured["frontend_cpu_s"] / max(tokens, 1),
            "client_cpu_us_per_token": 1e6 * measured["client_cpu_s"] / max(tokens, 1),
+           "frontend_cpu_us_per_request": 1e6 * measured["frontend_cpu_s"] / max(b["completed"], 1),
            "ttft_ms_median": b["ttft_ms"]["median"], "ttft_ms_mean": b["ttft_ms"]["mean"],
            "server_ttft_ms_mean": b.get("server_ttft_ms"), "itl_ms_median": b["itl_ms"]["median"],
            "itl_ms_p99": b["itl_ms"]["p99"], "failed": b["failed"], "tokens": tokens}
     print(f"{'streams':>8} {'served tok/s':>13} {'rank tok/s':>11} {'frontend us/tok':>16} {'client us/tok':>14} "
-          f"{'TTFT ms':>8} {'ITL p50':>8} {'ITL p99':>8} {'rank ms/step':>13}")
+          f"{'TTFT ms':>8} {'ITL p50':>8} {'ITL p99':>8} {'rank ms/step':>13} {'frontend us/req':>16}")
     print(f"{a.streams:>8} {res['served_tok_s']:>13,.0f} {res['rank_offered_tok_s']:>11,.0f} "
           f"{res['frontend_cpu_us_per_token']:>16.1f} {res['client_cpu_us_per_token']:>14.1f} "
           f"{res['ttft_ms_median']:>8.1f} {res['itl_ms_median']:>8.2f} {res['itl_ms_p99']:>8.2f} "
-          f"{res['rank_ms_per_step']:>13.3f}")
+          f"{res['rank_ms_per_step']:>13.3f} {res['frontend_cpu_us_per_request']:>16.0f}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1)

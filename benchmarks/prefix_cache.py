@@ -38,7 +38,7 @@ def build(a, caching: bool) -> Engine:
         "model": os.path.join(pair, "target"), "max_model_len": a.prefix + 128, "device": a.device,
         **({"tokenizer": tok} if os.path.isdir(tok) else {}), "dtype": "float32" if a.device == "cpu" else "bfloat16",
         "speculative": {"method": a.method, "model": os.path.join(pair, "draft"), "num_speculative_tokens": 4},
-        "scheduler": {"max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": 2048},
+        "scheduler": {"max_num_seqs": a.max_num_seqs, "max_num_batched_tokens": a.max_batched_tokens},
         # on a GPU a fixed cache: the engine built before this one may still hold memory
         "cache": {"enable_prefix_caching": caching, **({"num_blocks": 8192} if a.device != "cpu" else {})}})
 
@@ -56,10 +56,12 @@ def prompts(engine: Engine, a) -> list[list[int]]:
     return [prefix + tok.encode(f"\n# request {i}: {lines[i % len(lines)][:40]}") for i in range(a.requests)]
 
 
-def run(engine: Engine, batch: list[list[int]], max_tokens: int, tag: str) -> tuple[list[float], float, int, float]:
+def run(engine: Engine, batch: list[list[int]], max_tokens: int, tag: str,
+        step_ms: dict | None = None) -> tuple[list[float], float, int, float]:
     """Serve `batch` to the end: (each request's time to first token, seconds, generated tokens, acceptance rate:
     with caching on, a sequence's drafter reads the cached blocks' drafter KV, made by the sequence that registered
-    them)."""
+    them). `step_ms`: each step's wall time goes to its "chunks" or "decode" list (whether it carried prompt chunks;
+    with async scheduling a step's call also waits for the one before)."""
     t0 = time.perf_counter()
     added, first = {}, {}
     for i, p in enumerate(batch):
@@ -67,7 +69,11 @@ def run(engine: Engine, batch: list[list[int]], max_tokens: int, tag: str) -> tu
         added[f"{tag}{i}"] = time.perf_counter()
     tokens, drafted, accepted = 0, 0, 0
     while engine.has_work:
-        for out in engine.step():
+        chunks, t = engine.counters.chunk_steps, time.perf_counter()
+        outs = engine.step()
+        if step_ms is not None:
+            step_ms["chunks" if engine.counters.chunk_steps > chunks else "decode"].append(1e3 * (time.perf_counter() - t))
+        for out in outs:
             if out.new_tokens and out.seq.req.id not in first:
                 first[out.seq.req.id] = time.perf_counter()
             tokens += len(out.new_tokens)
@@ -89,8 +95,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--max-batched-tokens", type=int, default=2048)
+    ap.add_argument("--chunk-row-tokens", type=int,
+                    help="the engine's CHUNK_ROW_TOKENS for this run (a step with prompt chunks has rows this wide)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
+    if a.chunk_row_tokens:
+        import specdp_cli.runtime.engine as engine_module
+        engine_module.CHUNK_ROW_TOKENS = a.chunk_row_tokens
     if a.device == "cpu":
         torch.set_num_threads(min(4, os.cpu_count() or 1))
     rows = {}
@@ -99,19 +111,24 @@ def main() -> None:
         batch = prompts(engine, a)
         run(engine, batch[:1], 2, "warm")                 # first calls, allocator; fills the cache with the prefix
         ttft = [run(engine, [p], a.max_tokens, f"t{i}-")[0][0] for i, p in enumerate(batch)]
-        _, secs, tokens, acceptance = run(engine, batch, a.max_tokens, "b")
+        steps = {"chunks": [], "decode": []}
+        _, secs, tokens, acceptance = run(engine, batch, a.max_tokens, "b", steps)
         rows["on" if caching else "off"] = {
             "ttft_median_s": statistics.median(ttft[1:]), "ttft_first_s": ttft[0], "batch_s": secs,
             "batch_tok_s": tokens / secs, "acceptance": acceptance, "hits": engine.pool.hits, "queries": engine.pool.queries,
-            "prompt_tokens": len(batch[0])}
+            "prompt_tokens": len(batch[0]), "steps": {k: len(v) for k, v in steps.items()},
+            "step_ms_median": {k: statistics.median(v) if v else None for k, v in steps.items()}}
         del engine
         if a.device != "cpu":
             torch.cuda.empty_cache()
     on, off = rows["on"], rows["off"]
-    print(f"{'caching':<8} {'TTFT median ms':>15} {'batch tok/s':>12} {'hit rate':>9} {'acceptance':>11}")
+    print(f"{'caching':<8} {'TTFT median ms':>15} {'batch tok/s':>12} {'hit rate':>9} {'acceptance':>11} "
+          f"{'steps chunk/decode':>19} {'ms/step chunk/decode':>21}")
     for k, r in rows.items():
+        ms = r["step_ms_median"]
         print(f"{k:<8} {r['ttft_median_s'] * 1e3:>15.1f} {r['batch_tok_s']:>12.1f} "
-              f"{r['hits'] / r['queries'] if r['queries'] else 0:>9.1%} {r['acceptance']:>11.1%}")
+              f"{r['hits'] / r['queries'] if r['queries'] else 0:>9.1%} {r['acceptance']:>11.1%} "
+              f"{r['steps']['chunks']:>9}/{r['steps']['decode']:<9} {ms['chunks'] or 0:>10.3f}/{ms['decode'] or 0:<10.3f}")
     ratio = {"ttft_on_over_off": on["ttft_median_s"] / off["ttft_median_s"],
              "batch_throughput_on_over_off": on["batch_tok_s"] / off["batch_tok_s"]}
     print(f"TTFT on/off {ratio['ttft_on_over_off']:.2f}x, throughput on/off {ratio['batch_throughput_on_over_off']:.2f}x")

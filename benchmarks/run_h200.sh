@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25 OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -604,6 +604,43 @@ s22)
     > "$out/fp8_gemm_stages.log" 2>&1; grep -v -i -E "warn|^skip" "$out/fp8_gemm_stages.log" | tail -14
   [ "${MOE_S:-150}" != 0 ] && timeout ${MOE_S:-150} python3 benchmarks/moe_kernel.py --shapes qwen3_30b_a3b --tokens 1,16 --fp8 --sweep \
     --json "$out/moe_kernel_fp8.json" > "$out/moe_kernel_fp8.log" 2>&1; sed -n '/^shape /,$p' "$out/moe_kernel_fp8.log"
+  ;;
+s24)
+  # session 24 (issue 33): whether this machine's CPUs run Python alike (benchmarks/core_probe.py), then offline eagle
+  # pinned to the fastest and the slowest CPU the probe found, alternating (PINNED_RUNS pairs): does a rank's step
+  # follow its CPU? Then the shared-prefix check with several load-generating processes (WORKERS, default 4).
+  timeout 120 python3 benchmarks/core_probe.py --rounds 3 --json "$out/core_probe.json" 2>&1 | tail -24
+  read fast slow < <(python3 -c "
+import json, statistics
+r = json.load(open('$out/core_probe.json'))['rows']
+m = sorted((statistics.median(x['alone_ms']), x['cpu']) for x in r)
+print(m[0][1], m[-1][1])")
+  for i in $(seq ${PINNED_RUNS:-2}); do
+    for cpu in $fast $slow; do
+      CUDA_VISIBLE_DEVICES=0 timeout 120 taskset -c $cpu python3 benchmarks/offline.py --pair $P --requests 256 --batches 32 \
+        --repeats 3 --methods eagle --label cpu$cpu --json "$out/offline_eagle_cpu${cpu}_$i.json" > /tmp/pin.log 2>&1 \
+        || tail -5 /tmp/pin.log
+      python3 -c "import json; r = json.load(open('$out/offline_eagle_cpu${cpu}_$i.json'))['rows'][0]; \
+print('cpu $cpu run $i', {k: r[k] for k in r if 'tok' in k or 'ms' in k})"
+    done
+  done
+  [ "${PREFIX_S:-200}" != 0 ] && timeout ${PREFIX_S:-200} python3 benchmarks/serve_bench.py --pair $P --methods draft_model \
+    --prefix 1500 --caching on,off --client-workers ${WORKERS:-4} --max-tokens 32 --label prefix32 --work /tmp/sw24 \
+    --json "$out/serve_prefix_32.json" 2>&1 | tail -5
+  ;;
+s25)
+  # session 25 (issues 33, 30): a step with prompt chunks runs every row at the chunk width (16 tokens); with
+  # caching on most steps carry a short tail chunk. The same offline workload with 16-token and k+1-token chunk rows
+  # (CHUNK_ROW_TOKENS; 5 makes chunk steps as narrow as decode steps), each with caching on and off; then the GPU
+  # tests of session 23's mend.
+  for crt in ${CRTS:-16 5}; do
+    CUDA_VISIBLE_DEVICES=0 timeout ${PC_S:-150} python3 benchmarks/prefix_cache.py --pair $P --device cuda --prefix 1500 \
+      --requests 256 --max-tokens 32 --max-num-seqs 32 --max-batched-tokens ${MBT:-16384} --method ${METHOD:-draft_model} \
+      --chunk-row-tokens $crt --json "$out/prefix_cache_crt$crt.json" > "$out/prefix_cache_crt$crt.log" 2>&1
+    echo "== chunk rows of $crt tokens"; tail -4 "$out/prefix_cache_crt$crt.log"
+  done
+  [ "${TESTS:-1}" != 0 ] && timeout ${TESTS_S:-200} python3 -m pytest -q -m gpu tests/test_gpu.py -k "${TESTS_K:-fp8 or moe_sum or pdl or norm}" \
+    -p no:cacheprovider 2>&1 | tail -8
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
