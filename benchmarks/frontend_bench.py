@@ -10,7 +10,8 @@ detokenization and streaming, and the load generator. It reports the served toke
 rank offered, the CPU the frontend process spent per token and the chunks per token the client read.
 
 Usage: python benchmarks/frontend_bench.py [--tokenizer DIR] [--streams 32] [--requests 256]
-       [--max-tokens 128] [--step-ms 0] [--tokens-per-step 1] [--host-ms 0] [--rank-cpu N] [--profile OUT.prof]
+       [--max-tokens 128] [--step-ms 0] [--tokens-per-step 1] [--host-ms 0] [--rank-cpu N] [--prefix N]
+       [--client-workers N] [--profile OUT.prof]
        [--json OUT.json]
 """
 import argparse
@@ -104,7 +105,7 @@ class InstantEngine:
 
 
 def rank_main(link: dict, max_seqs: int, step_s: float, token: int, per_step: int, host_s: float, cpu: int | None,
-              result_q) -> None:
+              result_q, profile: str | None = None) -> None:
     from specdp_cli.server.rank import serve_rank
 
     if cpu is not None:
@@ -112,7 +113,12 @@ def rank_main(link: dict, max_seqs: int, step_s: float, token: int, per_step: in
 
     engine = InstantEngine(max_seqs, step_s, token, per_step, host_s)
     dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
-    serve_rank(engine, dp, {"link": link})
+    if profile:                         # the rank's serving loop, by function (its main thread)
+        import cProfile
+
+        cProfile.runctx("serve_rank(engine, dp, {'links': [link]})", globals(), locals(), profile)
+    else:
+        serve_rank(engine, dp, {"links": [link]})
     span = (engine.last - engine.first) if engine.first else 0.0
     result_q.put({"rank_tokens": engine.tokens, "rank_steps": engine.step_no, "rank_span_s": span})
 
@@ -143,8 +149,10 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=0,
                     help="prompts as token ids sharing a PREFIX-token prefix, each with its own 32-token tail "
                          "(serve_bench.py --prefix's shape): a request's own cost in the frontend")
+    ap.add_argument("--client-workers", type=int, default=1, help="load-generating processes (bench serve --num-workers)")
     ap.add_argument("--port", type=int, default=8391)
     ap.add_argument("--profile", help="write cProfile's statistics of the frontend's event loop here")
+    ap.add_argument("--profile-rank", help="write cProfile's statistics of the rank's serving loop here")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.rank_cpu is not None:
@@ -168,7 +176,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     rank = ctx.Process(target=rank_main, args=(link.spec, a.streams, a.step_ms / 1000, token, a.tokens_per_step,
-                                                a.host_ms / 1000, a.rank_cpu, results),
+                                                a.host_ms / 1000, a.rank_cpu, results, a.profile_rank),
                        daemon=True)
     rank.start()
     if not link.wait_connected(60):
@@ -185,7 +193,7 @@ def main() -> None:
         out = os.path.join(tempfile.mkdtemp(), "bench.json")
         cmd = [sys.executable, "-m", "specdp_cli", "bench", "serve", "--url", f"http://127.0.0.1:{a.port}",
                "--max-concurrency", str(a.streams), "--num-prompts", str(a.requests), "--max-tokens",
-               str(a.max_tokens), "--result-filename", out]
+               str(a.max_tokens), "--num-workers", str(a.client_workers), "--result-filename", out]
         if a.prefix:
             ids = [token] * a.prefix
             path = os.path.join(os.path.dirname(out), "prompts.jsonl")
@@ -194,8 +202,8 @@ def main() -> None:
                     fh.write(json.dumps({"prompt": ids + [(i * 32 + j) % 1000 + 10 for j in range(32)]}) + "\n")
             cmd += ["--input", path]
         c0, t0, k0 = cpu_seconds(), time.perf_counter(), children_cpu_seconds()
-        proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.DEVNULL, env={**os.environ,
-                                                                                          "PYTHONPATH": ROOT})
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+            [ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))})
         await proc.wait()
         measured.update(frontend_cpu_s=cpu_seconds() - c0, wall_s=time.perf_counter() - t0,
                         client_cpu_s=children_cpu_seconds() - k0)
@@ -227,15 +235,16 @@ def main() -> None:
            "frontend_cpu_us_per_token": 1e6 * measured["frontend_cpu_s"] / max(tokens, 1),
            "client_cpu_us_per_token": 1e6 * measured["client_cpu_s"] / max(tokens, 1),
            "frontend_cpu_us_per_request": 1e6 * measured["frontend_cpu_s"] / max(b["completed"], 1),
+           "frontend_cpu_share": measured["frontend_cpu_s"] / b["duration_s"], "client_workers": a.client_workers,
            "ttft_ms_median": b["ttft_ms"]["median"], "ttft_ms_mean": b["ttft_ms"]["mean"],
            "server_ttft_ms_mean": b.get("server_ttft_ms"), "itl_ms_median": b["itl_ms"]["median"],
            "itl_ms_p99": b["itl_ms"]["p99"], "failed": b["failed"], "tokens": tokens}
     print(f"{'streams':>8} {'served tok/s':>13} {'rank tok/s':>11} {'frontend us/tok':>16} {'client us/tok':>14} "
-          f"{'TTFT ms':>8} {'ITL p50':>8} {'ITL p99':>8} {'rank ms/step':>13} {'frontend us/req':>16}")
+          f"{'TTFT ms':>8} {'ITL p50':>8} {'ITL p99':>8} {'rank ms/step':>13} {'frontend us/req':>16} {'frontend CPU':>13}")
     print(f"{a.streams:>8} {res['served_tok_s']:>13,.0f} {res['rank_offered_tok_s']:>11,.0f} "
           f"{res['frontend_cpu_us_per_token']:>16.1f} {res['client_cpu_us_per_token']:>14.1f} "
           f"{res['ttft_ms_median']:>8.1f} {res['itl_ms_median']:>8.2f} {res['itl_ms_p99']:>8.2f} "
-          f"{res['rank_ms_per_step']:>13.3f} {res['frontend_cpu_us_per_request']:>16.0f}")
+          f"{res['rank_ms_per_step']:>13.3f} {res['frontend_cpu_us_per_request']:>16.0f} {res['frontend_cpu_share']:>13.0%}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -631,16 +631,56 @@ print('cpu $cpu run $i', {k: r[k] for k in r if 'tok' in k or 'ms' in k})"
 s25)
   # session 25 (issues 33, 30): a step with prompt chunks runs every row at the chunk width (16 tokens); with
   # caching on most steps carry a short tail chunk. The same offline workload with 16-token and k+1-token chunk rows
-  # (CHUNK_ROW_TOKENS; 5 makes chunk steps as narrow as decode steps), each with caching on and off; then the GPU
+  # (CHUNK_ROW_TOKENS; 5 makes chunk steps as narrow as decode steps), each with caching on and off. Then the GPU
   # tests of session 23's mend.
-  for crt in ${CRTS:-16 5}; do
+  # The closed loop (each request replaced as it finishes, as served) also with HOLD_SHARE 1: async scheduling plans
+  # every step ahead, sequences near their limit sitting it out.
+  for v in ${VARIANTS:-crt16 crt5 hold1}; do
+    case $v in crt*) opt="--chunk-row-tokens ${v#crt}";; hold*) opt="--hold-share ${v#hold}";; esac
     CUDA_VISIBLE_DEVICES=0 timeout ${PC_S:-150} python3 benchmarks/prefix_cache.py --pair $P --device cuda --prefix 1500 \
       --requests 256 --max-tokens 32 --max-num-seqs 32 --max-batched-tokens ${MBT:-16384} --method ${METHOD:-draft_model} \
-      --chunk-row-tokens $crt --json "$out/prefix_cache_crt$crt.json" > "$out/prefix_cache_crt$crt.log" 2>&1
-    echo "== chunk rows of $crt tokens"; tail -4 "$out/prefix_cache_crt$crt.log"
+      --closed-loop $opt --json "$out/prefix_cache_$v.json" > "$out/prefix_cache_$v.log" 2>&1
+    echo "== $v"; tail -4 "$out/prefix_cache_$v.log"
   done
   [ "${TESTS:-1}" != 0 ] && timeout ${TESTS_S:-200} python3 -m pytest -q -m gpu tests/test_gpu.py -k "${TESTS_K:-fp8 or moe_sum or pdl or norm}" \
     -p no:cacheprovider 2>&1 | tail -8
+  ;;
+s25b)
+  # session 25, call 2: the closed loop with HOLD_SHARE 0.25 / 0.5 / 1; then served, the seconds the rank waits for
+  # requests (/metrics' rank_idle_seconds): the shared-prefix run with caching on (WORKERS load processes), and one
+  # round of each method on the codepair workload
+  for v in ${VARIANTS:-hold0.25 hold0.5 hold1}; do
+    CUDA_VISIBLE_DEVICES=0 timeout ${PC_S:-150} python3 benchmarks/prefix_cache.py --pair $P --device cuda --prefix 1500 \
+      --requests 256 --max-tokens 32 --max-num-seqs 32 --max-batched-tokens 16384 --method ${METHOD:-draft_model} \
+      --closed-loop --hold-share ${v#hold} --json "$out/prefix_cache_$v.json" > "$out/prefix_cache_$v.log" 2>&1
+    echo "== $v"; tail -4 "$out/prefix_cache_$v.log"
+  done
+  timeout 150 python3 benchmarks/serve_bench.py --pair $P --methods draft_model --prefix 1500 --caching on \
+    --client-workers ${WORKERS:-4} --max-tokens 32 --label prefix32 --work /tmp/sw25 --json "$out/serve_prefix_32_on.json" \
+    2>&1 | tail -2
+  m=none,draft_model; [ -d $P/eagle ] && m=$m,eagle
+  timeout ${SERVE_S:-240} python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers ${WORKERS:-4} --rounds 1 \
+    --no-offline --work /tmp/sw25b --json "$out/serve_codepair_idle.json" 2>&1 | tail -4
+  ;;
+s25c)
+  # session 25, call 3: the frontend's capacity on this machine (benchmarks/frontend_bench.py: a stand-in rank, no model):
+  # the shared-prefix shape (1,500-token prefix, 32 new tokens) and the codepair shape (128 new tokens, 2 a step)
+  for spec in "--prefix 1500 --max-tokens 32 --step-ms 1" "--prefix 1500 --max-tokens 32 --step-ms 0.5" \
+              "--max-tokens 128 --tokens-per-step 2 --step-ms 0.8"; do
+    timeout 120 python3 benchmarks/frontend_bench.py --tokenizer $P/tokenizer --requests ${REQS:-1024} \
+      --client-workers ${WORKERS:-4} $spec --json "$out/frontend_$(echo $spec | tr -d ' -' ).json" 2>&1 | tail -1
+  done
+  ;;
+s25d)
+  # session 25, call 4: several API server processes (server.api_server_count = APIS, default 2): the shared-prefix
+  # check (caching on and off), then served against offline for each method (3 rounds, WORKERS load processes)
+  [ "${PREFIX:-1}" != 0 ] && timeout 240 python3 benchmarks/serve_bench.py --pair $P --methods draft_model --prefix 1500 \
+    --caching on,off --client-workers ${WORKERS:-4} --api-servers ${APIS:-2} --max-tokens 32 --label prefix32-api${APIS:-2} \
+    --work /tmp/sw25d --json "$out/serve_prefix_32_api${APIS:-2}.json" 2>&1 | tail -3
+  m=none,draft_model; [ -d $P/eagle ] && m=$m,eagle
+  [ "${MAIN:-1}" != 0 ] && timeout ${SERVE_S:-330} python3 benchmarks/serve_bench.py --pair $P --methods ${METHODS:-$m} \
+    --client-workers ${WORKERS:-4} --api-servers ${APIS:-2} --label api${APIS:-2} --work /tmp/sw25e \
+    --json "$out/serve_codepair_api${APIS:-2}.json" 2>&1 | tail -5
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

@@ -15,7 +15,7 @@ of one side ran up to 2x apart on the same machine).
 Usage: python benchmarks/serve_bench.py --pair PAIR_DIR [--target DIR] [--methods none,draft_model,eagle]
        [--requests 256] [--concurrency 32] [--max-tokens 128] [--dp 1] [--prefix 0] [--caching on]
        [--dtype bfloat16] [--client-workers 1,2] [--rounds 3] [--processes 1]
-       [--no-offline] --work DIR --json OUT.json
+       [--api-servers 1] [--no-offline] --work DIR --json OUT.json
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def config(a, method: str, caching: bool) -> dict:
             "parallel": {"data_parallel_size": a.dp},
             "scheduler": {"max_num_seqs": a.concurrency, "max_num_batched_tokens": 16384},
             "cache": {"enable_prefix_caching": caching},
-            "server": {"port": a.port, "model_name": "bench"}}
+            "server": {"port": a.port, "model_name": "bench", "api_server_count": a.api_servers}}
 
 
 def offline(a, method: str, proc: int) -> list[dict]:
@@ -80,14 +80,14 @@ def offline(a, method: str, proc: int) -> list[dict]:
 
 
 STEP_COUNTS = {"steps": "specdp:spec_decode_steps_by_k_total", "planned_ahead": "specdp:steps_planned_ahead_total",
-               "chunk_steps": "specdp:steps_with_prompt_chunks_total"}
+               "chunk_steps": "specdp:steps_with_prompt_chunks_total", "busy_s": "specdp:rank_busy_seconds_total"}
 
 
 def steps_so_far(url: str) -> dict[str, int]:
     """The server's ranks' engine steps so far (the sum of /metrics' steps per k), of them those planned ahead
-    and those with prompt chunks."""
+    and those with prompt chunks, and the seconds they were busy (not waiting for requests)."""
     lines = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode().splitlines()
-    return {key: int(sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name)))
+    return {key: sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
             for key, name in STEP_COUNTS.items()}
 
 
@@ -128,6 +128,7 @@ def served(a, method: str, caching: bool, prompts_path: str, proc: int) -> dict[
                 r = json.load(open(out))
                 after = steps_so_far(url)                     # (the last step's count may arrive a step late)
                 r.update({key: after[key] - before[key] for key in STEP_COUNTS})
+                r.update({key: int(r[key]) for key in ("steps", "planned_ahead", "chunk_steps")})
                 r["ms_per_step"] = r["duration_s"] / max(r["steps"], 1) * 1e3
                 rounds.append(r)
             results[workers] = rounds
@@ -162,6 +163,7 @@ def main() -> None:
     ap.add_argument("--client-workers", default="1",
                     help="load-generating processes of `bench serve`, a list: each count measured on the same server")
     ap.add_argument("--no-offline", action="store_true")
+    ap.add_argument("--api-servers", type=int, default=1, help="server.api_server_count: HTTP frontend processes")
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--label", default="")
     ap.add_argument("--work", required=True)
@@ -194,6 +196,7 @@ def main() -> None:
             rs.sort(key=lambda r: r["output_throughput"])
             r = rs[len(rs) // 2]
             row = {"label": a.label, "method": method, "caching": caching, "dp": a.dp, "prefix": a.prefix,
+                   "api_servers": a.api_servers,
                    "client_workers": workers, "processes": a.processes,
                    "served_tok_s": r["output_throughput"], "offline_tok_s": off,
                    "served_rounds_tok_s": [x["output_throughput"] for x in rs],
@@ -210,6 +213,9 @@ def main() -> None:
                    "offline_ms_per_step": off_row["ms_per_step"] if off_row else None,
                    # steps planned ahead (async scheduling) and steps with prompt chunks, each side
                    "served_planned_ahead": r["planned_ahead"], "served_chunk_steps": r["chunk_steps"],
+                   # the served ranks' seconds busy (not waiting for requests): a step's time without the waits
+                   "served_busy_s": r["busy_s"],
+                   "served_busy_ms_per_step": r["busy_s"] / a.dp / max(r["steps"], 1) * 1e3,
                    "offline_planned_ahead": off_row.get("planned_ahead") if off_row else None,
                    "offline_chunk_steps": off_row.get("chunk_steps") if off_row else None}
             rows.append(row)
@@ -219,7 +225,7 @@ def main() -> None:
     with open(a.json, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     print(f"{'method':<12}{'caching':>8}{'clients':>8}{'served tok/s':>13}{'offline':>9}{'ratio':>7}{'TTFT p50':>9}{'TTFT p99':>9}"
-          f"{'ITL p50':>8}{'ITL p99':>8}{'accept':>8}{'queue':>7}{'prefill':>8}{'srv TTFT':>9}{'steps s/o':>13}{'ms/step s/o':>13}")
+          f"{'ITL p50':>8}{'ITL p99':>8}{'accept':>8}{'queue':>7}{'prefill':>8}{'srv TTFT':>9}{'steps s/o':>13}{'ms/step s/o':>13}{'busy ms/step':>13}")
     for r in rows:
         off = f"{r['offline_tok_s']:.0f}" if r["offline_tok_s"] else "-"
         ratio = f"{r['served_over_offline']:.2f}" if r["served_over_offline"] else "-"
@@ -228,7 +234,7 @@ def main() -> None:
               f"{r['ttft_ms']['median']:>9.1f}{r['ttft_ms']['p99']:>9.1f}{r['itl_ms']['median']:>8.2f}"
               f"{r['itl_ms']['p99']:>8.2f}{acc:>8}{r['server_queue_ms'] or 0:>7.1f}{r['server_prefill_ms'] or 0:>8.1f}"
               f"{r['server_ttft_ms'] or 0:>9.1f}{r['served_steps']:>7}/{r['offline_steps'] or 0:<5}"
-              f"{r['served_ms_per_step']:>7.2f}/{r['offline_ms_per_step'] or 0:<5.2f}")
+              f"{r['served_ms_per_step']:>7.2f}/{r['offline_ms_per_step'] or 0:<5.2f}{r['served_busy_ms_per_step']:>13.2f}")
 
 
 if __name__ == "__main__":

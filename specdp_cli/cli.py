@@ -230,12 +230,15 @@ def serve(
     config: Path = typer.Argument(..., help="Config file (.yaml, .yml or .toml)."),
     host: Optional[str] = typer.Option(None, "--host", help="Shortcut for --set server.host=..."),
     port: Optional[int] = typer.Option(None, "--port", min=0, max=65535, help="Shortcut for --set server.port=..."),
+    api_server_count: Optional[int] = typer.Option(None, "--api-server-count", min=1, max=64,
+                                                   help="Shortcut for --set server.api_server_count=..."),
     set_: Optional[List[str]] = SetOpt,
     dp: Optional[int] = DpOpt,
     device: Optional[str] = DeviceOpt,
 ) -> None:
     """Serve the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
-    items = overrides(set_, dp, device, **{"server.host": host, "server.port": port})
+    items = overrides(set_, dp, device, **{"server.host": host, "server.port": port,
+                                           "server.api_server_count": api_server_count})
     cfg = load_or_exit(config, items)
     try:
         import fastapi  # noqa: F401

@@ -152,6 +152,9 @@ class ServerConfig(_Strict):
     model_name: Optional[str] = None
     api_key: Optional[str] = None
     max_queue: int = Field(256, ge=1)
+    # HTTP frontend processes (vLLM's --api-server-count): each serves a share of the connections, all of them
+    # every rank; one process's Python caps what a small model's ranks can be sent
+    api_server_count: int = Field(1, ge=1, le=64)
 
 
 class Config(_Strict):
@@ -171,6 +174,13 @@ class Config(_Strict):
     cache: CacheConfig = Field(default_factory=CacheConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     server: ServerConfig = Field(default_factory=ServerConfig)
+
+    @model_validator(mode="after")
+    def _api_servers_one_machine(self):
+        if self.server.api_server_count > 1 and self.parallel.num_machines > 1:
+            raise ValueError("server.api_server_count > 1 needs num_machines 1 (the ranks of other machines reach "
+                             "one frontend); set server.api_server_count: 1")
+        return self
 
     @property
     def tokenizer_path(self) -> str:

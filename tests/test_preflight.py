@@ -238,6 +238,10 @@ def test_schema_errors_in_json(base, tmp_path):
         (["--set", "max_model_len=lots"], "max_model_len"),
         (["--set", "parallel.dp_sync=sometimes"], "parallel.dp_sync"),
         (["--set", "speculative.bogus=1"], "speculative.bogus: unknown key"),
+        (["--set", "server.api_server_count=0"], "server.api_server_count"),
+        (["--set", "server.api_server_count=2", "--set", "parallel.num_machines=2", "--set",
+          "parallel.main_process_port=29555", "--set", "parallel.data_parallel_size=2"],
+         "server.api_server_count > 1 needs num_machines 1"),
     ]
     cfg = base()
     for args, text in cases:

@@ -552,3 +552,68 @@ def test_sigterm_drains_and_exits_0(server, client):
     t.join(60)
     assert "r" in got and got["r"].choices[0].finish_reason in ("stop", "length")      # drained, not cut
     assert server.proc.wait(60) == 0
+
+
+def _listeners(pid: int, port: int) -> set[int]:
+    """The processes of `pid`'s tree listening on `port`."""
+    procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    out = set()
+    for p in procs:
+        conns = getattr(p, "net_connections", None) or p.connections
+        with contextlib.suppress(psutil.Error):
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns(kind="tcp")):
+                out.add(p.pid)
+    return out
+
+
+def test_api_server_processes(tmp_path, models):
+    """server.api_server_count 2: a second process listens on the port beside the first; greedy completions over
+    many connections at once equal `specdp generate`'s (dp 2 in lockstep: every rank counts the messages of both
+    processes), /metrics adds up both processes' counts whichever answers, and a lost API server process stops the
+    server (exit 1, saying which)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with serving(tmp_path, models, server={"api_server_count": 2}) as (complete, expected, server):
+        assert len(_listeners(server.proc.pid, server.port)) == 2
+        with ThreadPoolExecutor(8) as pool:       # each thread its own client: its own connection
+            texts = list(pool.map(lambda _: complete(), range(8)))
+        assert texts == [expected] * 8
+        for _ in range(4):                        # each scrape a new connection: either process may answer
+            assert server.metric("specdp:request_success_total") == 32
+            assert server.metric("specdp:request_generation_tokens_count") == 32
+        api = [p for p in psutil.Process(server.proc.pid).children()
+               if any("spawn_main" in part for part in p.cmdline())]
+        assert len(api) == 1
+        api[0].kill()
+        assert server.proc.wait(60) == 1
+        server.stop()
+        assert "API server process 1 exited" in server.out + server.err
+
+
+def test_shared_http_socket_streams_without_nagle():
+    """The port the API server processes share: its connections get TCP_NODELAY from asyncio as uvicorn's own
+    do (a socket not made as TCP by name got none: a stream's chunks waited for delayed ACKs, 40 ms each)."""
+    import asyncio
+
+    from specdp_cli.server.run import http_socket
+
+    sock = http_socket("127.0.0.1", 0)
+    other = http_socket("127.0.0.1", sock.getsockname()[1])      # a second listener on the same port
+    got = []
+
+    async def main():
+        accepted = asyncio.Event()
+
+        def on_connection(reader, writer):
+            got.append(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            accepted.set()
+
+        servers = [await asyncio.start_server(on_connection, sock=s) for s in (sock, other)]
+        _, writer = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+        await asyncio.wait_for(accepted.wait(), 10)
+        writer.close()
+        for s in servers:
+            s.close()
+
+    asyncio.run(main())
+    assert got == [1]

@@ -76,7 +76,7 @@ def _rank_over_link(engine):
     listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(spec["authkey"]))
     spec["port"] = listener.address[1]
     dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
-    rank = threading.Thread(target=serve_rank, args=(engine, dp, {"link": spec}), daemon=True)
+    rank = threading.Thread(target=serve_rank, args=(engine, dp, {"links": [spec]}), daemon=True)
     rank.start()
     conn = listener.accept()
     assert conn.recv() == ("hello", 0)
@@ -164,7 +164,7 @@ def test_both_ends_of_the_link_send_at_once():
     link = RankLink(1, new_link_spec("127.0.0.1"), lambda *a: None, lambda *a: None)
     engine = OneTokenEngine()
     dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
-    rank = threading.Thread(target=serve_rank, args=(engine, dp, {"link": link.spec}), daemon=True)
+    rank = threading.Thread(target=serve_rank, args=(engine, dp, {"links": [link.spec]}), daemon=True)
     rank.start()
     try:
         assert link.wait_connected(30), "the rank did not connect"
@@ -180,4 +180,48 @@ def test_both_ends_of_the_link_send_at_once():
         link.send(0, ("shutdown",))
         rank.join(30)
         link.close()
+    assert not rank.is_alive()
+
+
+def test_each_api_server_gets_its_own_requests_tokens():
+    """Two links (two API server processes): a request's tokens and its end go back over the link it came in on,
+    the rank's state (/metrics) over the first only, and both links get the rank's goodbye."""
+    listeners, specs = [], []
+    for _ in range(2):
+        spec = new_link_spec("127.0.0.1")
+        listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(spec["authkey"]))
+        specs.append({**spec, "port": listener.address[1]})
+        listeners.append(listener)
+    engine = OneTokenEngine()
+    dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
+    rank = threading.Thread(target=serve_rank, args=(engine, dp, {"links": specs}), daemon=True)
+    rank.start()
+    conns = []
+    for listener in listeners:
+        conns.append(listener.accept())
+        assert conns[-1].recv() == ("hello", 0)
+    params = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
+    conns[0].send(("add", "a", [1], params, None))
+    conns[1].send(("add", "b", [2], params, None))
+    conns[1].send(("add", "c", [3], params, None))
+    got = [{}, {}]
+    with_state = [0, 0]
+    for api, conn in enumerate(conns):
+        while sum(fin is not None for _, fin in got[api].values()) < (1, 2)[api]:
+            assert conn.poll(30), f"API server {api} stopped hearing from the rank"
+            msg = conn.recv()
+            assert msg[0] == "out"
+            with_state[api] += len(msg) > 2
+            for rid, new, fin, *_ in msg[1]:
+                tokens, _ = got[api].get(rid, ([], None))
+                got[api][rid] = (tokens + new, fin)
+    assert got == [{"a": ([7] * 4, "length")}, {"b": ([7] * 4, "length"), "c": ([7] * 4, "length")}]
+    assert with_state[0] > 0 and with_state[1] == 0
+    conns[0].send(("shutdown",))
+    for conn in conns:
+        while True:
+            assert conn.poll(30), "no goodbye"
+            if conn.recv() == ("bye", 0):
+                break
+    rank.join(30)
     assert not rank.is_alive()

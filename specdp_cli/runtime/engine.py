@@ -60,6 +60,7 @@ from .step_types import (WIDE_CHUNKS, WIDE_DRAFTER, DeviceResult, LaunchedStep, 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHUNK_ROW_TOKENS = 16    # tokens per row in a step with prompt chunks (a chunk takes one row per 16 tokens)
 CHUNK_ROWS = 32          # rows a step has for prompt chunks beyond max_num_seqs decode rows
+HOLD_SHARE = 0.25        # async scheduling: the share of the batch that may sit a step out for the next to be planned ahead
 
 
 class CaptureError(RuntimeError):
@@ -507,7 +508,7 @@ class Engine:
         the freeze fault), and the plan has rows. A sequence of that step sits this one out when what verification
         does with its drafts could change what it does next (`settled`: its drafts, whether it has reached its
         limit) or the drafter cannot take its next inputs on the device (`feeds_on_device`): it waits one step
-        rather than the whole batch waiting for the host — while such sequences are at most a quarter of the
+        rather than the whole batch waiting for the host — while such sequences are at most HOLD_SHARE of the
         batch (a step's cost hardly depends on its rows: past that, the rows it would leave empty cost more than
         the host's time). Otherwise that step is completed first (step returns its outputs)."""
         if self._inflight is not None:
@@ -515,7 +516,7 @@ class Engine:
             if self.faults.frozen_id is None and not any(s.req.special or s.req.grammar is not None
                                                          for s in sc.running):
                 hold = {s for s in sc.running if s.pending and not (sc.settled(s) and self.drafter.feeds_on_device(s))}
-                plan = sc.schedule(preempt=False, hold=hold) if len(hold) * 4 <= len(sc.running) else None
+                plan = sc.schedule(preempt=False, hold=hold) if len(hold) <= HOLD_SHARE * len(sc.running) else None
                 if plan is not None and (plan.decode or plan.prefill):
                     self.counters.planned_ahead += 1
                     return plan

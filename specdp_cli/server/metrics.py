@@ -5,6 +5,10 @@ What the ranks know (running / waiting requests, KV cache usage, preemptions, th
 with their "out" messages (server/rank.py); what a request's client sees (TTFT, inter-token latency,
 end-to-end latency, tokens) is measured by the frontend as the tokens arrive, and counted for the rank
 that served the request. Each server has its own registry, so several servers can share a process.
+
+With several API server processes (`server.api_server_count`), prometheus_client's multiprocess mode: each process
+writes its values to files in one directory and /metrics, whichever process answers it, adds them up (counters
+and histograms summed; the ranks' gauges, which only the first process sets, their maximum).
 """
 from __future__ import annotations
 
@@ -17,6 +21,27 @@ except ImportError:       # pragma: no cover - prometheus_client < 0.18
     pass
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def share_between_processes(directory: str) -> None:
+    """This process's metrics go to files in `directory`, shared with the other API server processes; before
+    any Metrics is built (prometheus_client picks how values are kept from the environment when imported: set it
+    again for a process that imported it already)."""
+    import os
+
+    from prometheus_client import values
+
+    os.environ[MULTIPROC_ENV] = directory
+    values.ValueClass = values.get_value_class()
+
+
+def _multiprocess() -> bool:
+    import os
+
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 # vLLM v1's buckets (vllm/v1/metrics/loggers.py)
@@ -52,8 +77,8 @@ class Metrics:
         def counter(name: str, doc: str) -> list:
             return per_rank(Counter(f"specdp:{name}", doc, engine, registry=r))
 
-        def gauge(name: str, doc: str) -> list:
-            return per_rank(Gauge(f"specdp:{name}", doc, engine, registry=r))
+        def gauge(name: str, doc: str) -> list:       # set by the first API server process only
+            return per_rank(Gauge(f"specdp:{name}", doc, engine, registry=r, multiprocess_mode="max"))
 
         def histogram(name: str, doc: str, buckets) -> list:
             return per_rank(Histogram(f"specdp:{name}", doc, engine, buckets=buckets, registry=r))
@@ -104,18 +129,20 @@ class Metrics:
         self.planned_ahead = counter("steps_planned_ahead", "Engine steps planned before the previous step's "
                                      "results were read (async scheduling).")
         self.chunk_steps = counter("steps_with_prompt_chunks", "Engine steps whose forwards were prompt-chunk wide.")
+        self.busy = counter("rank_busy_seconds", "Seconds the rank was not waiting for requests (stepping, or "
+                            "taking messages).")
         self.ranks_up = Gauge("specdp:ranks_up", "Ranks connected to the frontend.", ["model_name"],
-                              registry=r).labels(model_name)
-        Gauge("specdp:ranks", "Data-parallel ranks of the server.", ["model_name"], registry=r).labels(
-            model_name).set(world)
-        self._seen = [(0,) * 5] * world      # each rank's totals below (`rank_report`) counted so far
+                              registry=r, multiprocess_mode="min").labels(model_name)
+        Gauge("specdp:ranks", "Data-parallel ranks of the server.", ["model_name"], registry=r,
+              multiprocess_mode="max").labels(model_name).set(world)
+        self._seen = [(0,) * 6] * world      # each rank's totals below (`rank_report`) counted so far
 
     # -- from the ranks' messages (read on the event loop) -----------------------------------------
 
     def rank_report(self, rank: int, steps_by_k: dict[int, int], state: tuple | None = None) -> None:
         """A rank's "out" message: steps per k since its last one, and its scheduler's state after the
         step (running, waiting, KV cache usage 0..1; preemptions, prefix cache queries and hits, steps planned
-        ahead and steps with prompt chunks so far)."""
+        ahead, steps with prompt chunks and seconds busy so far)."""
         for k, n in steps_by_k.items():
             self.steps_by_k.labels(self.model, str(rank), str(k)).inc(n)
         if state is None:
@@ -125,7 +152,7 @@ class Metrics:
         self.waiting[rank].set(waiting)
         self.kv_usage[rank].set(kv_usage)
         for counter, now, seen in zip((self.preemptions, self.prefix_queries, self.prefix_hits, self.planned_ahead,
-                                       self.chunk_steps), totals, self._seen[rank]):
+                                       self.chunk_steps, self.busy), totals, self._seen[rank]):
             if now > seen:
                 counter[rank].inc(now - seen)
         self._seen[rank] = tuple(totals)
@@ -166,7 +193,13 @@ class Metrics:
 
     def render(self, ranks_up: int) -> bytes:
         self.ranks_up.set(ranks_up)
-        return generate_latest(self.registry)
+        if not _multiprocess():
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return generate_latest(registry)
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

@@ -8,6 +8,10 @@ rank one message per event (the request or abort to its rank, a "wake" to the ot
 rank receives the same number of messages. The step sync carries each rank's count, and the ranks
 go back to waiting only when the counts agree: a message that is late to one rank (its partners
 already consumed theirs) is then stepped for by everyone, never by its rank alone.
+
+With several API server processes (`server.api_server_count`) the rank holds a link to each: a request's
+tokens go back to the process that sent it, the rank's state (/metrics) to the first only, and the count
+above is over all of them (each process sends every rank one message per event of its own).
 """
 from __future__ import annotations
 
@@ -20,54 +24,69 @@ from ..runtime.engine import RequestError
 from ..runtime.sampling import SamplingParams
 from .link import link_address, no_delay
 
+LINK_LOST = ("shutdown", "link lost")
+
 
 def serve_rank(engine, dp, job: dict) -> None:
     engine.fail_stalled = True        # a stall fails its requests (a 500 each); the server goes on
-    address, authkey = link_address(job["link"])
-    conn = Client(address, authkey=authkey)
-    no_delay(conn)
-    conn.send(("hello", dp.rank))
-    inbox: queue.Queue = queue.Queue()
+    conns = []
+    for spec in job["links"]:            # one per API server process
+        address, authkey = link_address(spec)
+        conn = Client(address, authkey=authkey)
+        no_delay(conn)
+        conn.send(("hello", dp.rank))
+        conns.append(conn)
+    inbox: queue.Queue = queue.Queue()   # (API server, message)
     send_lock = threading.Lock()
 
-    def reader() -> None:
+    def reader(api: int, conn) -> None:
         try:
             while True:
-                inbox.put(conn.recv())
+                inbox.put((api, conn.recv()))
         except (EOFError, OSError):
-            inbox.put(("shutdown", "link lost"))     # the frontend is gone (not one of its messages)
+            inbox.put((api, LINK_LOST))     # an API server is gone (not one of its messages)
 
-    threading.Thread(target=reader, daemon=True, name="specdp-link").start()
+    for api, conn in enumerate(conns):
+        threading.Thread(target=reader, args=(api, conn), daemon=True, name=f"specdp-link{api}").start()
 
-    def send(msg) -> None:
+    def send(api: int, msg) -> None:
         with send_lock:
-            conn.send(msg)
+            conns[api].send(msg)
 
     # A step's tokens go out while the device runs the next step (`engine.step`'s `while_device_runs`),
     # off the step's critical path; sooner when no next step follows at once, and before any other message
     # (an abort's answer must not overtake the tokens before it).
-    pending = []
+    pending: list[tuple[int, tuple]] = []
+    owner: dict[str, int] = {}        # request id -> the API server that sent it
 
     def flush() -> None:
         while pending:
-            send(pending.pop(0))
+            send(*pending.pop(0))
 
-    def reply(msg) -> None:             # an answer to a frontend message, after the tokens already due
+    def reply(api: int, events: list) -> None:   # an answer to a frontend message, after the tokens already due
+        nonlocal sent_state
         flush()
-        send(msg)
+        sent_state = _state(engine, time.perf_counter() - started - idle_s)
+        send(api, ("out", events, {}, sent_state) if api == 0 else ("out", events))
+        if api:
+            send(0, ("out", [], {}, sent_state))
 
     shutting_down = False
     active = False            # lockstep: stepping together until a step finds no work on any rank
     received = 0              # messages from the frontend (see the module docstring)
     sent_k: dict[int, int] = {}   # steps per k already reported to the frontend (/metrics)
     sent_state = None             # the scheduler state last reported (/metrics): sent again when it changes
+    idle_s = 0.0                  # seconds spent waiting for requests with nothing to run
+    started = time.perf_counter()     # (/metrics: the seconds the rank was busy, its time less those)
     while True:
         if not active and not engine.has_work:
             flush()
             if shutting_down:
                 break
             dp.publish(engine.step_no, "waiting for requests")
+            t_wait = time.perf_counter()
             msgs = [inbox.get()]              # blocks: idle ranks do not spin and hold no collective
+            idle_s += time.perf_counter() - t_wait
         else:
             msgs = []
         while True:
@@ -75,20 +94,21 @@ def serve_rank(engine, dp, job: dict) -> None:
                 msgs.append(inbox.get_nowait())
             except queue.Empty:
                 break
-        received += sum(1 for m in msgs if m != ("shutdown", "link lost"))
-        for msg in msgs:
+        received += sum(1 for _, m in msgs if m != LINK_LOST)
+        for api, msg in msgs:
             kind = msg[0]
             if kind == "add":
                 _, req_id, prompt_ids, params, seed = msg
                 try:
                     engine.add_request(engine.make_request(req_id, prompt_ids, SamplingParams.from_dict(params),
                                                            seed))
+                    owner[req_id] = api
                 except RequestError as e:            # that request fails (a 500 naming why); the rank goes on
-                    reply(("out", [(req_id, [], "error", str(e), None, None)], {}, _state(engine)))
+                    reply(api, [(req_id, [], "error", str(e), None, None)])
             elif kind == "abort":
                 if engine.abort(msg[1]):
-                    sent_state = _state(engine)
-                    reply(("out", [(msg[1], [], "abort", None, None, None)], {}, sent_state))
+                    owner.pop(msg[1], None)
+                    reply(api, [(msg[1], [], "abort", None, None, None)])
             elif kind == "shutdown":
                 shutting_down = True
         if shutting_down and not dp.lockstep:
@@ -104,26 +124,35 @@ def serve_rank(engine, dp, job: dict) -> None:
             flush()
             continue
         # the frontend detokenizes (link.py): a finished request's text is its tokens', cut where a stop string starts
-        events = [(o.seq.req.id, o.new_tokens, o.seq.finish_reason if o.finished else None,
-                   (o.seq.error or o.seq.stop_text_end) if o.finished else None,
-                   _stats(o.seq) if o.finished else None, o.logprobs) for o in outs if o.new_tokens or o.finished]
-        state = _state(engine)
-        if events or state != sent_state:
+        events = [[] for _ in conns]         # each API server's requests'
+        for o in outs:
+            if o.new_tokens or o.finished:
+                rid = o.seq.req.id
+                events[owner.pop(rid, 0) if o.finished else owner.get(rid, 0)].append(
+                    (rid, o.new_tokens, o.seq.finish_reason if o.finished else None,
+                     (o.seq.error or o.seq.stop_text_end) if o.finished else None,
+                     _stats(o.seq) if o.finished else None, o.logprobs))
+        state = _state(engine, time.perf_counter() - started - idle_s)
+        # the rank's state and steps to the first API server (/metrics), with its tokens or when the state changed
+        # (its busy seconds aside: they change every step)
+        if events[0] or sent_state is None or state[:-1] != sent_state[:-1]:
             used = engine.spec_len.used
             delta = {k: n - sent_k.get(k, 0) for k, n in used.items() if n != sent_k.get(k, 0)}
             sent_k, sent_state = dict(used), state
-            pending.append(("out", events, delta, state))
+            pending.append((0, ("out", events[0], delta, state)))
+        pending += [(api, ("out", ev)) for api, ev in enumerate(events) if api and ev]
     flush()
     engine.stop_followers()      # tensor parallelism: the followers' loops end
-    send(("bye", dp.rank))
+    for api in range(len(conns)):
+        send(api, ("bye", dp.rank))
 
 
-def _state(engine) -> tuple[int, int, float, int, int, int, int, int]:
-    """(running, waiting, KV cache usage 0..1; preemptions, prefix cache queries and hits, steps planned ahead and
-    steps with prompt chunks so far): what /metrics shows of this rank."""
+def _state(engine, busy_s: float) -> tuple[int, int, float, int, int, int, int, int, float]:
+    """(running, waiting, KV cache usage 0..1; preemptions, prefix cache queries and hits, steps planned ahead,
+    steps with prompt chunks and seconds not waiting for requests so far): what /metrics shows of this rank."""
     sc, pool, c = engine.scheduler, engine.pool, engine.counters
     return (len(sc.running), len(sc.waiting), 1 - pool.num_free / pool.num_blocks, c.preemptions,
-            pool.queries, pool.hits, c.planned_ahead, c.chunk_steps)
+            pool.queries, pool.hits, c.planned_ahead, c.chunk_steps, round(busy_s, 4))
 
 
 def _stats(seq) -> dict:
