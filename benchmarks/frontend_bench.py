@@ -11,7 +11,7 @@ rank offered, the CPU the frontend process spent per token and the chunks per to
 
 Usage: python benchmarks/frontend_bench.py [--tokenizer DIR] [--streams 32] [--requests 256]
        [--max-tokens 128] [--step-ms 0] [--tokens-per-step 1] [--host-ms 0] [--rank-cpu N] [--prefix N]
-       [--client-workers N] [--profile OUT.prof]
+       [--client-workers N] [--profile OUT.prof] [--profile-rank OUT.prof] [--rank-switch-ms MS]
        [--json OUT.json]
 """
 import argparse
@@ -105,8 +105,11 @@ class InstantEngine:
 
 
 def rank_main(link: dict, max_seqs: int, step_s: float, token: int, per_step: int, host_s: float, cpu: int | None,
-              result_q, profile: str | None = None) -> None:
+              result_q, profile: str | None = None, switch_s: float | None = None) -> None:
     from specdp_cli.server.rank import serve_rank
+
+    if switch_s:
+        sys.setswitchinterval(switch_s)
 
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
@@ -153,6 +156,8 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8391)
     ap.add_argument("--profile", help="write cProfile's statistics of the frontend's event loop here")
     ap.add_argument("--profile-rank", help="write cProfile's statistics of the rank's serving loop here")
+    ap.add_argument("--rank-switch-ms", type=float,
+                    help="the rank process's GIL switch interval (sys.setswitchinterval; Python's default is 5 ms)")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.rank_cpu is not None:
@@ -176,7 +181,8 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     rank = ctx.Process(target=rank_main, args=(link.spec, a.streams, a.step_ms / 1000, token, a.tokens_per_step,
-                                                a.host_ms / 1000, a.rank_cpu, results, a.profile_rank),
+                                                a.host_ms / 1000, a.rank_cpu, results, a.profile_rank,
+                                                (a.rank_switch_ms or 0) / 1000),
                        daemon=True)
     rank.start()
     if not link.wait_connected(60):
