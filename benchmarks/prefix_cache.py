@@ -8,7 +8,8 @@ Two workloads, each with caching on then off (engines built alike):
   - batch: N such requests at once, `--max-num-seqs` in the batch: generated tokens per second.
 
 Usage: python benchmarks/prefix_cache.py [--pair demo/pair] [--device cpu] [--prefix 400] [--requests 16]
-           [--max-tokens 16] [--max-num-seqs 8] --json OUT.json
+           [--max-tokens 16] [--max-num-seqs 8] [--max-batched-tokens 2048] [--closed-loop]
+           [--chunk-row-tokens N] [--hold-share F] [--async-scheduling] --json OUT.json
 """
 from __future__ import annotations
 

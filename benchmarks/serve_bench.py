@@ -83,7 +83,7 @@ STEP_COUNTS = {"steps": "specdp:spec_decode_steps_by_k_total", "planned_ahead": 
                "chunk_steps": "specdp:steps_with_prompt_chunks_total", "busy_s": "specdp:rank_busy_seconds_total"}
 
 
-def steps_so_far(url: str) -> dict[str, int]:
+def steps_so_far(url: str) -> dict[str, float]:
     """The server's ranks' engine steps so far (the sum of /metrics' steps per k), of them those planned ahead
     and those with prompt chunks, and the seconds they were busy (not waiting for requests)."""
     lines = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode().splitlines()
