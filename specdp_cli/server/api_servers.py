@@ -42,18 +42,19 @@ class ApiServers:
             self.procs.append(p)
             self.pipes.append(ours)
         for i, pipe in enumerate(self.pipes, 1):
-            msg = self._recv(pipe, START_S)
-            if not (isinstance(msg, tuple) and msg[0] == "spec"):
-                return f"API server process {i} did not start ({msg[1] if isinstance(msg, tuple) else msg})"
-            self.specs.append(msg[1])
+            kind, detail = self._recv(pipe, START_S)
+            if kind != "spec":
+                return f"API server process {i} did not start ({detail})"
+            self.specs.append(detail)
         return None
 
     @staticmethod
-    def _recv(pipe, timeout: float):
+    def _recv(pipe, timeout: float) -> tuple:
+        """(kind, detail): a process's message, ("timeout", why) or ("exited", why)."""
         try:
             if pipe.poll(timeout):
                 return pipe.recv()
-            return ("timeout", f"no answer in {timeout:.0f} s")
+            return ("timeout", "no answer")
         except (EOFError, OSError):
             return ("exited", "it exited; its error is above")
 
@@ -62,11 +63,11 @@ class ApiServers:
         for i, pipe in enumerate(self.pipes, 1):
             deadline = time.monotonic() + START_S
             while True:
-                msg = self._recv(pipe, 0.5)
-                if msg == ("ready",):
+                kind, detail = self._recv(pipe, 0.5)
+                if kind == "ready":
                     break
-                if msg[0] != "timeout" or not ranks_alive() or time.monotonic() > deadline:
-                    return f"API server process {i} is not ready ({msg[1] if msg[0] != 'timeout' else 'no answer'})"
+                if kind != "timeout" or not ranks_alive() or time.monotonic() > deadline:
+                    return f"API server process {i} is not ready ({detail})"
         return None
 
     def exited(self) -> str | None:
@@ -91,8 +92,7 @@ class ApiServers:
         deadline = time.monotonic() + timeout
         for i, (p, pipe) in enumerate(zip(self.procs, self.pipes)):
             while i not in self._drained and p.is_alive() and time.monotonic() < deadline:
-                msg = self._recv(pipe, 0.2)
-                if msg[0] in ("drained", "exited"):
+                if self._recv(pipe, 0.2)[0] in ("drained", "exited"):
                     self._drained.add(i)
 
     def stop(self) -> None:
@@ -131,7 +131,7 @@ def api_server_main(index: int, cfg, plan, http_port: int, metrics_dir: str, pip
             if pipe.poll(0):          # `specdp serve` gave up before the ranks came up
                 return
         frontend.metrics.ranks_up.set(world)
-        pipe.send(("ready",))
+        pipe.send(("ready", None))
         # the parent reports failures; this process's console stays quiet
         code = asyncio.run(serve_http(app, frontend, cfg, plan, Console(stderr=True, quiet=True), sock))
         pipe.send(("drained", code))

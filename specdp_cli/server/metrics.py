@@ -12,6 +12,8 @@ and histograms summed; the ranks' gauges, which only the first process sets, the
 """
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 try:        # the `_created` series of each counter and histogram: one more series each that nobody reads
@@ -28,8 +30,6 @@ def share_between_processes(directory: str) -> None:
     """This process's metrics go to files in `directory`, shared with the other API server processes; before
     any Metrics is built (prometheus_client picks how values are kept from the environment when imported: set it
     again for a process that imported it already)."""
-    import os
-
     from prometheus_client import values
 
     os.environ[MULTIPROC_ENV] = directory
@@ -37,8 +37,6 @@ def share_between_processes(directory: str) -> None:
 
 
 def _multiprocess() -> bool:
-    import os
-
     return bool(os.environ.get(MULTIPROC_ENV))
 
 

@@ -66,7 +66,7 @@ def serve_rank(engine, dp, job: dict) -> None:
     def reply(api: int, events: list) -> None:   # an answer to a frontend message, after the tokens already due
         nonlocal sent_state
         flush()
-        sent_state = _state(engine, time.perf_counter() - started - idle_s)
+        sent_state = _state(engine, busy_s())
         send(api, ("out", events, {}, sent_state) if api == 0 else ("out", events))
         if api:
             send(0, ("out", [], {}, sent_state))
@@ -77,7 +77,10 @@ def serve_rank(engine, dp, job: dict) -> None:
     sent_k: dict[int, int] = {}   # steps per k already reported to the frontend (/metrics)
     sent_state = None             # the scheduler state last reported (/metrics): sent again when it changes
     idle_s = 0.0                  # seconds spent waiting for requests with nothing to run
-    started = time.perf_counter()     # (/metrics: the seconds the rank was busy, its time less those)
+    started = time.perf_counter()
+
+    def busy_s() -> float:        # /metrics: the seconds the rank was not waiting for requests
+        return time.perf_counter() - started - idle_s
     while True:
         if not active and not engine.has_work:
             flush()
@@ -132,7 +135,7 @@ def serve_rank(engine, dp, job: dict) -> None:
                     (rid, o.new_tokens, o.seq.finish_reason if o.finished else None,
                      (o.seq.error or o.seq.stop_text_end) if o.finished else None,
                      _stats(o.seq) if o.finished else None, o.logprobs))
-        state = _state(engine, time.perf_counter() - started - idle_s)
+        state = _state(engine, busy_s())
         # the rank's state and steps to the first API server (/metrics), with its tokens or when the state changed
         # (its busy seconds aside: they change every step)
         if events[0] or sent_state is None or state[:-1] != sent_state[:-1]:

@@ -90,7 +90,6 @@ def http_socket(host: str, port: int):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(2048)
-    sock.set_inheritable(False)
     return sock
 
 
