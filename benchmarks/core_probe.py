@@ -4,7 +4,12 @@ its SMT sibling when it has one), repeated. A host-bound engine step (a small mo
 at its CPU's Python speed: two processes of the same job ran up to 2x apart on one H200 machine
 (benchmarks/results/2026-12-02-h200-s23-*). This tells a slow CPU, a busy sibling and a noisy machine apart.
 
-Usage: python benchmarks/core_probe.py [--rounds 3] [--loop 300000] [--json OUT.json]
+--pairs V1,V2 measures each victim CPU with a busy loop on every other CPU in turn (alone and beside, back to back):
+a virtual machine's CPUs may share physical cores (or host threads) that its topology does not show. --parallel
+1,2,4,8,16 runs N pinned loops at once: whether the machine gives N busy CPUs N CPUs' worth of Python.
+
+Usage: python benchmarks/core_probe.py [--rounds 3] [--loop 300000] [--pairs 0,7] [--parallel 1,2,4,8,16]
+           [--json OUT.json]
 """
 from __future__ import annotations
 
@@ -81,13 +86,67 @@ def probe(cpu: int, n: int, sibling: int | None) -> float:
     return ms
 
 
+def _pinned_at(cpu: int, n: int, q, go) -> None:
+    os.sched_setaffinity(0, {cpu})
+    _loop(n // 10)
+    go.wait()
+    q.put(_loop(n))
+
+
+def parallel(cpus: list[int], n: int) -> list[float]:
+    """ms of the loop on each of `cpus`, all started together."""
+    ctx = mp.get_context("fork")
+    q, go = ctx.Queue(), ctx.Event()
+    ps = [ctx.Process(target=_pinned_at, args=(c, n, q, go)) for c in cpus]
+    for p in ps:
+        p.start()
+    time.sleep(0.2)                      # (each has pinned itself and warmed up; not a measurement)
+    go.set()
+    out = [1e3 * q.get() for _ in ps]
+    for p in ps:
+        p.join()
+    return out
+
+
+def pairs(victim: int, cpus: list[int], n: int, rounds: int) -> dict[int, float]:
+    """For each other CPU: the victim's loop beside a busy loop there over the victim's loop alone measured right
+    before (the median ratio of `rounds`)."""
+    out = {}
+    for j in cpus:
+        if j == victim:
+            continue
+        ratios = []
+        for _ in range(rounds):
+            alone = probe(victim, n, None)
+            ratios.append(probe(victim, n, j) / alone)
+        out[j] = statistics.median(ratios)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--loop", type=int, default=300000)
+    ap.add_argument("--pairs", default="", help="victim CPUs: each measured beside a busy loop on every other CPU")
+    ap.add_argument("--parallel", default="", help="counts of loops run at once on CPUs 0..N-1, e.g. 1,2,4,8,16")
     ap.add_argument("--json")
     a = ap.parse_args()
     topo = topology()
+    extra = {}
+    cpus_all = sorted(topo["cpus"])
+    if a.parallel:
+        extra["parallel"] = []
+        for _ in range(a.rounds):
+            for N in [int(x) for x in a.parallel.split(",")]:
+                ms = parallel(cpus_all[:N], a.loop)
+                extra["parallel"].append({"n": N, "ms": ms})
+                print(f"parallel {N:>3}: median {statistics.median(ms):6.1f} ms, max {max(ms):6.1f}", flush=True)
+    if a.pairs:
+        extra["pairs"] = {}
+        for v in [int(x) for x in a.pairs.split(",")]:
+            r = pairs(v, cpus_all, a.loop, a.rounds)
+            extra["pairs"][v] = r
+            print(f"victim {v}: beside / alone by busy CPU: " + " ".join(f"{j}:{x:.2f}" for j, x in r.items()), flush=True)
     cpus = sorted(topo["cpus"])
     print("GPUs:", json.dumps(topo["gpus"]))
     alone = {c: [] for c in cpus}
@@ -111,7 +170,7 @@ def main() -> None:
     print(f"alone: median of CPUs {statistics.median(med):.1f} ms, fastest {min(med):.1f}, slowest {max(med):.1f}")
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"gpus": topo["gpus"], "rows": rows}, fh, indent=1)
+            json.dump({"gpus": topo["gpus"], "rows": rows, **extra}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -208,9 +208,11 @@ def main() -> None:
                     fh.write(json.dumps({"prompt": ids + [(i * 32 + j) % 1000 + 10 for j in range(32)]}) + "\n")
             cmd += ["--input", path]
         c0, t0, k0 = cpu_seconds(), time.perf_counter(), children_cpu_seconds()
+        measured["client_t0"] = time.time()
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": os.pathsep.join(
             [ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))})
         await proc.wait()
+        measured["client_t1"] = time.time()
         measured.update(frontend_cpu_s=cpu_seconds() - c0, wall_s=time.perf_counter() - t0,
                         client_cpu_s=children_cpu_seconds() - k0)
         measured["bench"] = json.load(open(out))
@@ -244,7 +246,8 @@ def main() -> None:
            "frontend_cpu_share": measured["frontend_cpu_s"] / b["duration_s"], "client_workers": a.client_workers,
            "ttft_ms_median": b["ttft_ms"]["median"], "ttft_ms_mean": b["ttft_ms"]["mean"],
            "server_ttft_ms_mean": b.get("server_ttft_ms"), "itl_ms_median": b["itl_ms"]["median"],
-           "itl_ms_p99": b["itl_ms"]["p99"], "failed": b["failed"], "tokens": tokens}
+           "itl_ms_p99": b["itl_ms"]["p99"], "failed": b["failed"], "tokens": tokens,
+           "client_t0": measured["client_t0"], "client_t1": measured["client_t1"]}     # (wall clock: what ran beside it)
     print(f"{'streams':>8} {'served tok/s':>13} {'rank tok/s':>11} {'frontend us/tok':>16} {'client us/tok':>14} "
           f"{'TTFT ms':>8} {'ITL p50':>8} {'ITL p99':>8} {'rank ms/step':>13} {'frontend us/req':>16} {'frontend CPU':>13}")
     print(f"{a.streams:>8} {res['served_tok_s']:>13,.0f} {res['rank_offered_tok_s']:>11,.0f} "

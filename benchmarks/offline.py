@@ -129,6 +129,20 @@ def profile(engine: Engine, prompts, new: int, steps: int = 30, trace: str | Non
         engine.step()
 
 
+def rounds_on_stdin(engine: Engine, prompts, new: int) -> None:
+    """A run of every prompt for each line read on stdin, its figures a JSON line on stdout, until stdin closes
+    (`serve_bench.py --interleave`: offline runs between served rounds, on the same machine at the same time)."""
+    print("ready", flush=True)
+    for _ in sys.stdin:
+        engine.counters = c = RankCounters()
+        t0 = time.time()
+        done, secs = run(engine, prompts, new)
+        gen = sum(len(s.generated) for s in done.values())
+        print(json.dumps({"tok_s": gen / secs, "s": secs, "t0": t0, "tokens": gen, "steps": c.steps,
+                          "ms_per_step": secs / max(c.steps, 1) * 1e3, "planned_ahead": c.planned_ahead,
+                          "chunk_steps": c.chunk_steps}), flush=True)
+
+
 def async_setting(mode: str, method: str):
     """--async-scheduling for one method: None (the default), True where the method runs it, or False."""
     return {"auto": None, "on": True if async_method(method) else None, "off": False}[mode]
@@ -154,6 +168,9 @@ def main() -> None:
                     help="scheduler.async_scheduling of every method that runs it (auto: the default, on a GPU for all "
                          "but ngram; on: asked for; off: synchronous steps)")
     ap.add_argument("--repeats", type=int, default=1, help="runs of each row; its figures are the median run's")
+    ap.add_argument("--stdin-rounds", action="store_true",
+                    help="the first method at the first batch size: a run for each line read on stdin, its figures "
+                         "a JSON line on stdout (serve_bench.py --interleave)")
     ap.add_argument("--label", default="codepair")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
@@ -176,11 +193,15 @@ def main() -> None:
                 run(engine, prompts[:2], 8)                # warm-up
                 runs = []
                 print(f"# measuring {method} at batch {B}: {a.repeats} run(s)", flush=True)   # (a profiler waits for it)
+                if a.stdin_rounds:
+                    rounds_on_stdin(engine, prompts, a.new)
+                    return
                 for _ in range(a.repeats):
                     engine.counters = RankCounters()
+                    t0 = time.time()
                     done, secs = run(engine, prompts, a.new)
-                    runs.append((secs, done, engine.counters))
-                secs, done, c = sorted(runs, key=lambda r: r[0])[len(runs) // 2]     # the median run
+                    runs.append((secs, done, engine.counters, t0))
+                secs, done, c, _ = sorted(runs, key=lambda r: r[0])[len(runs) // 2]     # the median run
                 outs = [done[i].generated for i in range(len(prompts))]
                 outs_by_mode[(eager, B)] = outs
                 if method == "none" and not eager and reference is None:
@@ -189,6 +210,7 @@ def main() -> None:
                 s = c.spec
                 row = {"label": a.label, "method": method, "batch": B, "eager": eager, "k": a.k if method != "none" else 0,
                        "requests": len(prompts), "tok_s": gen / secs, "tok_s_runs": [gen / r[0] for r in runs],
+                       "runs_t0": [r[3] for r in runs], "runs_s": [r[0] for r in runs],
                        "tokens": gen, "s": secs, "steps": c.steps,
                        "ms_per_step": secs / max(c.steps, 1) * 1e3, "preemptions": c.preemptions, "planned_ahead": c.planned_ahead,
                        "chunk_steps": c.chunk_steps,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -681,6 +681,79 @@ s25d)
   [ "${MAIN:-1}" != 0 ] && timeout ${SERVE_S:-330} python3 benchmarks/serve_bench.py --pair $P --methods ${METHODS:-$m} \
     --client-workers ${WORKERS:-4} --api-servers ${APIS:-2} --label api${APIS:-2} --work /tmp/sw25e \
     --json "$out/serve_codepair_api${APIS:-2}.json" 2>&1 | tail -5
+  ;;
+s26)
+  # session 26 (issue 33): why a served rank's steps take longer than offline's.
+  # 1. The VM's CPUs (benchmarks/core_probe.py): N pure-Python loops at once, and two victim CPUs beside a busy loop on
+  #    each other CPU (shared cores the topology does not show).
+  [ "${PROBE:-1}" != 0 ] && timeout 120 python3 benchmarks/core_probe.py --rounds 2 --pairs 0,9 --parallel 1,2,4,8,16 \
+    --json "$out/core_probe.json" 2>&1 | grep -E "^parallel|^victim|^alone"
+  # 2. Offline eagle alone and beside a served load with no model (frontend_bench.py: the frontend, a stand-in rank and
+  #    4 load processes at eagle's 3 tokens a step), one process's runs classified by the load's wall-clock window.
+  if [ "${BESIDE:-1}" != 0 ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 benchmarks/offline.py --pair $P --requests 256 --batches 32 \
+      --repeats ${REPEATS:-150} --methods eagle --label beside --json "$out/offline_eagle_beside.json" > /tmp/ob.log 2>&1 &
+    ob=$!
+    for i in $(seq 1200); do grep -q "^# measuring" /tmp/ob.log && break; sleep 0.1; done
+    sleep ${QUIET_S:-8}
+    fb0=$(date +%s.%N)
+    timeout 120 python3 benchmarks/frontend_bench.py --tokenizer $P/tokenizer --step-ms 0.7 --tokens-per-step 3 \
+      --requests ${FB_REQ:-3000} --client-workers 4 --json "$out/frontend_load.json" 2>&1 | tail -2
+    fb1=$(date +%s.%N)
+    wait $ob || tail -5 /tmp/ob.log
+    python3 - "$out/offline_eagle_beside.json" "$out/frontend_load.json" $fb0 $fb1 <<'PY'
+import json, statistics, sys
+row = json.load(open(sys.argv[1]))["rows"][0]
+fb = json.load(open(sys.argv[2]))
+fb0, fb1 = float(sys.argv[3]), float(sys.argv[4])
+alone, beside = [], []
+for t0, s, tps in zip(row["runs_t0"], row["runs_s"], row["tok_s_runs"]):
+    if t0 + s < fb0 or t0 > fb1:
+        alone.append(tps)
+    elif t0 >= fb["client_t0"] and t0 + s <= fb["client_t1"]:
+        beside.append(tps)
+for name, xs in (("alone", alone), ("beside the served load", beside)):
+    if xs:
+        print(f"offline eagle {name}: {len(xs)} runs, median {statistics.median(xs):,.0f} tok/s, "
+              f"min {min(xs):,.0f}, max {max(xs):,.0f}")
+if alone and beside:
+    print(f"beside / alone: {statistics.median(beside) / statistics.median(alone):.2f}")
+PY
+  fi
+  # 3. Served against offline with their rounds taking turns (serve_bench.py --interleave), one API server.
+  m=eagle,none; [ -d $P/eagle ] || m=none
+  [ "${MAIN:-1}" != 0 ] && timeout ${SERVE_S:-400} python3 benchmarks/serve_bench.py --pair $P --methods ${METHODS:-$m} \
+    --client-workers ${WORKERS:-4} --api-servers ${APIS:-1} --rounds ${ROUNDS:-5} --interleave --label interleaved \
+    --work /tmp/sw26 --json "$out/serve_interleaved.json" 2>&1 | tail -4
+  ;;
+s26b)
+  # session 26: the serving rank before (.bench/old: the package of the commit before, its links read by reader threads,
+  # an async step's tokens sent a step later) and after, each against offline with interleaved rounds, alternating
+  # (VARIANTS); then the other methods with the new code (METHODS2); RANK_CPU=N: the ranks and the offline process on
+  # CPU N, the rest on the others (serve_bench.py --rank-cpu). The old package runs from a copy of the
+  # repository's benchmarks beside it (its own cwd and PYTHONPATH: `python -m` and the ranks import it from there).
+  rm -rf /tmp/old && mkdir -p /tmp/old && cp -r .bench/old/specdp_cli /tmp/old/ && cp -r benchmarks /tmp/old/
+  sb() {   # VARIANT METHOD NAME: one interleaved serve_bench run
+    if [ "$1" = old ]; then
+      (cd /tmp/old && PYTHONPATH=/tmp/old:/tmp/site timeout 240 python3 benchmarks/serve_bench.py --pair "$OLDPWD/$P" \
+        --methods $2 --client-workers ${WORKERS:-4} --api-servers ${APIS:-1} --rounds ${ROUNDS:-15} --interleave \
+        ${RANK_CPU:+--rank-cpu $RANK_CPU} --label old --work /tmp/sw26b_$3 --json "$out/serve_$3.json" 2>&1 | tail -1)
+    else
+      timeout 240 python3 benchmarks/serve_bench.py --pair $P --methods $2 --client-workers ${WORKERS:-4} \
+        --api-servers ${APIS:-1} --rounds ${ROUNDS:-15} --interleave ${RANK_CPU:+--rank-cpu $RANK_CPU} --label new \
+        --work /tmp/sw26b_$3 \
+        --json "$out/serve_$3.json" 2>&1 | tail -1
+    fi
+  }
+  i=0
+  for v in ${VARIANTS:-old new}; do
+    i=$((i + 1)); for m in ${METHODS:-eagle}; do sb $v $m ${v}_${m}_$i; done
+  done
+  for m in ${METHODS2:-none draft_model}; do sb new $m new_$m; done
+  # the 1,500-token shared prefix, caching on and off (PREFIX=0: not run)
+  [ "${PREFIX:-0}" != 0 ] && timeout 240 python3 benchmarks/serve_bench.py --pair $P --methods draft_model --prefix 1500 \
+    --caching on,off --client-workers ${WORKERS:-4} --api-servers ${APIS:-1} --max-tokens 32 --label prefix32 \
+    --interleave --rounds ${PREFIX_ROUNDS:-9} ${RANK_CPU:+--rank-cpu $RANK_CPU} --work /tmp/sw26p --json "$out/serve_prefix_32.json" 2>&1 | tail -3
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

@@ -12,10 +12,16 @@ single offline runs of one method differed by up to 40 % between machines. `--pr
 processes and N servers per method and takes the median over all their rounds (on the H200 machines two processes
 of one side ran up to 2x apart on the same machine).
 
+`--interleave` makes the sides take turns, round by round: one offline process beside the server runs before each
+served round, and with `--caching on,off` both servers are up at once, a round each in turn. The machines' speed
+changes over seconds (a Python loop ran 2x apart from one second to the next on one CPU): sides measured one after
+the other each catch their own speed, so a row then also has the median of the rounds' pair ratios (each served round
+over the offline run just before it; caching on over the off round just before it).
+
 Usage: python benchmarks/serve_bench.py --pair PAIR_DIR [--target DIR] [--methods none,draft_model,eagle]
        [--requests 256] [--concurrency 32] [--max-tokens 128] [--dp 1] [--prefix 0] [--caching on]
        [--dtype bfloat16] [--client-workers 1,2] [--rounds 3] [--processes 1]
-       [--api-servers 1] [--no-offline] --work DIR --json OUT.json
+       [--api-servers 1] [--no-offline] [--interleave] [--rank-cpu N] --work DIR --json OUT.json
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from specdp_cli.bench_serve import run_bench  # noqa: E402
 from specdp_cli.methods import METHODS  # noqa: E402
 
 from workloads import cut_prompt_ids, heldout  # noqa: E402
@@ -73,7 +81,8 @@ def offline(a, method: str, proc: int) -> list[dict]:
            "--max-model-len", str(a.max_model_len), "--dtype", a.dtype, "--json", out]
     cmd += ["--target", a.target] if a.target else []
     with open(os.path.join(a.work, f"offline_{method}_p{proc}.log"), "w") as log:
-        if subprocess.run(cmd, stdout=log, stderr=log).returncode != 0:
+        cpu = None if a.rank_cpu is None else (lambda: os.sched_setaffinity(0, {a.rank_cpu}))
+        if subprocess.run(cmd, stdout=log, stderr=log, preexec_fn=cpu).returncode != 0:
             print(f"offline {method} failed: see {log.name}")
             return []
     return json.load(open(out))["rows"]
@@ -91,54 +100,169 @@ def steps_so_far(url: str) -> dict[str, float]:
             for key, name in STEP_COUNTS.items()}
 
 
-def served(a, method: str, caching: bool, prompts_path: str, proc: int) -> dict[int, list[dict]]:
-    """The bench results of one server (method, caching) for each --client-workers count: its `--rounds`
-    measured rounds."""
-    tag = f"{method}_{'on' if caching else 'off'}_p{proc}"
-    cfg_path = os.path.join(a.work, f"serve_{tag}.yaml")
-    with open(cfg_path, "w") as fh:
-        yaml.safe_dump(config(a, method, caching), fh)
-    log = open(os.path.join(a.work, f"server_{tag}.log"), "w")
-    server = subprocess.Popen([sys.executable, "-m", "specdp_cli", "serve", cfg_path], stdout=log, stderr=log)
-    url = f"http://127.0.0.1:{a.port}"
-    deadline = time.time() + 300
-    try:
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` on `cpus` (sched_setaffinity takes one thread at a time)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass                  # a thread that has ended
+
+
+def rank_processes(server_pid: int) -> list[int]:
+    """The rank processes (`specdp_cli.rank`) started under a server."""
+    parent, ranks = {}, []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                parent[int(name)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as fh:
+                if b"specdp_cli.rank" in fh.read():
+                    ranks.append(int(name))
+        except (OSError, ValueError, IndexError):
+            pass
+
+    def under(pid: int) -> bool:
+        while pid > 1:
+            if pid == server_pid:
+                return True
+            pid = parent.get(pid, 0)
+        return False
+    return [pid for pid in ranks if under(pid)]
+
+
+class OfflineRounds:
+    """`--interleave`: one offline process (offline.py --stdin-rounds) kept beside the server, a run of it before each
+    served round, so that both sides' rounds take turns on the machine (its speed changes over seconds: sides
+    measured one after the other may each catch another speed). Started at the first round, after the server (which
+    then holds `gpu_memory_utilization` 0.45: the offline engine sizes its KV cache from what is left)."""
+
+    def __init__(self, a, method: str):
+        self.a, self.method, self.proc, self.rows = a, method, None, []
+
+    def run_round(self) -> None:
+        a = self.a
+        if self.proc is None:
+            cmd = [sys.executable, os.path.join(HERE, "offline.py"), "--pair", a.pair, "--requests", str(a.requests),
+                   "--batches", str(a.concurrency), "--methods", self.method, "--k", str(a.k), "--new",
+                   str(a.max_tokens), "--max-model-len", str(a.max_model_len), "--dtype", a.dtype, "--stdin-rounds",
+                   "--json", os.devnull] + (["--target", a.target] if a.target else [])
+            log = open(os.path.join(a.work, f"offline_{self.method}_interleaved.log"), "w")
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+            if a.rank_cpu is not None:
+                pin(self.proc.pid, {a.rank_cpu})
+            for line in self.proc.stdout:
+                if line.strip() == "ready":
+                    break
+            else:
+                raise SystemExit(f"offline {self.method} failed: see {log.name}")
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        self.rows.append(json.loads(self.proc.stdout.readline()))
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(60)
+
+
+class Server:
+    """One `specdp serve` (method, caching) on `port`: started, warmed up, measured round by round, stopped.
+    `memory`: its `gpu_memory_utilization` when engines share the GPU (--interleave; each one's KV cache is sized from
+    that share of the whole minus what is in use when it starts)."""
+
+    def __init__(self, a, method: str, caching: bool, prompts_path: str, tag: str, port: int, memory: float | None):
+        self.a, self.tag, self.prompts_path = a, tag, prompts_path
+        cfg = config(a, method, caching)
+        cfg["server"]["port"] = port
+        if memory is not None:
+            cfg["cache"]["gpu_memory_utilization"] = memory
+        cfg_path = os.path.join(a.work, f"serve_{tag}.yaml")
+        with open(cfg_path, "w") as fh:
+            yaml.safe_dump(cfg, fh)
+        self.log = open(os.path.join(a.work, f"server_{tag}.log"), "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "specdp_cli", "serve", cfg_path], stdout=self.log,
+                                     stderr=self.log)
+        self.url = f"http://127.0.0.1:{port}"
+
+    def wait_ready(self) -> None:
+        deadline = time.time() + 300
         while True:
             try:
-                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                if urllib.request.urlopen(self.url + "/health", timeout=2).status == 200:
                     break
             except OSError:
                 pass
-            if server.poll() is not None or time.time() > deadline:
-                raise SystemExit(f"server did not come up: see {log.name}")
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise SystemExit(f"server did not come up: see {self.log.name}")
             time.sleep(0.5)
-        bench = [sys.executable, "-m", "specdp_cli", "bench", "serve", "--base-url", url, "--dataset-path",
-                 prompts_path, "--max-concurrency", str(a.concurrency), "--max-tokens", str(a.max_tokens)]
-        # a warm-up round (first requests of each kind of step), then the measured ones
-        subprocess.run(bench + ["--num-prompts", str(a.concurrency), "--result-filename",
-                                os.path.join(a.work, f"bench_{tag}.warm.json")], check=True, stdout=subprocess.DEVNULL)
-        results = {}
-        for workers in a.client_workers:
-            rounds = []
-            for i in range(a.rounds):
-                out = os.path.join(a.work, f"bench_{tag}_w{workers}_{i}.json")
-                before = steps_so_far(url)
-                subprocess.run(bench + ["--num-prompts", str(a.requests), "--num-workers", str(workers),
-                                        "--result-filename", out], check=True, stdout=subprocess.DEVNULL)
-                r = json.load(open(out))
-                after = steps_so_far(url)                     # (the last step's count may arrive a step late)
-                r.update({key: after[key] - before[key] for key in STEP_COUNTS})
-                r.update({key: int(r[key]) for key in ("steps", "planned_ahead", "chunk_steps")})
-                r["ms_per_step"] = r["duration_s"] / max(r["steps"], 1) * 1e3
-                rounds.append(r)
-            results[workers] = rounds
+        if self.a.rank_cpu is not None:
+            ranks = rank_processes(self.proc.pid)
+            if not ranks:
+                raise SystemExit(f"--rank-cpu: no rank process found under the server (pid {self.proc.pid})")
+            for pid in ranks:
+                pin(pid, {self.a.rank_cpu})
+        self.bench(self.a.concurrency, 1)   # a warm-up round (first requests of each kind of step)
+
+    def bench(self, num_prompts: int, workers: int) -> dict:
+        # the load generator in this process (`specdp bench serve`'s run_bench): a round starts within a second of
+        # the run before it (--interleave), where the CLI's start-up took seconds
+        return run_bench(self.url, self.prompts_path, self.a.concurrency, num_prompts, self.a.max_tokens, None, None,
+                         workers=workers)
+
+    def round(self, workers: int, i: int) -> dict:
+        """A measured round: the bench result with the server's steps and busy seconds over it."""
+        before = steps_so_far(self.url)
+        r = self.bench(self.a.requests, workers)
+        with open(os.path.join(self.a.work, f"bench_{self.tag}_w{workers}_{i}.json"), "w") as fh:
+            json.dump(r, fh)
+        after = steps_so_far(self.url)                     # (the last step's count may arrive a step late)
+        r.update({key: after[key] - before[key] for key in STEP_COUNTS})
+        r.update({key: int(r[key]) for key in ("steps", "planned_ahead", "chunk_steps")})
+        r["ms_per_step"] = r["duration_s"] / max(r["steps"], 1) * 1e3
+        r["t_end"] = time.time()
+        return r
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def served(a, method: str, cachings: list[bool], prompts_path: str, proc: int,
+           before_round=None) -> dict[tuple[bool, int], list[dict]]:
+    """The measured rounds of each server (method, caching) for each --client-workers count. One server at a time;
+    with --interleave all of them at once, their rounds taking turns, and `before_round` (an interleaved offline
+    run) called before each round."""
+    together = a.interleave
+    engines = len(cachings) + (before_round is not None)      # on the GPU at once (--interleave): 0.9 shared evenly,
+    servers, results = [], {}                                 # the offline engine (started last) taking the rest
+    try:
+        for j, caching in enumerate(cachings):
+            if not together and servers:
+                servers.pop().stop()
+            tag = f"{method}_{'on' if caching else 'off'}_p{proc}"
+            servers.append(Server(a, method, caching, prompts_path, tag, a.port + j if together else a.port,
+                                  round(0.9 * (j + 1) / engines, 3) if together and engines > 1 else None))
+            servers[-1].wait_ready()
+            if not together:
+                for workers in a.client_workers:
+                    results[(caching, workers)] = [servers[-1].round(workers, i) for i in range(a.rounds)]
+        if together:
+            for workers in a.client_workers:
+                for i in range(a.rounds):
+                    for caching, server in zip(cachings, servers):
+                        if before_round is not None:
+                            before_round()
+                        results.setdefault((caching, workers), []).append(server.round(workers, i))
         return results
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        for server in servers:
+            server.stop()
 
 
 def main() -> None:
@@ -163,12 +287,21 @@ def main() -> None:
     ap.add_argument("--client-workers", default="1",
                     help="load-generating processes of `bench serve`, a list: each count measured on the same server")
     ap.add_argument("--no-offline", action="store_true")
+    ap.add_argument("--interleave", action="store_true",
+                    help="rounds take turns: an offline run before each served round (one offline process beside the "
+                         "server), and with --caching on,off both servers up at once, a round each in turn")
     ap.add_argument("--api-servers", type=int, default=1, help="server.api_server_count: HTTP frontend processes")
+    ap.add_argument("--rank-cpu", type=int,
+                    help="the served ranks and the offline process on this CPU (taking turns with --interleave), "
+                         "everything else on the others: both sides on the same CPU, where on the H200 machines one "
+                         "process's speed depended on the CPU it ran on, up to 2x")
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--label", default="")
     ap.add_argument("--work", required=True)
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
+    if a.rank_cpu is not None:
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {a.rank_cpu})     # this process and what it starts
     a.pair = os.path.abspath(a.pair)
     a.client_workers = [int(w) for w in a.client_workers.split(",")]
     a.target = os.path.abspath(a.target) if a.target else None
@@ -184,11 +317,25 @@ def main() -> None:
         cachings = [c == "on" for c in a.caching.split(",")]
         off_rows: list[dict] = []
         rounds: dict[tuple[bool, int], list[dict]] = {}
+        interleaved = a.interleave and not (a.no_offline or a.prefix)
         for proc in range(a.processes):
-            off_rows += [] if a.no_offline or a.prefix else offline(a, method, proc)
-            for caching in cachings:
-                for workers, rs in served(a, method, caching, prompts_path, proc).items():
-                    rounds.setdefault((caching, workers), []).extend(rs)
+            off_rows += [] if a.no_offline or a.prefix or interleaved else offline(a, method, proc)
+            turns = OfflineRounds(a, method) if interleaved else None
+            try:
+                res = served(a, method, cachings, prompts_path, proc, turns.run_round if turns else None)
+            finally:
+                if turns:
+                    turns.close()
+                    off_rows += turns.rows
+            for key, rs in res.items():
+                rounds.setdefault(key, []).extend(rs)
+        # interleaved: each served round over the offline run just before it (in the order they ran)
+        pair_ratios = ([r["output_throughput"] / o["tok_s"] for r, o in zip(next(iter(rounds.values())), off_rows)]
+                       if interleaved and len(rounds) == 1 else None)
+        # interleaved caching on and off: each round's on over the off round beside it (throughput; off's TTFT over on's)
+        on_off = {w: [(on["output_throughput"] / off_["output_throughput"], off_["ttft_ms"]["median"] / on["ttft_ms"]["median"])
+                      for on, off_ in zip(rounds[(True, w)], rounds[(False, w)])]
+                  for w in a.client_workers if a.interleave and (True, w) in rounds and (False, w) in rounds}
         off_rows.sort(key=lambda r: r["tok_s"])
         off_row = off_rows[len(off_rows) // 2] if off_rows else None
         off = off_row["tok_s"] if off_row else None
@@ -196,12 +343,18 @@ def main() -> None:
             rs.sort(key=lambda r: r["output_throughput"])
             r = rs[len(rs) // 2]
             row = {"label": a.label, "method": method, "caching": caching, "dp": a.dp, "prefix": a.prefix,
-                   "api_servers": a.api_servers,
+                   "api_servers": a.api_servers, "rank_cpu": a.rank_cpu,
                    "client_workers": workers, "processes": a.processes,
                    "served_tok_s": r["output_throughput"], "offline_tok_s": off,
                    "served_rounds_tok_s": [x["output_throughput"] for x in rs],
                    "offline_rounds_tok_s": [x["tok_s"] for x in off_rows],
                    "served_over_offline": r["output_throughput"] / off if off else None,
+                   "interleaved": interleaved, "round_pair_ratios": pair_ratios,
+                   "pair_ratio_median": statistics.median(pair_ratios) if pair_ratios else None,
+                   "on_over_off_pairs": on_off.get(workers) if caching else None,
+                   "on_over_off_median": ([statistics.median(x for x, _ in on_off[workers]),
+                                           statistics.median(y for _, y in on_off[workers])]
+                                          if caching and workers in on_off else None),
                    "ttft_ms": r["ttft_ms"], "itl_ms": r["itl_ms"], "tpot_ms": r["tpot_ms"],
                    "acceptance_rate": r["acceptance_rate"], "completed": r["completed"], "failed": r["failed"],
                    "server_queue_ms": r.get("server_queue_ms"), "server_prefill_ms": r.get("server_prefill_ms"),
@@ -224,13 +377,16 @@ def main() -> None:
             "concurrency": a.concurrency, "max_tokens": a.max_tokens}
     with open(a.json, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-    print(f"{'method':<12}{'caching':>8}{'clients':>8}{'served tok/s':>13}{'offline':>9}{'ratio':>7}{'TTFT p50':>9}{'TTFT p99':>9}"
+    print(f"{'method':<12}{'caching':>8}{'clients':>8}{'served tok/s':>13}{'offline':>9}{'ratio':>7}{'pairs':>7}{'TTFT p50':>9}{'TTFT p99':>9}"
           f"{'ITL p50':>8}{'ITL p99':>8}{'accept':>8}{'queue':>7}{'prefill':>8}{'srv TTFT':>9}{'steps s/o':>13}{'ms/step s/o':>13}{'busy ms/step':>13}")
     for r in rows:
         off = f"{r['offline_tok_s']:.0f}" if r["offline_tok_s"] else "-"
         ratio = f"{r['served_over_offline']:.2f}" if r["served_over_offline"] else "-"
+        pairs = f"{r['pair_ratio_median']:.2f}" if r["pair_ratio_median"] else "-"     # --interleave: the median pair
+        if r["on_over_off_median"]:        # caching on over off, throughput (and lower TTFT), the median pair
+            pairs = f"{r['on_over_off_median'][0]:.2f}"
         acc = f"{r['acceptance_rate']:.3f}" if r["acceptance_rate"] is not None else "-"
-        print(f"{r['method']:<12}{'on' if r['caching'] else 'off':>8}{r['client_workers']:>8}{r['served_tok_s']:>13.0f}{off:>9}{ratio:>7}"
+        print(f"{r['method']:<12}{'on' if r['caching'] else 'off':>8}{r['client_workers']:>8}{r['served_tok_s']:>13.0f}{off:>9}{ratio:>7}{pairs:>7}"
               f"{r['ttft_ms']['median']:>9.1f}{r['ttft_ms']['p99']:>9.1f}{r['itl_ms']['median']:>8.2f}"
               f"{r['itl_ms']['p99']:>8.2f}{acc:>8}{r['server_queue_ms'] or 0:>7.1f}{r['server_prefill_ms'] or 0:>8.1f}"
               f"{r['server_ttft_ms'] or 0:>9.1f}{r['served_steps']:>7}/{r['offline_steps'] or 0:<5}"

@@ -1,5 +1,7 @@
 """A serving rank's loop (server/rank.py) over a stand-in engine: each step's tokens reach the frontend (sent
-while the next step runs, or at once when none follows), and an idle rank waits on its inbox instead of spinning."""
+while the next step runs, at once when the step is still on the device (async scheduling) or when none follows),
+a message that arrived during a step is taken at the next one, and an idle rank waits on its links instead of
+spinning."""
 import os
 import socket
 import threading
@@ -68,6 +70,86 @@ class OneTokenEngine:
                                                         accepted_per_pos=[]))
             outs.append(SimpleNamespace(seq=seq, new_tokens=[7], finished=done, logprobs=None))
         return outs
+
+
+class AsyncStandIn(OneTokenEngine):
+    """As the engine with async scheduling: `step` returns while its step is still "on the device". Step n + 1
+    (before its device work) waits for the test to have read step n's tokens, and may send the frontend a message
+    from inside a step (as one arriving while a step runs)."""
+
+    step_in_flight = True
+
+    def __init__(self, seen, during_step=None):
+        super().__init__()
+        self.seen, self.during_step, self.late, self.added_at = seen, during_step, [], {}
+
+    def add_request(self, req):
+        self.added_at[req.id] = self.step_no
+        super().add_request(req)
+
+    def step(self, received=0, while_device_runs=None):
+        if self.step_no and not self.seen[self.step_no].wait(5):
+            self.late.append(self.step_no)        # step n's tokens had not gone out when step n + 1 began
+        if self.during_step is not None:
+            self.during_step(self.step_no + 1)
+        return super().step(received, while_device_runs)
+
+
+def _read_tokens(conn, seen, until_finished: int) -> dict:
+    """Read the rank's messages, setting seen[n] as the n-th step's tokens arrive, until `until_finished` requests
+    finished: {id: tokens}."""
+    got, steps, finished = {}, 0, 0
+    while finished < until_finished:
+        assert conn.poll(30), "the rank stopped answering"
+        msg = conn.recv()
+        assert msg[0] == "out"
+        if msg[1]:
+            steps += 1
+            seen[steps].set()
+        for rid, new, fin, *_ in msg[1]:
+            got[rid] = got.get(rid, []) + new
+            finished += fin is not None
+    return got
+
+
+def test_async_steps_tokens_go_out_before_the_next_step():
+    """With the step still on the device when `engine.step` returns, its tokens go out at once, not a step later:
+    a step later costs every token (and a finished request's replacement) one step of latency."""
+    seen = [threading.Event() for _ in range(64)]
+    engine = AsyncStandIn(seen)
+    conn, rank = _rank_over_link(engine)
+    params = {"max_tokens": 6, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
+    conn.send(("add", "r1", [1, 2, 3], params, None))
+    assert _read_tokens(conn, seen, 1) == {"r1": [7] * 6}
+    conn.send(("shutdown",))
+    assert conn.poll(30) and conn.recv() == ("bye", 0)
+    rank.join(30)
+    assert engine.late == []
+
+
+def test_a_message_arriving_during_a_step_is_taken_at_the_next():
+    """The links are read at the start of each step, on the loop's thread: a request that arrived during step n is
+    added before step n + 1 (a reader thread waited for the GIL, held by the step loop, up to 5 ms: many steps)."""
+    seen = [threading.Event() for _ in range(64)]
+    params = {"max_tokens": 6, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
+    frontend = []
+
+    def during_step(n):
+        if n == 3:
+            frontend[0].send(("add", "r2", [4], params, None))
+            busy = 0
+            for i in range(20_000):            # the rest of the step (~1 ms): Python holding the GIL
+                busy += i
+
+    engine = AsyncStandIn(seen, during_step)
+    conn, rank = _rank_over_link(engine)
+    frontend.append(conn)
+    conn.send(("add", "r1", [1, 2, 3], params, None))
+    assert _read_tokens(conn, seen, 2) == {"r1": [7] * 6, "r2": [7] * 6}
+    conn.send(("shutdown",))
+    assert conn.poll(30) and conn.recv() == ("bye", 0)
+    rank.join(30)
+    assert engine.added_at["r2"] == 3, engine.added_at
 
 
 def _rank_over_link(engine):

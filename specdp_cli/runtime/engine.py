@@ -378,6 +378,11 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    @property
+    def step_in_flight(self) -> bool:
+        """A launched step's device work is still running (async scheduling: `step` returned before it ended)."""
+        return self._inflight is not None
+
     def _rows_left(self) -> list[tuple[int, int, int, bool]]:
         """Each running sequence's (tokens left to generate, draft tokens so far, accepted so far, drafts at
         all: the request did not opt out)."""

@@ -12,11 +12,15 @@ already consumed theirs) is then stepped for by everyone, never by its rank alon
 With several API server processes (`server.api_server_count`) the rank holds a link to each: a request's
 tokens go back to the process that sent it, the rank's state (/metrics) to the first only, and the count
 above is over all of them (each process sends every rank one message per event of its own).
+
+The links are read on the loop's own thread, at the start of each step (a poll of their sockets) or, with
+nothing to run, in a blocking wait on all of them. A reader thread would need the GIL from the step loop,
+which holds it nearly all the time in a host-bound step: its message waited up to the interpreter's 5 ms switch
+interval, and with it a new request's admission (as the frontend's link does, link.py).
 """
 from __future__ import annotations
 
-import queue
-import threading
+import select
 import time
 from multiprocessing.connection import Client
 
@@ -36,26 +40,38 @@ def serve_rank(engine, dp, job: dict) -> None:
         no_delay(conn)
         conn.send(("hello", dp.rank))
         conns.append(conn)
-    inbox: queue.Queue = queue.Queue()   # (API server, message)
-    send_lock = threading.Lock()
+    # the links not lost yet, by socket: one poll object for the whole run (a poll a step costs one system call)
+    open_links = {conn.fileno(): (api, conn) for api, conn in enumerate(conns)}
+    poller = select.poll()
+    for fd in open_links:
+        poller.register(fd, select.POLLIN)
 
-    def reader(api: int, conn) -> None:
-        try:
-            while True:
-                inbox.put((api, conn.recv()))
-        except (EOFError, OSError):
-            inbox.put((api, LINK_LOST))     # an API server is gone (not one of its messages)
-
-    for api, conn in enumerate(conns):
-        threading.Thread(target=reader, args=(api, conn), daemon=True, name=f"specdp-link{api}").start()
+    def receive(block: bool) -> list[tuple[int, tuple]]:
+        """(API server, message) of every message that has arrived; with `block`, waiting for the first."""
+        msgs: list[tuple[int, tuple]] = []
+        ready = poller.poll(None if block else 0) if open_links else []
+        while ready:
+            for fd, _ in ready:
+                api, conn = open_links[fd]
+                try:
+                    msgs.append((api, conn.recv()))
+                except (EOFError, OSError):        # an API server is gone
+                    poller.unregister(fd)
+                    del open_links[fd]
+                    msgs.append((api, LINK_LOST))
+            ready = poller.poll(0) if open_links else []
+        return msgs
 
     def send(api: int, msg) -> None:
-        with send_lock:
+        try:
             conns[api].send(msg)
+        except OSError:
+            pass                 # that API server is gone: the poll finds its link closed (LINK_LOST)
 
-    # A step's tokens go out while the device runs the next step (`engine.step`'s `while_device_runs`),
-    # off the step's critical path; sooner when no next step follows at once, and before any other message
-    # (an abort's answer must not overtake the tokens before it).
+    # A step's tokens go out while the device runs a step: at once when `engine.step` returned with its step still
+    # on the device (async scheduling), else while the next one runs (`while_device_runs`), off the step's critical
+    # path; sooner when no next step follows at once, and before any other message (an abort's answer must not
+    # overtake the tokens before it).
     pending: list[tuple[int, tuple]] = []
     owner: dict[str, int] = {}        # request id -> the API server that sent it
 
@@ -88,15 +104,10 @@ def serve_rank(engine, dp, job: dict) -> None:
                 break
             dp.publish(engine.step_no, "waiting for requests")
             t_wait = time.perf_counter()
-            msgs = [inbox.get()]              # blocks: idle ranks do not spin and hold no collective
+            msgs = receive(block=True)       # blocks: idle ranks do not spin and hold no collective
             idle_s += time.perf_counter() - t_wait
         else:
-            msgs = []
-        while True:
-            try:
-                msgs.append(inbox.get_nowait())
-            except queue.Empty:
-                break
+            msgs = receive(block=False)
         received += sum(1 for _, m in msgs if m != LINK_LOST)
         for api, msg in msgs:
             kind = msg[0]
@@ -144,6 +155,8 @@ def serve_rank(engine, dp, job: dict) -> None:
             sent_k, sent_state = dict(used), state
             pending.append((0, ("out", events[0], delta, state)))
         pending += [(api, ("out", ev)) for api, ev in enumerate(events) if api and ev]
+        if getattr(engine, "step_in_flight", False):
+            flush()
     flush()
     engine.stop_followers()      # tensor parallelism: the followers' loops end
     for api in range(len(conns)):
