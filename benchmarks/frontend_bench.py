@@ -34,6 +34,8 @@ class InstantEngine:
     """What serve_rank needs of an engine: each step gives every running request `per_step` tokens (a fixed
     id), up to max_tokens, for at most `max_seqs` requests at a time."""
 
+    step_in_flight = False          # its step is over when `step` returns
+
     def __init__(self, max_seqs: int, step_s: float, token: int, per_step: int = 1, host_s: float = 0.0):
         from specdp_cli.runtime.engine import RankCounters
 

@@ -494,6 +494,30 @@ def test_disconnect_frees_the_slot(server):
     assert server.health() == 200
 
 
+def test_a_streams_end_is_one_piece(server):
+    """A stream's end (the finish chunk, the usage chunk and [DONE]) is one HTTP chunk, written with the response's
+    end: one write to the client, where it took four. Every other chunk is one event."""
+    c = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    c.request("POST", "/v1/completions", body=json.dumps({"prompt": "def f(x):", "max_tokens": 6, "stream": True,
+                                                            "ignore_eos": True,
+                                                            "stream_options": {"include_usage": True}}),
+              headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200 and r.getheader("transfer-encoding") == "chunked"
+    pieces = []
+    while (size := int(r.fp.readline().split(b";")[0], 16)) > 0:      # the raw chunked body
+        pieces.append(r.fp.read(size).decode())
+        assert r.fp.read(2) == b"\r\n"
+    c.close()
+    *events, end = pieces
+    assert events and all(e.startswith("data: {") and e.count("\n\n") == 1 for e in events), events
+    end_events = end.split("\n\n")
+    assert end_events[-2:] == ["data: [DONE]", ""], end
+    finish, usage = (json.loads(e[len("data: "):]) for e in end_events[-4:-2])
+    assert finish["choices"][0]["finish_reason"] == "length"
+    assert usage["usage"]["completion_tokens"] == 6
+
+
 def test_queue_limit_gives_429(server):
     statuses, retry = [], []
     together = threading.Barrier(40)          # all 40 arrive at once, however slowly threads start

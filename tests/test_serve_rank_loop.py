@@ -16,6 +16,8 @@ from specdp_cli.server.rank import serve_rank
 class OneTokenEngine:
     """Each step gives every running request one token; counts how often the loop asks for work once idle."""
 
+    step_in_flight = False          # a step is over when `step` returns (no async scheduling)
+
     def __init__(self):
         self.running, self.waiting = [], []
         self.scheduler = SimpleNamespace(running=self.running, waiting=self.waiting)

@@ -87,6 +87,7 @@ def build_app(frontend: Frontend, encoder, tokenizer, model_name: str, max_model
 GENERATION_PATHS = {"/v1/completions": False, "/v1/chat/completions": True}      # path -> chat
 MAX_BODY = 64 << 20
 DISCONNECTED = Event([], "disconnect")       # put in a request's queue when its client goes away
+DONE = "data: [DONE]\n\n"                    # a stream's last event (what the generation's last piece ends with)
 
 
 class GenerationPaths:
@@ -143,9 +144,14 @@ class GenerationPaths:
                             "headers": [(b"content-type", b"text/event-stream; charset=utf-8"),
                                         (b"cache-control", b"no-cache")]})
                 started.append(True)
+                # the stream's last piece (its end and [DONE]) goes with the end of the response: the ASGI server
+                # writes both at once, a request's end one write to its client
+                ended = False
                 async for chunk in _stream(frontend, self.tokenizer, infs[0], req):
-                    await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    ended = chunk.endswith(DONE)
+                    await send({"type": "http.response.body", "body": chunk.encode(), "more_body": not ended})
+                if not ended:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
             else:
                 result = await _collect(frontend, infs, req, self.tokenizer)
                 if result is not None:
@@ -311,13 +317,13 @@ async def _stream(frontend: Frontend, tokenizer, inf: Inflight, req: GenRequest)
             finished = True
             delta = text.finish(ev.new_tokens, ev.stop_text_end)     # everything not sent yet, stop string cut
             frontend.release(inf, ev.finish_reason, ev.stats)
-            if delta or (asked and ev.new_tokens):
-                yield _sse(chunk(delta, None, ev=ev))
-            yield _sse(chunk(None, ev.finish_reason))
+            end = [_sse(chunk(delta, None, ev=ev))] if delta or (asked and ev.new_tokens) else []
+            end.append(_sse(chunk(None, ev.finish_reason)))
             if req.include_usage:
-                yield _sse({**base, "choices": [], "usage": _usage(ev.stats, inf)})
-            break
-        yield "data: [DONE]\n\n"
+                end.append(_sse({**base, "choices": [], "usage": _usage(ev.stats, inf)}))
+            yield "".join(end) + DONE       # the stream's end in one piece
+            return
+        yield DONE
     finally:
         if not finished:                 # the client went away mid-stream: free its slot
             frontend.abort(inf)

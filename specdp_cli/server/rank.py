@@ -1,7 +1,7 @@
 """The serving loop of one rank: requests arrive from the frontend over the link, tokens go back
 after every step.
 
-Waiting for work is a blocking read of this rank's inbox — no collective, no timeout, no spinning.
+Waiting for work is a blocking wait on this rank's links — no collective, no timeout, no spinning.
 With `dp_sync: always` the ranks step together while any of them has work: each step's sync says
 whether some rank has, and when none has every rank goes back to waiting. The frontend sends every
 rank one message per event (the request or abort to its rank, a "wake" to the others), so every
@@ -155,7 +155,7 @@ def serve_rank(engine, dp, job: dict) -> None:
             sent_k, sent_state = dict(used), state
             pending.append((0, ("out", events[0], delta, state)))
         pending += [(api, ("out", ev)) for api, ev in enumerate(events) if api and ev]
-        if getattr(engine, "step_in_flight", False):
+        if engine.step_in_flight:
             flush()
     flush()
     engine.stop_followers()      # tensor parallelism: the followers' loops end
