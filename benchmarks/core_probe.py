@@ -86,9 +86,10 @@ def probe(cpu: int, n: int, sibling: int | None) -> float:
     return ms
 
 
-def _pinned_at(cpu: int, n: int, q, go) -> None:
+def _pinned_at(cpu: int, n: int, q, ready, go) -> None:
     os.sched_setaffinity(0, {cpu})
     _loop(n // 10)
+    ready.put(cpu)
     go.wait()
     q.put(_loop(n))
 
@@ -96,11 +97,12 @@ def _pinned_at(cpu: int, n: int, q, go) -> None:
 def parallel(cpus: list[int], n: int) -> list[float]:
     """ms of the loop on each of `cpus`, all started together."""
     ctx = mp.get_context("fork")
-    q, go = ctx.Queue(), ctx.Event()
-    ps = [ctx.Process(target=_pinned_at, args=(c, n, q, go)) for c in cpus]
+    q, ready, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    ps = [ctx.Process(target=_pinned_at, args=(c, n, q, ready, go)) for c in cpus]
     for p in ps:
         p.start()
-    time.sleep(0.2)                      # (each has pinned itself and warmed up; not a measurement)
+    for _ in ps:
+        ready.get()                      # each has pinned itself and warmed up
     go.set()
     out = [1e3 * q.get() for _ in ps]
     for p in ps:

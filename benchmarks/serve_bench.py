@@ -137,7 +137,8 @@ class OfflineRounds:
     """`--interleave`: one offline process (offline.py --stdin-rounds) kept beside the server, a run of it before each
     served round, so that both sides' rounds take turns on the machine (its speed changes over seconds: sides
     measured one after the other may each catch another speed). Started at the first round, after the server (which
-    then holds `gpu_memory_utilization` 0.45: the offline engine sizes its KV cache from what is left)."""
+    then holds its share of the GPU's memory, `Server`'s `memory`: the offline engine sizes its KV cache from what is
+    left)."""
 
     def __init__(self, a, method: str):
         self.a, self.method, self.proc, self.rows = a, method, None, []
