@@ -26,7 +26,7 @@ from multiprocessing.connection import Client
 
 from ..runtime.engine import RequestError
 from ..runtime.sampling import SamplingParams
-from .link import link_address, no_delay
+from .link import link_address, no_delay, send_message
 
 LINK_LOST = ("shutdown", "link lost")
 
@@ -64,7 +64,7 @@ def serve_rank(engine, dp, job: dict) -> None:
 
     def send(api: int, msg) -> None:
         try:
-            conns[api].send(msg)
+            send_message(conns[api], msg)
         except OSError:
             pass                 # that API server is gone: the poll finds its link closed (LINK_LOST)
 
@@ -140,12 +140,14 @@ def serve_rank(engine, dp, job: dict) -> None:
         # the frontend detokenizes (link.py): a finished request's text is its tokens', cut where a stop string starts
         events = [[] for _ in conns]         # each API server's requests'
         for o in outs:
-            if o.new_tokens or o.finished:
+            if o.finished:
+                seq = o.seq
+                rid = seq.req.id
+                events[owner.pop(rid, 0)].append((rid, o.new_tokens, seq.finish_reason,
+                                                  seq.error or seq.stop_text_end, _stats(seq), o.logprobs))
+            elif o.new_tokens:
                 rid = o.seq.req.id
-                events[owner.pop(rid, 0) if o.finished else owner.get(rid, 0)].append(
-                    (rid, o.new_tokens, o.seq.finish_reason if o.finished else None,
-                     (o.seq.error or o.seq.stop_text_end) if o.finished else None,
-                     _stats(o.seq) if o.finished else None, o.logprobs))
+                events[owner.get(rid, 0)].append((rid, o.new_tokens, None, None, None, o.logprobs))
         state = _state(engine, busy_s())
         # the rank's state and steps to the first API server (/metrics), with its tokens or when the state changed
         # (its busy seconds aside: they change every step)
