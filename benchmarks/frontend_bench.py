@@ -55,7 +55,14 @@ class InstantEngine:
         pass
 
     def make_request(self, req_id, prompt_ids, params, seed):
-        return SimpleNamespace(id=req_id, left=params.max_tokens, n_prompt=len(prompt_ids), generated=[])
+        r = SimpleNamespace(id=req_id, left=params.max_tokens, generated=[])
+        r.req = r                   # running, it stands for its sequence too (the loop aborts `seq.req.id` at shutdown)
+        # what the serving loop reads of a sequence, made once (the stand-in's own step stays cheap)
+        r.seq = SimpleNamespace(req=r, finish_reason=None, error=None, stop_text_end=None, arrived_t=0.0,
+                                scheduled_t=0.0, first_token_t=0.0, num_prompt=len(prompt_ids), generated=r.generated,
+                                preemptions=0, stats=SimpleNamespace(num_drafts=0, num_draft_tokens=0,
+                                                                     num_accepted_tokens=0, accepted_per_pos=[]))
+        return r
 
     def add_request(self, req) -> None:
         self.waiting.append(req)
@@ -97,12 +104,8 @@ class InstantEngine:
             done = r.left == 0
             if done:
                 self.running.remove(r)
-            seq = SimpleNamespace(req=r, finish_reason="length" if done else None, error=None, stop_text_end=None,
-                                  arrived_t=0.0, scheduled_t=0.0, first_token_t=0.0,
-                                  num_prompt=r.n_prompt, generated=r.generated, preemptions=0,
-                                  stats=SimpleNamespace(num_drafts=0, num_draft_tokens=0, num_accepted_tokens=0,
-                                                        accepted_per_pos=[]))
-            outs.append(SimpleNamespace(seq=seq, new_tokens=new, finished=done, logprobs=None))
+                r.seq.finish_reason = "length"
+            outs.append(SimpleNamespace(seq=r.seq, new_tokens=new, finished=done, logprobs=None))
         return outs
 
 

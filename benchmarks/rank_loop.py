@@ -1,12 +1,12 @@
 """The serving rank's loop's own cost a step (`server/rank.py`: reading the links, the step's events, the rank's
-state, pickling and sending), around a stand-in engine whose step costs almost nothing: STREAMS running requests,
-each given TOKENS tokens a step, for STEPS measured steps. The rank runs in its own process (a CPU of its own),
-this one (another CPU) drains its messages as a frontend would.
+state, pickling and sending), around frontend_bench.py's stand-in engine with a step that costs nothing: STREAMS
+running requests, each given TOKENS tokens a step, for SECONDS. The rank runs in its own process (a CPU of its own);
+this one (another CPU) drains its messages as a frontend would, with no HTTP.
 
 `--root DIR` imports specdp_cli from DIR instead (e.g. `git archive COMMIT specdp_cli | tar -x -C DIR`): before and
 after on the same machine.
 
-Usage: python benchmarks/rank_loop.py [--streams 32] [--tokens 3] [--steps 20000] [--runs 3] [--root DIR]
+Usage: python benchmarks/rank_loop.py [--streams 32] [--tokens 3] [--seconds 3] [--runs 3] [--root DIR]
            [--json OUT.json]
 """
 from __future__ import annotations
@@ -19,67 +19,16 @@ import statistics
 import sys
 import time
 from multiprocessing.connection import Listener
-from types import SimpleNamespace
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WARM_UP = 500
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 
-
-class StandInEngine:
-    """What serve_rank needs of an engine; each step returns every running request `tokens` tokens, and the time of
-    the measured steps goes to `q` (the stand-in's own part: building its outputs)."""
-
-    step_in_flight = True            # as with async scheduling: the tokens go out as soon as the step returns
-
-    def __init__(self, q, tokens: int, steps: int):
-        from specdp_cli.runtime.engine import RankCounters
-
-        self.q, self.tokens, self.steps = q, list(range(7, 7 + tokens)), steps
-        self.running, self.waiting = [], []
-        self.scheduler = SimpleNamespace(running=self.running, waiting=self.waiting)
-        self.pool = SimpleNamespace(num_free=1, num_blocks=1, queries=0, hits=0)
-        self.counters = RankCounters()
-        self.spec_len = SimpleNamespace(used={tokens - 1: 0})      # steps per k (/metrics)
-        self.step_no, self.t0 = 0, None
-
-    def stop_followers(self):
-        pass
-
-    def make_request(self, rid, prompt_ids, params, seed):
-        return SimpleNamespace(id=rid)
-
-    def add_request(self, req) -> None:
-        self.running.append(SimpleNamespace(req=req, finish_reason=None))
-
-    def abort(self, rid) -> bool:
-        return False
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.running)
-
-    def step(self, received: int = 0, while_device_runs=None):
-        self.step_no += 1
-        if while_device_runs is not None:
-            while_device_runs()
-        if self.step_no == WARM_UP:
-            self.t0 = time.perf_counter()
-        if self.step_no == WARM_UP + self.steps:
-            self.q.put((time.perf_counter() - self.t0) / self.steps)
-            self.running.clear()
-            return []
-        self.spec_len.used[len(self.tokens) - 1] += 1
-        return [SimpleNamespace(seq=s, new_tokens=self.tokens, finished=False, logprobs=None) for s in self.running]
+import frontend_bench  # noqa: E402
 
 
-def rank(root: str, spec: dict, q, tokens: int, steps: int, cpu: int | None) -> None:
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
-    sys.path.insert(0, root)
-    from specdp_cli.server.rank import serve_rank
-
-    dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
-    serve_rank(StandInEngine(q, tokens, steps), dp, {"links": [spec]})
+def rank(root: str, *args) -> None:
+    sys.path.insert(0, root)            # ahead of frontend_bench's: the package measured
+    frontend_bench.rank_main(*args)
 
 
 def one_run(a, cpus: list[int]) -> float:
@@ -89,38 +38,37 @@ def one_run(a, cpus: list[int]) -> float:
     spec["port"] = listener.address[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=rank, args=(a.root, spec, q, a.tokens, a.steps, cpus[1] if len(cpus) > 1 else None),
-                    daemon=True)
+    cpu = cpus[1] if len(cpus) > 1 else None
+    p = ctx.Process(target=rank, args=(a.root, spec, a.streams, 0.0, 7, a.tokens, 0.0, cpu, q), daemon=True)
     p.start()
     conn = listener.accept()
     conn.recv()                                   # hello
     params = {"max_tokens": 10**9, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
     for i in range(a.streams):
         conn.send(("add", f"cmpl-{i:024x}", [1, 2, 3], params, None))
-    while q.empty():
+    end = time.monotonic() + a.seconds
+    while time.monotonic() < end:
         if conn.poll(0.01):
             conn.recv_bytes()
-    us = q.get() * 1e6
     conn.send(("shutdown",))
-    while True:                                   # to the rank's goodbye
+    while True:                                   # to the rank's goodbye (its requests aborted)
         try:
             conn.recv_bytes()
         except EOFError:
             break
-        if not p.is_alive():
-            break
+    r = q.get(timeout=30)
     p.join(30)
     listener.close()
-    return us
+    return r["rank_span_s"] / max(r["rank_steps"] - 1, 1) * 1e6
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--root", default=ROOT)
+    ap.add_argument("--root", default=os.path.dirname(HERE))
     ap.add_argument("--json")
     a = ap.parse_args()
     a.root = os.path.abspath(a.root)
@@ -133,7 +81,7 @@ def main() -> None:
           + " ".join(f"{x:.1f}" for x in runs))
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"root": a.root, "streams": a.streams, "tokens": a.tokens, "steps": a.steps,
+            json.dump({"root": a.root, "streams": a.streams, "tokens": a.tokens, "seconds": a.seconds,
                        "us_per_step_runs": runs, "us_per_step": statistics.median(runs)}, fh, indent=1)
 
 

@@ -733,17 +733,12 @@ s26b)
   # CPU N, the rest on the others (serve_bench.py --rank-cpu). The old package runs from a copy of the
   # repository's benchmarks beside it (its own cwd and PYTHONPATH: `python -m` and the ranks import it from there).
   rm -rf /tmp/old && mkdir -p /tmp/old && cp -r .bench/old/specdp_cli /tmp/old/ && cp -r benchmarks /tmp/old/
-  sb() {   # VARIANT METHOD NAME: one interleaved serve_bench run
-    if [ "$1" = old ]; then
-      (cd /tmp/old && PYTHONPATH=/tmp/old:/tmp/site timeout 240 python3 benchmarks/serve_bench.py --pair "$OLDPWD/$P" \
-        --methods $2 --client-workers ${WORKERS:-4} --api-servers ${APIS:-1} --rounds ${ROUNDS:-15} --interleave \
-        ${RANK_CPU:+--rank-cpu $RANK_CPU} --label old --work /tmp/sw26b_$3 --json "$out/serve_$3.json" 2>&1 | tail -1)
-    else
-      timeout 240 python3 benchmarks/serve_bench.py --pair $P --methods $2 --client-workers ${WORKERS:-4} \
-        --api-servers ${APIS:-1} --rounds ${ROUNDS:-15} --interleave ${RANK_CPU:+--rank-cpu $RANK_CPU} --label new \
-        --work /tmp/sw26b_$3 \
-        --json "$out/serve_$3.json" 2>&1 | tail -1
-    fi
+  sb() {   # VARIANT METHOD NAME: one interleaved serve_bench run (old: from /tmp/old, its package first)
+    local dir=$PWD path=$PYTHONPATH
+    [ "$1" = old ] && dir=/tmp/old path=/tmp/old:/tmp/site
+    (cd $dir && PYTHONPATH=$path timeout 240 python3 benchmarks/serve_bench.py --pair "$OLDPWD/$P" --methods $2 \
+      --client-workers ${WORKERS:-4} --api-servers ${APIS:-1} --rounds ${ROUNDS:-15} --interleave \
+      ${RANK_CPU:+--rank-cpu $RANK_CPU} --label $1 --work /tmp/sw26b_$3 --json "$out/serve_$3.json" 2>&1 | tail -1)
   }
   i=0
   for v in ${VARIANTS:-old new}; do

@@ -38,7 +38,7 @@ def serve_rank(engine, dp, job: dict) -> None:
         address, authkey = link_address(spec)
         conn = Client(address, authkey=authkey)
         no_delay(conn)
-        conn.send(("hello", dp.rank))
+        send_message(conn, ("hello", dp.rank))
         conns.append(conn)
     # the links not lost yet, by socket: one poll object for the whole run (a poll a step costs one system call)
     open_links = {conn.fileno(): (api, conn) for api, conn in enumerate(conns)}
@@ -76,8 +76,9 @@ def serve_rank(engine, dp, job: dict) -> None:
     owner: dict[str, int] = {}        # request id -> the API server that sent it
 
     def flush() -> None:
-        while pending:
-            send(*pending.pop(0))
+        for api, msg in pending:
+            send(api, msg)
+        pending.clear()
 
     def reply(api: int, events: list) -> None:   # an answer to a frontend message, after the tokens already due
         nonlocal sent_state
