@@ -1,14 +1,15 @@
 """FP8 against bf16 end to end: the same target loaded as stored (bf16) and with `quantization: fp8` (its linear
-layers quantized at load to 128 x 128 block FP8, computed as W8A8), greedy, `none` (target-only decoding) through
-offline.py's engine loop. Per batch size a row per quantization: tok/s as the median of --repeats runs, and for
-FP8 the greedy agreement with bf16 at the same batch size (share of prompts whose tokens are identical, and
-where the others first diverge).
+layers quantized at load to 128 x 128 block FP8, computed as W8A8), greedy, through offline.py's engine loop;
+`none` (target-only decoding) and, with --methods none,draft_model, the pair's bf16 draft model proposing k tokens
+(the speed-up over `none` with an FP8 target: issue 30's "kept"). Per method and batch size a row per quantization:
+tok/s as the median of --repeats runs, and for FP8 the greedy agreement with bf16 at the same method and batch size
+(share of prompts whose tokens are identical, and where the others first diverge).
 
 Targets: --target DIR (e.g. the 8B shape, benchmarks/widen.py), or --moe-shape qwen3_30b_a3b (built at random by
 moe_shapes.py into --work; prompts cut to --prompt-len tokens so decoding dominates).
 
 Usage: python benchmarks/fp8.py --pair .bench/codepair (--target DIR | --moe-shape qwen3_30b_a3b --work DIR)
-           [--prompts 16] [--batches 1,16] [--new 128] [--repeats 3] [--trace PREFIX]
+           [--prompts 16] [--batches 1,16] [--new 128] [--repeats 3] [--trace PREFIX] [--methods none,draft_model]
            [--decode-modes quantize,quantize-s16,bf16-nosplit] --json OUT.json
 """
 from __future__ import annotations
@@ -31,10 +32,12 @@ from specdp_cli.runtime.engine import Engine  # noqa: E402
 from workloads import heldout  # noqa: E402
 
 
-def build(a, target: str, tokenizer: str, quantization: str | None, max_seqs: int) -> tuple[Engine, dict]:
+def build(a, target: str, tokenizer: str, quantization: str | None, max_seqs: int, method: str) -> tuple[Engine, dict]:
+    spec = {"method": "none"} if method == "none" else \
+        {"method": method, "num_speculative_tokens": a.k, "model": os.path.join(a.pair, "draft")}
     engine = offline.engine_from({"model": target, "tokenizer": tokenizer, "dtype": "bfloat16", "device": "cuda",
                                   "max_model_len": a.max_model_len, "quantization": quantization,
-                                  "speculative": {"method": "none"},
+                                  "speculative": spec,
                                   "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": 8192}})
     return engine, engine.plan.memory
 
@@ -82,6 +85,8 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--methods", default="none", help="none and/or draft_model (the pair's draft model, bf16)")
+    ap.add_argument("--k", type=int, default=4, help="draft_model's num_speculative_tokens")
     ap.add_argument("--decode-modes", default="quantize",
                     help="rows after the bf16 one, each a mode of `apply_mode` (e.g. quantize, quantize-unfused, "
                     "quantize-s16, bf16-nosplit)")
@@ -108,10 +113,15 @@ def main() -> None:
     bw = offline.copy_bandwidth()
     rows, ref = [], {}
     modes = [m for m in a.decode_modes.split(",") if m]
-    for quant, mode in [(None, None)] + [(None if m.startswith("bf16") else "fp8", m) for m in modes]:
+    methods = [m for m in a.methods.split(",") if m]
+    if set(methods) - {"none", "draft_model"} or a.moe_shape and methods != ["none"]:
+        ap.error("--methods: none and/or draft_model (draft_model with --target only)")
+    rows_to_build = [(method, None if m is None or m.startswith("bf16") else "fp8", m)
+                     for method in methods for m in [None] + modes]
+    for method, quant, mode in rows_to_build:
         apply_mode(mode)
         t = time.perf_counter()
-        engine, memory = build(a, target, tokenizer, quant, max(batches))
+        engine, memory = build(a, target, tokenizer, quant, max(batches), method)
         build_s = time.perf_counter() - t
         for B in batches:
             use = prompts[:a.batch1_prompts] if B == 1 and a.batch1_prompts else prompts
@@ -123,20 +133,25 @@ def main() -> None:
                 runs.append(sum(len(s.generated) for s in done.values()) / secs)
                 outs = [done[i].generated for i in range(len(use))]
             row = {"label": a.label or os.path.basename(os.path.dirname(target.rstrip("/"))) or target,
-                   "quantization": quant or "bf16", "decode_mode": mode, "batch": B, "tok_s": statistics.median(runs), "runs": runs,
+                   "method": method, "quantization": quant or "bf16", "decode_mode": mode, "batch": B,
+                   "tok_s": statistics.median(runs), "runs": runs,
                    "prompts": len(use), "new_tokens": a.new, "weight_bytes": memory["weight_bytes"],
                    "active_bytes": (memory.get("weights_per_token") or {}).get("active_bytes"),
                    "build_s": build_s, "graphs": engine.graphs}
-            if quant is None and B not in ref:
-                ref[B] = outs
+            if mode is None:
+                ref[method, B] = outs
             else:
-                row["greedy_vs_bf16"] = agreement(outs, ref[B])
-                row["speedup_vs_bf16"] = row["tok_s"] / next(r["tok_s"] for r in rows
-                                                             if r["batch"] == B and r["quantization"] == "bf16")
+                row["greedy_vs_bf16"] = agreement(outs, ref[method, B])
+                row["speedup_vs_bf16"] = row["tok_s"] / next(r["tok_s"] for r in rows if r["method"] == method
+                                                             and r["batch"] == B and r["decode_mode"] is None)
+            if method != "none":       # the same quantization and kernels without speculation, measured before
+                row["speedup_vs_none"] = row["tok_s"] / next(r["tok_s"] for r in rows if r["method"] == "none"
+                                                             and r["batch"] == B and r["decode_mode"] == mode)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if a.trace:
-                offline.profile(engine, use[:B], a.new, trace=f"{a.trace}_{quant or 'bf16'}{'_' + mode if mode else ''}_b{B}.json")
+                offline.profile(engine, use[:B], a.new,
+                                trace=f"{a.trace}_{method}_{quant or 'bf16'}{'_' + mode if mode else ''}_b{B}.json")
         del engine
         torch.cuda.empty_cache()
     meta = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -144,10 +159,13 @@ def main() -> None:
             "argv": sys.argv[1:]}
     with open(a.json, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
-    print(f"{'quant':<6}{'decode':>18}{'batch':>6}{'tok/s':>10}{'x bf16':>8}{'GB read':>9}{'identical':>11}{'1st diff (median)':>19}")
+    print(f"{'method':<12}{'quant':<6}{'decode':>18}{'batch':>6}{'tok/s':>10}{'x bf16':>8}{'x none':>8}{'GB read':>9}"
+          f"{'identical':>11}{'1st diff (median)':>19}")
     for r in rows:
         g = r.get("greedy_vs_bf16") or {}
-        print(f"{r['quantization']:<6}{str(r['decode_mode'] or '-'):>18}{r['batch']:>6}{r['tok_s']:>10.1f}{r.get('speedup_vs_bf16', 1.0):>8.2f}"
+        vs_none = f"{r['speedup_vs_none']:.2f}" if "speedup_vs_none" in r else "-"
+        print(f"{r['method']:<12}{r['quantization']:<6}{str(r['decode_mode'] or '-'):>18}{r['batch']:>6}{r['tok_s']:>10.1f}"
+              f"{r.get('speedup_vs_bf16', 1.0):>8.2f}{vs_none:>8}"
               f"{(r['active_bytes'] or 0) / 1e9:>9.2f}{g.get('identical', '-'):>11}"
               f"{str(g.get('first_divergence_median', '-')):>19}")
     if bw:

@@ -163,6 +163,8 @@ def main() -> None:
     ap.add_argument("--profile-rank", help="write cProfile's statistics of the rank's serving loop here")
     ap.add_argument("--rank-switch-ms", type=float,
                     help="the rank process's GIL switch interval (sys.setswitchinterval; Python's default is 5 ms)")
+    ap.add_argument("--event-loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                    help="the frontend's event loop (server.event_loop)")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.rank_cpu is not None:
@@ -173,6 +175,7 @@ def main() -> None:
     from specdp_cli.config import SamplingConfig
     from specdp_cli.modeldir import load_tokenizer
     from specdp_cli.prompts import PromptEncoder
+    from specdp_cli.server import event_loop
     from specdp_cli.server.app import build_app
     from specdp_cli.server.frontend import Frontend
     from specdp_cli.server.link import RankLink, new_link_spec
@@ -229,17 +232,17 @@ def main() -> None:
         import pstats
 
         prof = cProfile.Profile()
-        prof.runcall(asyncio.run, serve())
+        prof.runcall(event_loop.run, serve(), a.event_loop)
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         prof.dump_stats(a.profile)
     else:
-        asyncio.run(serve())
+        event_loop.run(serve(), a.event_loop)
     link.send(0, ("shutdown",))
     r = results.get(timeout=30)
     rank.join(10)
     b = measured["bench"]
     tokens = b["total_output_tokens"]
-    res = {"streams": a.streams, "requests": a.requests, "prefix": a.prefix, "max_tokens": a.max_tokens,
+    res = {"event_loop": event_loop.resolve(a.event_loop), "streams": a.streams, "requests": a.requests, "prefix": a.prefix, "max_tokens": a.max_tokens,
            "step_ms": a.step_ms,
            "host_ms": a.host_ms,
            "tokens_per_step": a.tokens_per_step, "rank_steps": r["rank_steps"],

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -521,11 +521,11 @@ fp8)
     widen || exit 1
     timeout 330 python3 benchmarks/fp8.py --pair $P --target $W/target --label 8b-shape --prompts 16 --batch1-prompts 8 \
       --batches 1,16 --repeats 3 --decode-modes ${FP8_DECODE_MODES:-quantize,gemv} --json "$out/fp8_8b.json" > "$out/fp8_8b.log" 2>&1 || tail -20 "$out/fp8_8b.log"
-    sed -n '/^quant /,$p' "$out/fp8_8b.log"
+    sed -n '/^method /,$p' "$out/fp8_8b.log"
     timeout 200 python3 benchmarks/fp8.py --pair $P --moe-shape qwen3_30b_a3b --work /tmp/moe_shapes --prompts 4 \
       --prompt-len 32 --batches 1 --repeats 3 --decode-modes ${FP8_DECODE_MODES:-quantize,gemv} --json "$out/fp8_qwen3_30b_a3b.json" > "$out/fp8_moe.log" 2>&1 \
       || tail -20 "$out/fp8_moe.log"
-    sed -n '/^quant /,$p' "$out/fp8_moe.log" ;;
+    sed -n '/^method /,$p' "$out/fp8_moe.log" ;;
   esac
   ;;
 prefix)
@@ -578,7 +578,7 @@ s21)
   [ "${E2E:-1}" = 1 ] && widen && timeout ${E2E_S:-330} python3 benchmarks/fp8.py --pair $P --target $W/target --label 8b-shape --prompts 16 --batch1-prompts 8 \
     --batches 1,16 --repeats 3 --decode-modes ${FP8_DECODE_MODES:-quantize} --json "$out/fp8_8b.json" > "$out/fp8_8b.log" 2>&1 \
     || tail -20 "$out/fp8_8b.log"
-  [ -f "$out/fp8_8b.log" ] && sed -n '/^quant /,$p' "$out/fp8_8b.log"
+  [ -f "$out/fp8_8b.log" ] && sed -n '/^method /,$p' "$out/fp8_8b.log"
   if [ "${EAGLE:-1}" = 1 ]; then    # host time at batch 32: session 20's engine (.bench/old_s20.tar: `git archive -o
     # .bench/old_s20.tar 3433a38 specdp_cli benchmarks/offline.py benchmarks/workloads.py`) against this one, in turn
     mkdir -p /tmp/old && tar -xf .bench/old_s20.tar -C /tmp/old && ln -sfn "$PWD/.bench" /tmp/old/.bench
@@ -749,6 +749,38 @@ s26b)
   [ "${PREFIX:-0}" != 0 ] && timeout 240 python3 benchmarks/serve_bench.py --pair $P --methods draft_model --prefix 1500 \
     --caching on,off --client-workers ${WORKERS:-4} --api-servers ${APIS:-1} --max-tokens 32 --label prefix32 \
     --interleave --rounds ${PREFIX_ROUNDS:-9} ${RANK_CPU:+--rank-cpu $RANK_CPU} --work /tmp/sw26p --json "$out/serve_prefix_32.json" 2>&1 | tail -3
+  ;;
+s27)
+  # session 27 (issue 33): the frontend's event loop, asyncio against uvloop (frontend_bench.py, a stand-in rank, in
+  # turn), then served against offline taking turns (serve_bench.py --interleave), ranks and offline on CPU RANK_CPU,
+  # with two API servers and with one (RUNS: API_SERVERS:METHOD ...)
+  for i in $(seq ${FE_ROUNDS:-3}); do for L in asyncio uvloop; do
+    timeout 90 python3 benchmarks/frontend_bench.py --tokenizer $P/tokenizer --step-ms 0.7 --tokens-per-step 3 \
+      --requests 1024 --client-workers 4 --rank-cpu ${RANK_CPU:-3} --event-loop $L --json "$out/frontend_${L}_$i.json" \
+      2>&1 | tail -1 | sed "s/^/$L /"
+  done; done
+  for run in ${RUNS:-2:eagle 1:eagle 2:none 2:draft_model}; do
+    apis=${run%%:*}; m=${run#*:}
+    timeout 240 python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers ${WORKERS:-4} --api-servers $apis \
+      --rounds ${ROUNDS:-9} --interleave --rank-cpu ${RANK_CPU:-3} --label api$apis --work /tmp/sw27_${apis}_$m \
+      --json "$out/serve_api${apis}_$m.json" 2>&1 | tail -1 | sed "s/^/api$apis /"
+  done
+  ;;
+s27b)
+  # session 27: issue 30's draft_model row (the 8B shape, bf16 and FP8 quantized at load, `none` and `draft_model`,
+  # batch 1 and 16, median of 3; FP8_S), issue 33's 8B served check taking turns with offline (SERVE8B_S), then the
+  # GPU tests (GPU_TEST_S, GPU_TESTS_K: all by default); a part with its time box 0 is left out
+  end=$((SECONDS + ${LIMIT:-570}))
+  widen || exit 1
+  [ "${FP8_S:-330}" != 0 ] && { timeout ${FP8_S:-330} python3 benchmarks/fp8.py --pair $P --target $W/target --label 8b-shape \
+    --methods none,draft_model --prompts 16 --batch1-prompts ${B1_PROMPTS:-4} --batches 1,16 --repeats 3 \
+    --decode-modes quantize --json "$out/fp8_8b_methods.json" > "$out/fp8_8b_methods.log" 2>&1 \
+    || tail -20 "$out/fp8_8b_methods.log"; sed -n '/^method /,$p' "$out/fp8_8b_methods.log"; }
+  [ "${SERVE8B_S:-0}" != 0 ] && timeout $(( $(left) < SERVE8B_S ? $(left) : SERVE8B_S )) python3 benchmarks/serve_bench.py \
+    --pair $P --target $W/target --methods ${METHODS8B:-none,draft_model} --concurrency 16 --requests 64 --rounds ${ROUNDS:-5} \
+    --interleave --rank-cpu ${RANK_CPU:-3} --label 8b --work /tmp/sw27b --json "$out/serve_8b.json" 2>&1 | tail -3
+  [ "${GPU_TEST_S:-0}" != 0 ] && { timeout $(( $(left) < GPU_TEST_S ? $(left) : GPU_TEST_S )) python3 -m pytest -q -m gpu \
+    tests/test_gpu.py -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} > "$out/gpu_tests.log" 2>&1; tail -8 "$out/gpu_tests.log"; }
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

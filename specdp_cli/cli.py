@@ -247,7 +247,11 @@ def serve(
     except ImportError:
         fail_usage("specdp serve needs fastapi, uvicorn and prometheus_client: pip install -e '.[serve]' in the "
                    "specdp checkout (or pip install fastapi uvicorn prometheus_client)")
+    from .server import event_loop
     from .server.run import port_problem, run_server
+
+    if cfg.server.event_loop == "uvloop" and not event_loop.installed():
+        fail_usage(event_loop.MISSING)
 
     if cfg.parallel.machine_rank == 0:            # the server cannot run: say so before any work
         problem = port_problem(cfg.server.host, cfg.server.port)

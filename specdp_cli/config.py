@@ -155,6 +155,8 @@ class ServerConfig(_Strict):
     # HTTP frontend processes (vLLM's --api-server-count): each serves a share of the connections, all of them
     # every rank; one process's Python caps what a small model's ranks can be sent
     api_server_count: int = Field(1, ge=1, le=64)
+    # each API server's event loop: uvloop where installed (auto), as vLLM and SGLang run theirs (server/event_loop.py)
+    event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
 
 
 class Config(_Strict):

@@ -118,7 +118,7 @@ def test_docs_point_only_inside_the_repository():
 PROVIDED_BY = {"torch": "torch", "transformers": "transformers", "accelerate": "accelerate", "typer": "typer",
                "pydantic": "pydantic", "yaml": "PyYAML", "rich": "rich", "numpy": "numpy", "safetensors": "safetensors",
                "tomli": "tomli", "fastapi": "fastapi", "uvicorn": "uvicorn", "matplotlib": "matplotlib",
-               "prometheus_client": "prometheus_client", "llguidance": "llguidance",
+               "prometheus_client": "prometheus_client", "llguidance": "llguidance", "uvloop": "uvloop",
                "triton": "torch",        # Triton ships inside PyTorch's CUDA wheels (imported on CUDA only)
                "tokenizers": "transformers"}     # transformers' own dependency (a benchmark trains a tokenizer)
 

@@ -239,6 +239,7 @@ def test_schema_errors_in_json(base, tmp_path):
         (["--set", "parallel.dp_sync=sometimes"], "parallel.dp_sync"),
         (["--set", "speculative.bogus=1"], "speculative.bogus: unknown key"),
         (["--set", "server.api_server_count=0"], "server.api_server_count"),
+        (["--set", "server.event_loop=trio"], "server.event_loop"),
         (["--set", "server.api_server_count=2", "--set", "parallel.num_machines=2", "--set",
           "parallel.main_process_port=29555", "--set", "parallel.data_parallel_size=2"],
          "server.api_server_count > 1 needs num_machines 1"),
@@ -253,6 +254,17 @@ def test_schema_errors_in_json(base, tmp_path):
     # without --json: a readable message, no traceback
     res = runner.invoke(app, ["validate", "config", str(cfg), "--set", "speculative.num_speculative_tokens=0"])
     assert res.exit_code == 1 and "Traceback" not in res.output and "greater than or equal to 1" in res.output
+
+
+def test_serve_refuses_an_event_loop_it_cannot_import(base, monkeypatch):
+    """server.event_loop uvloop where uvloop is not installed: a message what to do before anything starts; auto
+    falls back to asyncio's loop."""
+    from specdp_cli.server import event_loop
+
+    monkeypatch.setattr(event_loop, "installed", lambda: False)
+    assert event_loop.resolve("auto") == "asyncio" and event_loop.resolve("uvloop") == "uvloop"
+    res = runner.invoke(app, ["serve", str(base()), "--set", "server.event_loop=uvloop"])
+    assert res.exit_code == 2 and "pip install uvloop" in res.output and "Traceback" not in res.output
 
 
 def test_speculation_schedule_is_reported(base):

@@ -614,12 +614,17 @@ def test_api_server_processes(tmp_path, models):
         assert "API server process 1 exited" in server.out + server.err
 
 
-def test_shared_http_socket_streams_without_nagle():
-    """The port the API server processes share: its connections get TCP_NODELAY from asyncio as uvicorn's own
-    do (a socket not made as TCP by name got none: a stream's chunks waited for delayed ACKs, 40 ms each)."""
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_shared_http_socket_streams_without_nagle(loop):
+    """The port the API server processes share: its connections get TCP_NODELAY from the event loop (asyncio's or
+    uvloop's, server.event_loop) as uvicorn's own do (a socket not made as TCP by name got none from asyncio: a
+    stream's chunks waited for delayed ACKs, 40 ms each)."""
     import asyncio
 
+    from specdp_cli.server import event_loop
     from specdp_cli.server.run import http_socket
+
+    assert event_loop.resolve(loop) == loop            # uvloop: installed with the test extras
 
     sock = http_socket("127.0.0.1", 0)
     other = http_socket("127.0.0.1", sock.getsockname()[1])      # a second listener on the same port
@@ -639,5 +644,5 @@ def test_shared_http_socket_streams_without_nagle():
         for s in servers:
             s.close()
 
-    asyncio.run(main())
+    event_loop.run(main(), loop)
     assert got == [1]

@@ -11,7 +11,6 @@ rank never sees one of its links close while it serves.
 """
 from __future__ import annotations
 
-import asyncio
 import multiprocessing as mp
 import os
 import signal
@@ -113,6 +112,7 @@ def api_server_main(index: int, cfg, plan, http_port: int, metrics_dir: str, pip
     """One API server process (see the module docstring)."""
     from rich.console import Console
 
+    from . import event_loop
     from .link import RankLink, new_link_spec
     from .metrics import share_between_processes
     from .run import http_socket, make_app, make_frontend, serve_http
@@ -133,7 +133,8 @@ def api_server_main(index: int, cfg, plan, http_port: int, metrics_dir: str, pip
         frontend.metrics.ranks_up.set(world)
         pipe.send(("ready", None))
         # the parent reports failures; this process's console stays quiet
-        code = asyncio.run(serve_http(app, frontend, cfg, plan, Console(stderr=True, quiet=True), sock))
+        code = event_loop.run(serve_http(app, frontend, cfg, plan, Console(stderr=True, quiet=True), sock),
+                              cfg.server.event_loop)
         pipe.send(("drained", code))
         try:
             pipe.recv()               # "exit": the ranks have stopped

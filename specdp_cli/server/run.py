@@ -26,6 +26,7 @@ from ..launch import Ranks
 from ..modeldir import load_tokenizer
 from ..plan import Plan
 from ..prompts import PromptEncoder
+from . import event_loop
 from .link import RankLink, new_link_spec
 
 DRAIN_S = 30.0          # SIGTERM: how long in-flight requests may take to finish
@@ -144,7 +145,8 @@ def run_server(cfg: Config, plan: Plan, console: Console, ranks: Ranks) -> int:
         if problem:
             console.print(f"[bold red]cannot serve[/]: {problem}", highlight=False)
             return 1
-        return asyncio.run(serve_http(app, frontend, cfg, plan, console, sock, ranks=ranks, others=others))
+        return event_loop.run(serve_http(app, frontend, cfg, plan, console, sock, ranks=ranks, others=others),
+                              cfg.server.event_loop)
     finally:
         others.drained(DRAIN_S + 5)           # the other API servers' requests end before the ranks stop
         if link is not None:
