@@ -42,6 +42,9 @@ def build(a, target: str, tokenizer: str, quantization: str | None, max_seqs: in
     return engine, engine.plan.memory
 
 
+DEFAULTS: dict = {}        # settings apply_mode changes, as the package has them
+
+
 def apply_mode(mode: str | None) -> None:
     """A row's kernel settings: "bf16" or an FP8 decode mode of fp8_kernels (quantize, fused, weight_only, gemv),
     then the changes switched off: "-unfused" (the activations quantized by their own kernel, not in the norm's),
@@ -49,8 +52,9 @@ def apply_mode(mode: str | None) -> None:
     one pass, not split over the keys), "-s16" (all three: session 16's path), "-nopdl" (kernels launched plainly,
     not with programmatic dependent launch; runtime/pdl.py), "-noprefetch" (PDL without the GEMMs' weight prefetch),
     "-expertsplain" (PDL, but the routed-expert kernels launched plainly, as the GEMMs), "-s21" (session 21's path:
-    "-nopdl")."""
+    "-nopdl"); and "-cublas": cuBLAS's block-scaled GEMM from 65 rows (the Triton decode tiles up to 64)."""
     from specdp_cli.runtime import fp8_kernels, pdl, triton_kernels
+    DEFAULTS.setdefault("CUBLAS_FROM_M", fp8_kernels.CUBLAS_FROM_M)
     base, *off = (mode or "bf16").split("-")
     off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
     pdl.ENABLED = "nopdl" not in off
@@ -61,6 +65,7 @@ def apply_mode(mode: str | None) -> None:
     fp8_kernels.FUSE_DECODE_QUANT = "unfused" not in off
     fp8_kernels.SPLITK_TICKETS = "sumkernel" not in off
     triton_kernels.MAX_SPLITS = 1 if "nosplit" in off else 16
+    fp8_kernels.CUBLAS_FROM_M = 65 if "cublas" in off else DEFAULTS["CUBLAS_FROM_M"]
 
 
 def agreement(outs: list[list[int]], ref: list[list[int]]) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -781,6 +781,21 @@ s27b)
     --interleave --rank-cpu ${RANK_CPU:-3} --label 8b --work /tmp/sw27b --json "$out/serve_8b.json" 2>&1 | tail -3
   [ "${GPU_TEST_S:-0}" != 0 ] && { timeout $(( $(left) < GPU_TEST_S ? $(left) : GPU_TEST_S )) python3 -m pytest -q -m gpu \
     tests/test_gpu.py -p no:cacheprovider ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} > "$out/gpu_tests.log" 2>&1; tail -8 "$out/gpu_tests.log"; }
+  ;;
+s27c)
+  # session 27 (issue 30): a batch of 16 verifying 4 drafts is 80 rows, between the Triton decode tiles (<= 64 rows)
+  # and cuBLAS's (>= 128): the GEMMs at those rows (Triton's tiles for that M, cuBLAS, bf16), the 8B shape's none /
+  # draft_model rows at batch 16 with the Triton tiles and with cuBLAS from 65 rows, then the FP8 GEMM's GPU test
+  # (session 27's call 3 ran it with the decode tiles widened to 127 rows, not kept)
+  timeout 120 python3 benchmarks/fp8_gemm.py --rows ${ROWS:-16,80} --json "$out/fp8_gemm_rows.json" > "$out/fp8_gemm_rows.log" 2>&1 \
+    || tail -10 "$out/fp8_gemm_rows.log"
+  sed -n '/^shape /,$p' "$out/fp8_gemm_rows.log"
+  widen || exit 1
+  timeout ${FP8_S:-300} python3 benchmarks/fp8.py --pair $P --target $W/target --label 8b-shape --methods none,draft_model \
+    --prompts 16 --batches ${BATCHES:-16} --repeats 3 --decode-modes quantize,quantize-cublas --json "$out/fp8_8b_b16.json" \
+    > "$out/fp8_8b_b16.log" 2>&1 || tail -20 "$out/fp8_8b_b16.log"
+  sed -n '/^method /,$p' "$out/fp8_8b_b16.log"
+  timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "fp8_gemm_matches_reference" 2>&1 | tail -4
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
