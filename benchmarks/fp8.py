@@ -134,15 +134,23 @@ def main() -> None:
             offline.run(engine, use[:2], 4)                                   # warm-up
             runs, outs = [], None
             for _ in range(a.repeats):
+                c = engine.counters
+                before = (c.steps, c.spec.num_drafts, c.spec.num_draft_tokens, c.spec.num_accepted_tokens)
                 done, secs = offline.run(engine, use, a.new)
                 runs.append(sum(len(s.generated) for s in done.values()) / secs)
                 outs = [done[i].generated for i in range(len(use))]
+            # the last run's steps and drafts
+            steps, drafts, drafted, accepted = (n - b for n, b in zip(
+                (c.steps, c.spec.num_drafts, c.spec.num_draft_tokens, c.spec.num_accepted_tokens), before))
             row = {"label": a.label or os.path.basename(os.path.dirname(target.rstrip("/"))) or target,
                    "method": method, "quantization": quant or "bf16", "decode_mode": mode, "batch": B,
                    "tok_s": statistics.median(runs), "runs": runs,
                    "prompts": len(use), "new_tokens": a.new, "weight_bytes": memory["weight_bytes"],
                    "active_bytes": (memory.get("weights_per_token") or {}).get("active_bytes"),
-                   "build_s": build_s, "graphs": engine.graphs}
+                   "build_s": build_s, "graphs": engine.graphs, "steps": steps,
+                   "ms_per_step": 1e3 * sum(len(o) for o in outs) / runs[-1] / max(steps, 1),
+                   "acceptance_rate": accepted / drafted if drafted else None,
+                   "mean_acceptance_length": 1 + accepted / drafts if drafts else None}
             if mode is None:
                 ref[method, B] = outs
             else:
@@ -165,14 +173,15 @@ def main() -> None:
     with open(a.json, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     print(f"{'method':<12}{'quant':<6}{'decode':>18}{'batch':>6}{'tok/s':>10}{'x bf16':>8}{'x none':>8}{'GB read':>9}"
-          f"{'identical':>11}{'1st diff (median)':>19}")
+          f"{'identical':>11}{'1st diff (median)':>19}{'ms/step':>9}{'accept len':>11}")
     for r in rows:
         g = r.get("greedy_vs_bf16") or {}
         vs_none = f"{r['speedup_vs_none']:.2f}" if "speedup_vs_none" in r else "-"
         print(f"{r['method']:<12}{r['quantization']:<6}{str(r['decode_mode'] or '-'):>18}{r['batch']:>6}{r['tok_s']:>10.1f}"
               f"{r.get('speedup_vs_bf16', 1.0):>8.2f}{vs_none:>8}"
               f"{(r['active_bytes'] or 0) / 1e9:>9.2f}{g.get('identical', '-'):>11}"
-              f"{str(g.get('first_divergence_median', '-')):>19}")
+              f"{str(g.get('first_divergence_median', '-')):>19}{r['ms_per_step']:>9.2f}"
+              f"{r['mean_acceptance_length'] or 1.0:>11.2f}")
     if bw:
         print(f"device copy bandwidth {bw / 1e12:.2f} TB/s")
 

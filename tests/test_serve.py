@@ -594,10 +594,12 @@ def test_api_server_processes(tmp_path, models):
     """server.api_server_count 2: a second process listens on the port beside the first; greedy completions over
     many connections at once equal `specdp generate`'s (dp 2 in lockstep: every rank counts the messages of both
     processes), /metrics adds up both processes' counts whichever answers, and a lost API server process stops the
-    server (exit 1, saying which)."""
+    server (exit 1, saying which). On asyncio's event loop (server.event_loop), which serves where uvloop is not
+    installed: the other servers here run on uvloop (auto)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with serving(tmp_path, models, server={"api_server_count": 2}) as (complete, expected, server):
+    with serving(tmp_path, models, server={"api_server_count": 2, "event_loop": "asyncio"}) as (complete, expected,
+                                                                                              server):
         assert len(_listeners(server.proc.pid, server.port)) == 2
         with ThreadPoolExecutor(8) as pool:       # each thread its own client: its own connection
             texts = list(pool.map(lambda _: complete(), range(8)))
