@@ -12,7 +12,7 @@ rank offered, the CPU the frontend process spent per token and the chunks per to
 Usage: python benchmarks/frontend_bench.py [--tokenizer DIR] [--streams 32] [--requests 256]
        [--max-tokens 128] [--step-ms 0] [--tokens-per-step 1] [--host-ms 0] [--rank-cpu N] [--prefix N]
        [--client-workers N] [--profile OUT.prof] [--profile-rank OUT.prof] [--rank-switch-ms MS]
-       [--json OUT.json]
+       [--event-loop auto|asyncio|uvloop] [--json OUT.json]
 """
 import argparse
 import asyncio
@@ -242,7 +242,8 @@ def main() -> None:
     rank.join(10)
     b = measured["bench"]
     tokens = b["total_output_tokens"]
-    res = {"event_loop": event_loop.resolve(a.event_loop), "streams": a.streams, "requests": a.requests, "prefix": a.prefix, "max_tokens": a.max_tokens,
+    res = {"event_loop": event_loop.resolve(a.event_loop), "streams": a.streams, "requests": a.requests,
+           "prefix": a.prefix, "max_tokens": a.max_tokens,
            "step_ms": a.step_ms,
            "host_ms": a.host_ms,
            "tokens_per_step": a.tokens_per_step, "rank_steps": r["rank_steps"],

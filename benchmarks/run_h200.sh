@@ -768,8 +768,9 @@ s27)
   ;;
 s27b)
   # session 27: issue 30's draft_model row (the 8B shape, bf16 and FP8 quantized at load, `none` and `draft_model`,
-  # batch 1 and 16, median of 3; FP8_S), issue 33's 8B served check taking turns with offline (SERVE8B_S), then the
-  # GPU tests (GPU_TEST_S, GPU_TESTS_K: all by default); a part with its time box 0 is left out
+  # batch 1 and 16, median of 3; FP8_S, default 330 s), issue 33's 8B served check taking turns with offline
+  # (SERVE8B_S), then the GPU tests (GPU_TEST_S; GPU_TESTS_K, all when unset); a part with its time box 0 is left out,
+  # as SERVE8B_S and GPU_TEST_S are unless set
   end=$((SECONDS + ${LIMIT:-570}))
   widen || exit 1
   [ "${FP8_S:-330}" != 0 ] && { timeout ${FP8_S:-330} python3 benchmarks/fp8.py --pair $P --target $W/target --label 8b-shape \
