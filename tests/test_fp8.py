@@ -266,6 +266,15 @@ def test_fp8_weights_join_and_reorder_exactly():
     assert torch.equal(a.take_rows(rows).dequantize(), a.dequantize()[rows])
     stacked = cat_fp8([a, a], stack=True)
     assert stacked.weight.shape == (2, 256, 200) and torch.equal(stacked.dequantize()[1], a.dequantize())
+    # where the parts have cuBLAS's scale layout (loaded on a GPU that runs its block-scaled GEMM), the join has its
+    # own: qkv and gate_up reach cuBLAS from CUBLAS_FROM_M rows as o and down do; a join with a scale a row has none
+    from specdp_cli.runtime.fp8_kernels import cublas_weight_scale
+    for p in (a, b, c):
+        p.cublas_scale = cublas_weight_scale(p.scale)
+    whole = cat_fp8([a, b, c])
+    assert whole.cublas_scale.shape == (4, 4) and whole.cublas_scale.stride() == (1, 4)
+    assert torch.equal(whole.cublas_scale, cublas_weight_scale(whole.scale))
+    assert cat_fp8([c, a]).cublas_scale is None and cat_fp8([a, b, fp8(128, 200)]).cublas_scale is None
 
 
 def test_quantization_fp8_on_cpu_equals_transformers_on_the_quantized_weights(tmp_path, models, fp8):

@@ -182,8 +182,14 @@ def cat_fp8(parts: list[FP8Weight], stack: bool = False) -> FP8Weight:
     rows = parts[0].rows
     if any(p.rows != rows for p in parts) or any(p.weight.shape[-2] % rows for p in parts[:-1]):
         parts, rows = [p.per_row() for p in parts], 1
-    return FP8Weight(torch.cat([p.weight for p in parts], -2).contiguous(),
-                     torch.cat([p.scale for p in parts], -2).contiguous(), rows, parts[0].dtype)
+    joined = FP8Weight(torch.cat([p.weight for p in parts], -2).contiguous(),
+                       torch.cat([p.scale for p in parts], -2).contiguous(), rows, parts[0].dtype)
+    if rows == 128 and all(p.cublas_scale is not None for p in parts):
+        # the joined weight (qkv, gate_up) goes to cuBLAS's block-scaled GEMM from CUBLAS_FROM_M rows as its parts did
+        # (without this scale fp8_linear ran it on the Triton GEMM's prefill tile there)
+        from ..fp8_kernels import cublas_weight_scale
+        joined.cublas_scale = cublas_weight_scale(joined.scale)
+    return joined
 
 
 def quantize_blocks(w: torch.Tensor, block: tuple[int, int] = ON_LOAD_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
