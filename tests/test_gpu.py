@@ -719,6 +719,29 @@ def test_fp8_gemm_matches_reference(M):
             assert not fk._TICKETS[x.device.index].any()
 
 
+def test_fp8_joined_weight_goes_to_cublas_from_its_rows():
+    """A joined FP8 weight (qkv, gate_up: quant.cat_fp8) keeps cuBLAS's scale layout, so from CUBLAS_FROM_M rows
+    ops.linear runs it on cuBLAS's block-scaled GEMM as it runs a single weight: the same product as the Triton
+    GEMM's, the scales in the joined layout."""
+    from specdp_cli.runtime import fp8_kernels as fk, ops
+    from specdp_cli.runtime.models.quant import FP8Weight, cat_fp8, quantize_blocks
+    dev = torch.device("cuda")
+    if not fk.cublas_supported(dev):
+        pytest.skip("this torch / GPU has no block-scaled scaled_mm")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    parts = []
+    for n in (512, 128, 256):
+        q, s = quantize_blocks(torch.randn(n, 384, device="cuda", generator=g))
+        parts.append(FP8Weight(q, s, 128, torch.bfloat16, fk.cublas_weight_scale(s)))
+    w = cat_fp8(parts)
+    assert w.rows == 128 and w.cublas_scale is not None
+    x = torch.randn(fk.CUBLAS_FROM_M + 8, 384, device="cuda", generator=g).bfloat16()
+    triton_y = fk.block_fp8_gemm(x, w.weight, w.scale, 128)
+    y = ops.linear(x, w)
+    assert rel(y, triton_y) < 5e-3, rel(y, triton_y)
+    assert rel(y[:, 512:640], ops.linear(x, parts[1])) < 5e-3
+
+
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (16, 64, 4), (300, 8, 2)])
 def test_fp8_routed_expert_kernels_match_reference(tokens, experts, top_k):
     """The grouped expert kernels reading FP8 experts (weight-only: bf16 activations) equal the bf16 kernels on the
