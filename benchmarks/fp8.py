@@ -52,9 +52,11 @@ def apply_mode(mode: str | None) -> None:
     one pass, not split over the keys), "-s16" (all three: session 16's path), "-nopdl" (kernels launched plainly,
     not with programmatic dependent launch; runtime/pdl.py), "-noprefetch" (PDL without the GEMMs' weight prefetch),
     "-expertsplain" (PDL, but the routed-expert kernels launched plainly, as the GEMMs), "-s21" (session 21's path:
-    "-nopdl"); and "-cublas": cuBLAS's block-scaled GEMM from 65 rows (the Triton decode tiles up to 64)."""
+    "-nopdl"); "-cublas": cuBLAS's block-scaled GEMM from 65 rows (the Triton decode tiles up to 64); "-noverify":
+    rows 65-127 on the prefill tile, not the verification rows' tiles (fp8_kernels.VERIFY_MAX_M; session 27's path)."""
     from specdp_cli.runtime import fp8_kernels, pdl, triton_kernels
-    DEFAULTS.setdefault("CUBLAS_FROM_M", fp8_kernels.CUBLAS_FROM_M)
+    for name in ("CUBLAS_FROM_M", "VERIFY_MAX_M"):
+        DEFAULTS.setdefault(name, getattr(fp8_kernels, name))
     base, *off = (mode or "bf16").split("-")
     off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
     pdl.ENABLED = "nopdl" not in off
@@ -66,6 +68,7 @@ def apply_mode(mode: str | None) -> None:
     fp8_kernels.SPLITK_TICKETS = "sumkernel" not in off
     triton_kernels.MAX_SPLITS = 1 if "nosplit" in off else 16
     fp8_kernels.CUBLAS_FROM_M = 65 if "cublas" in off else DEFAULTS["CUBLAS_FROM_M"]
+    fp8_kernels.VERIFY_MAX_M = 64 if "noverify" in off else DEFAULTS["VERIFY_MAX_M"]
 
 
 def agreement(outs: list[list[int]], ref: list[list[int]]) -> dict:

@@ -5,9 +5,12 @@ median (activation quantization included: what a layer pays; "+sum krn": split K
 path before the tile's last program summed it); GB/s counts the weight bytes read once.
 With --sweep, the GEMV's tiles (BLOCK_N x groups a step x warps / stages) at M = 1, 4, 16 and the GEMM's decode
 tiles (BLOCK_N x split K) at M = 1 and 16. With --sweep-stages (alone), the decode GEMM's tiles with 3-8 pipeline
-stages on cold weights (`sweep_stages`).
+stages on cold weights (`sweep_stages`). With --sweep-rows 48,80 (alone), the 8B's projections at those row counts
+(a verification step: batch x (k + 1)) over BLOCK_M x BLOCK_N x split K x warps, cold weights, against bf16 and
+cuBLAS's block-scaled GEMM (`sweep_rows`).
 
-Usage: python benchmarks/fp8_gemm.py [--rows 1,16,64,256,2048] [--sweep | --sweep-stages] --json OUT.json
+Usage: python benchmarks/fp8_gemm.py [--rows 1,16,64,256,2048] [--sweep | --sweep-stages | --sweep-rows 48,80]
+       --json OUT.json
 """
 from __future__ import annotations
 
@@ -62,11 +65,13 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-stages", action="store_true",
                     help="only the decode GEMM's tiles with their pipeline depth, cold weights (sweep_stages)")
+    ap.add_argument("--sweep-rows", default="",
+                    help="only the GEMM's tiles at these row counts against bf16 and cuBLAS, cold weights (sweep_rows)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
-    if a.sweep_stages:
-        sweep = sweep_stages(dev)
+    if a.sweep_stages or a.sweep_rows:
+        sweep = sweep_stages(dev) if a.sweep_stages else sweep_rows(dev, [int(m) for m in a.sweep_rows.split(",")])
         with open(a.json, "w") as fh:
             json.dump({"meta": {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                 "triton": triton.__version__, "argv": sys.argv[1:]}, "sweep": sweep}, fh, indent=1)
@@ -177,6 +182,66 @@ def sweep_stages(dev) -> list[dict]:
             print(f"{name:<12}{M:>4}{found[0]['us']:>12.1f}{best['us']:>9.1f}{best['GBps']:>11.0f}  "
                   f"BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} stages {best['stages']}", flush=True)
         ws_ = None
+        torch.cuda.empty_cache()
+    return out
+
+
+def cold(fn, copies: int) -> float:
+    """ms per call of fn(i), i cycling over `copies` weight copies (2 x copies calls in one graph: nothing of a
+    call's weight is left in L2 from the call before, as in a model's step)."""
+    i = [0]
+
+    def call():
+        fn(i[0] % copies)
+        i[0] += 1
+    return bench(call, calls=2 * copies)
+
+
+def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
+    """The 8B's projections at `row_counts` rows (activations quantized before the GEMM, as the norm kernels hand
+    them over) over BLOCK_M x BLOCK_N x split K x warps (GROUP_M 8: a column block's row blocks run side by side and
+    share its weight tile in L2), each against bf16 F.linear and cuBLAS's block-scaled GEMM on cold weights."""
+    out = []
+    cublas = fk.cublas_supported(dev)
+    print(f"{'shape':<12}{'M':>4}{'bf16 us':>9}{'cublas us':>10}{'default us':>11}{'best us':>9}  best tile")
+    for name in ("8b.qkv", "8b.o", "8b.gate_up", "8b.down"):
+        N, K = SHAPES[name]
+        copies = max(1, -(-(160 << 20) // (N * K)))
+        w16 = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) / 30 for _ in range(copies)]
+        w8 = [quantize_blocks(w) for w in w16]
+        wcs = [fk.cublas_weight_scale(s) for _, s in w8]
+        for M in row_counts:
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            x_q, x_s = fk.quantize_activations(x)
+            xp = torch.nn.functional.pad(x, (0, 0, 0, -M % 8))
+            base = {"shape": name, "M": M,
+                    "bf16_us": cold(lambda i: F.linear(x, w16[i]), copies) * 1e3,
+                    "cublas_us": cold(lambda i: fk.cublas_block_fp8_gemm(xp, w8[i][0], wcs[i]), copies) * 1e3
+                    if cublas else None}
+            tried = [dict(fk.tiles(M, N, K, fk._num_sms(dev)), label="default")]
+            for bm in (16, 32, 64, 128):
+                if bm > max(16, triton.next_power_of_2(M)):
+                    continue
+                for bn in (32, 64, 128):
+                    for split in (1, 2, 4):
+                        for warps in ((4, 8) if bm >= 64 else (4,)):
+                            tried.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=warps, stages=4, GROUP_M=8))
+            found = []
+            for t in tried:
+                try:
+                    us = cold(lambda i: fk.block_fp8_gemm(x_q, w8[i][0], w8[i][1], 128, x_scale=x_s, tile=t,
+                                                          out_dtype=torch.bfloat16), copies) * 1e3
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
+                    print(f"skip {t}: {type(e).__name__}")
+                    continue
+                found.append({**base, **t, "us": us, "GBps": N * K / us / 1e3})
+            out += found
+            best = min(found, key=lambda r: r["us"])
+            cb = f"{base['cublas_us']:.1f}" if base["cublas_us"] is not None else "-"
+            print(f"{name:<12}{M:>4}{base['bf16_us']:>9.1f}{cb:>10}{found[0]['us']:>11.1f}{best['us']:>9.1f}  "
+                  f"BLOCK_M {best['BLOCK_M']} BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} warps {best['warps']}",
+                  flush=True)
+        w16 = w8 = wcs = None
         torch.cuda.empty_cache()
     return out
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28 OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -797,6 +797,24 @@ s27c)
     > "$out/fp8_8b_b16.log" 2>&1 || tail -20 "$out/fp8_8b_b16.log"
   sed -n '/^method /,$p' "$out/fp8_8b_b16.log"
   timeout 120 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "fp8_gemm_matches_reference" 2>&1 | tail -4
+  ;;
+s28)
+  # session 28 (issue 30): the GEMM's tiles at verification rows against bf16 and cuBLAS (fp8_gemm.py --sweep-rows,
+  # SWEEP_S), the 8B shape's none / draft_model rows at batch 16 (FP8_S; BATCHES, MODES): verification rows as
+  # shipped, on the prefill tile (-noverify, session 27's path) and on cuBLAS from 65 rows (-cublas); then the GPU
+  # tests of the FP8 GEMM and the joined weights (GPU_TEST_S; GPU_TESTS_K)
+  end=$((SECONDS + ${LIMIT:-560}))
+  [ "${SWEEP_S:-170}" != 0 ] && { timeout ${SWEEP_S:-170} python3 benchmarks/fp8_gemm.py --sweep-rows ${ROWS:-48,80} \
+    --json "$out/fp8_sweep_rows.json" > "$out/fp8_sweep_rows.log" 2>&1 || tail -5 "$out/fp8_sweep_rows.log"
+    grep -v '^skip' "$out/fp8_sweep_rows.log" | tail -9; }
+  widen || exit 1
+  [ "${FP8_S:-290}" != 0 ] && { timeout $(( $(left) < ${FP8_S:-290} ? $(left) : ${FP8_S:-290} )) python3 benchmarks/fp8.py \
+    --pair $P --target $W/target --label 8b-shape --methods none,draft_model --prompts 16 --batches ${BATCHES:-16} \
+    --repeats 3 --decode-modes ${MODES:-quantize,quantize-noverify,quantize-cublas} --json "$out/fp8_8b_b16.json" \
+    > "$out/fp8_8b_b16.log" 2>&1 || tail -20 "$out/fp8_8b_b16.log"; sed -n '/^method /,$p' "$out/fp8_8b_b16.log"; }
+  [ "${GPU_TEST_S:-80}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-80} ? $(left) : ${GPU_TEST_S:-80} )) python3 -m pytest \
+    -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_gemm_matches_reference or joined}" \
+    > "$out/gpu_tests.log" 2>&1; tail -8 "$out/gpu_tests.log"; }
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

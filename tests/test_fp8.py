@@ -194,7 +194,8 @@ def _exact_activations(M: int, K: int, seed: int) -> torch.Tensor:
 
 def interpreted_kernel_checks() -> None:
     """fp8_kernels.py under Triton's interpreter (TRITON_INTERPRET=1, CPU): the quantization's scales and values
-    and the block-scaled GEMM (every tile path: activations quantized inside or before or not at all, split K summed
+    and the block-scaled GEMM (every tile path: decode, verification rows and prefill tiles; activations quantized
+    inside or before or not at all, split K summed
     by the tile's last program or by a second kernel, per-row
     weight scales, partial blocks, bias) against float64 torch. Inputs quantize without rounding because the
     interpreter's float8 conversion rounds some values below a power of two down a binade (the GPU's does not:
@@ -208,7 +209,8 @@ def interpreted_kernel_checks() -> None:
     q2, s2 = fk.quantize_activations(x, column_major_scales=True)
     assert s2.stride() == (1, 5) and torch.equal(s2, s) and torch.equal(q2.float(), q.float())
     for i, (M, N, K, rows, bias, split) in enumerate([(5, 200, 300, 128, True, 1), (3, 64, 512, 1, False, 2),
-                                                      (20, 96, 256, 128, True, 4), (70, 160, 384, 128, False, 1)]):
+                                                      (20, 96, 256, 128, True, 4), (130, 160, 384, 128, False, 1),
+                                                      (80, 160, 384, 128, True, 2)]):
         g = torch.Generator().manual_seed(i)
         wq, ws = quantize_blocks(torch.randn(N, K, generator=g))
         if rows == 1:
@@ -216,7 +218,9 @@ def interpreted_kernel_checks() -> None:
         x = _exact_activations(M, K, i)
         b = torch.randn(N, generator=g) if bias else None
         ref = x.double() @ dequantize(wq, ws, (rows, 128), torch.float64).t() + (b.double() if bias else 0)
-        tile = {**fk.tiles(M, N, K, 132), "SPLIT": split}
+        tile = {**fk.tiles(M, N, K, 132), "SPLIT": split}   # 130 rows: the prefill tile; 80: verification rows'
+        expected = (64, 2) if M == 80 else (128, 8) if M == 130 else (tile["BLOCK_M"], 1)
+        assert (tile["BLOCK_M"], tile["GROUP_M"]) == expected, (M, tile)
         for xs in (None, fk.quantize_activations(x)[1]):
             xin = x if xs is None else fk.quantize_activations(x)[0]
             ys = []
@@ -345,14 +349,17 @@ def test_quantization_fp8_preflight(tmp_path, models, fp8, monkeypatch):
 
 def test_fused_quant_wanted_decides_by_shapes_and_settings(monkeypatch):
     """Where a norm / activation kernel hands an FP8 linear its output quantized (fp8_kernels.fused_quant_wanted):
-    CUDA activations at decode rows (M <= 64) for a weight kept FP8 with K a multiple of 128, DECODE_MODE
-    "quantize" and FUSE_DECODE_QUANT; never on CPU (ops.fused_quant_wanted), for a plain weight, more rows, other K,
-    other decode modes, or with the switch off."""
+    CUDA activations at decode rows (M <= 64) and verification rows (up to VERIFY_MAX_M, unless the weight is wide
+    enough for cuBLAS's tiles to fill the device: fp8_kernels.verify_on_cublas) for a weight kept FP8 with K a
+    multiple of 128, DECODE_MODE "quantize" and FUSE_DECODE_QUANT; never on CPU (ops.fused_quant_wanted), for a plain
+    weight, more rows, other K, other decode modes, or with the switch off."""
     from specdp_cli.runtime import fp8_kernels as fk, ops
     from specdp_cli.runtime.models.quant import FP8Weight
 
     class Cuda:                                   # stands for a CUDA tensor: what the decision reads of it
         is_cuda = True
+
+        device = torch.device("cpu")               # fp8_kernels._num_sms: 132 (an H200's) off CUDA
 
         def __init__(self, M, K, dtype=torch.bfloat16):
             self.shape, self.dtype = (M, K), dtype
@@ -367,7 +374,18 @@ def test_fused_quant_wanted_decides_by_shapes_and_settings(monkeypatch):
     w = fp8(512, 256)
     assert fk.fused_quant_wanted(Cuda(1, 256), w) and fk.fused_quant_wanted(Cuda(64, 1024), w)
     assert fk.fused_quant_wanted(Cuda(5, 256, torch.float32), w)
-    assert not fk.fused_quant_wanted(Cuda(65, 256), w)                 # beyond decode rows
+    assert fk.fused_quant_wanted(Cuda(65, 256), w) and fk.fused_quant_wanted(Cuda(127, 256), w)   # verification rows
+    assert not fk.fused_quant_wanted(Cuda(128, 256), w)                # cuBLAS's rows (CUBLAS_FROM_M)
+    wide = fp8(132 * 128, 256)
+    wide.cublas_scale = fk.cublas_weight_scale(wide.scale)            # 132 column tiles of 128: cuBLAS fills the device
+    assert fk.verify_on_cublas(80, 132 * 128, wide.cublas_scale, Cuda.device)
+    assert not fk.verify_on_cublas(80, 131 * 128, wide.cublas_scale, Cuda.device)
+    assert not fk.verify_on_cublas(64, 132 * 128, wide.cublas_scale, Cuda.device)
+    assert fk.fused_quant_wanted(Cuda(64, 256), wide) and not fk.fused_quant_wanted(Cuda(80, 256), wide)
+    assert fk.fused_quant_wanted(Cuda(80, 256), fp8(132 * 128, 256))  # no cuBLAS scales: the Triton GEMM
+    with monkeypatch.context() as m:
+        m.setattr(fk, "VERIFY_MAX_M", 64)                              # verification rows on the prefill tile
+        assert not fk.fused_quant_wanted(Cuda(65, 256), w)
     assert not fk.fused_quant_wanted(Cuda(0, 256), w)
     assert not fk.fused_quant_wanted(Cuda(1, 192), fp8(512, 192))      # K not whole groups
     assert not fk.fused_quant_wanted(Cuda(1, 256), torch.zeros(512, 256))          # not an FP8 weight

@@ -669,7 +669,7 @@ def _fp8_reference(x, wq, ws, rows, bias=None):
     return (y + bias.double() if bias is not None else y), q, s
 
 
-@pytest.mark.parametrize("M", [1, 7, 16, 33, 64, 200])
+@pytest.mark.parametrize("M", [1, 7, 16, 33, 64, 80, 200])
 def test_fp8_gemm_matches_reference(M):
     """The block-scaled FP8 GEMM (activations quantized inside for decode sizes, by quantize_activations before
     it; split K; per-row weight scales; partial blocks; bias), the GEMV of few rows, and cuBLAS's where torch
@@ -689,6 +689,11 @@ def test_fp8_gemm_matches_reference(M):
         for xin, xs in ((x, None), (q2, s2)):
             y = fk.block_fp8_gemm(xin, wq, ws, rows, b, x_scale=xs, out_dtype=torch.bfloat16)
             assert rel(y, ref) < 5e-3, (M, N, K, rows, xs is None, rel(y, ref))
+        if 64 < M < 128:                     # verification rows on decode-style tiles of 16 / 32 / 64-row blocks
+            for bm in (16, 32, 64):
+                t = dict(fk.tiles(M, N, K, 132), BLOCK_M=bm, GROUP_M=-(-M // bm))
+                y = fk.block_fp8_gemm(q2, wq, ws, rows, b, x_scale=s2, out_dtype=torch.bfloat16, tile=t)
+                assert rel(y, ref) < 5e-3, ("verify tile", bm, M, N, K, rows, rel(y, ref))
         from specdp_cli.runtime.models.quant import dequantize
         y = fk.block_fp8_gemm(x, wq, ws, rows, b, mode="weight_only")         # W8A16: x as it is
         w16 = x.double() @ dequantize(wq, ws, (rows, 128), torch.float64).t() + (b.double() if bias else 0)

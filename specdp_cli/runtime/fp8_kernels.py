@@ -16,9 +16,10 @@ amax(group) / 448. Then y = sum over the K groups g of (x_q[:, g] @ W_q[:, g]^T)
   ticket counter per tile; `SPLITK_TICKETS`), or `_splitk_sum_kernel` (deterministic either way).
 - `_gemv_kernel`: a few rows in one kernel without tensor cores, each program quantizing its row's activations
   itself (DECODE_MODE "gemv", measured, not the default).
-- `fp8_linear(x, w, bias)`: decode sizes (M <= 64) quantize the activations with `quantize_activations` (or take
-  them quantized by the norm / activation kernel before, `FP8Activation`, `fused_quant_wanted`) and run
-  the Triton GEMM; from `CUBLAS_FROM_M` rows cuBLAS's block-scaled GEMM through torch's scaled_mm (M padded to a
+- `fp8_linear(x, w, bias)`: decode sizes (M <= 64, and verification rows up to VERIFY_MAX_M) quantize the
+  activations with `quantize_activations` (or take them quantized by the norm / activation kernel before,
+  `FP8Activation`, `fused_quant_wanted`) and run the Triton GEMM (verification rows through a wide weight:
+  cuBLAS's, `verify_on_cublas`); from `CUBLAS_FROM_M` rows cuBLAS's block-scaled GEMM through torch's scaled_mm (M padded to a
   multiple of 8), where this torch and GPU have it. benchmarks/fp8_gemm.py measures all of them (H200, CUDA
   graphs: the Triton GEMM 1.4-1.65x bf16 at M = 1 on the 8B's large projections, cuBLAS's fastest at 2048 rows;
   quantizing inside the GEMM was slowest: a row reduction and a layout change in every K step).
@@ -301,20 +302,24 @@ def _tickets(device: torch.device, tiles: int) -> torch.Tensor | None:
 
 
 def tiles(M: int, N: int, K: int, sms: int) -> dict:
-    """Tiles by the number of rows M. Decode (M <= 64): BLOCK_M 16 (the smallest tensor-core tile), thin column
-    blocks, and K split until there are about 1.5 programs an SM to stream the weights
+    """Tiles by the number of rows M. Decode (M <= 64, and verification rows up to VERIFY_MAX_M where N is not
+    wide): BLOCK_M 16 (the smallest tensor-core tile) to 64, thin column blocks, and K split until there are about
+    1.5 programs an SM to stream the weights
     (benchmarks/fp8_gemm.py --sweep on an H200: 64 x split 4 was the fastest or within 2 % of it for the 8B's
     projections at 1 and 16 rows, 10-20 % faster than 32-wide blocks); prefill: 64 x 128 tiles."""
     k_blocks = triton.cdiv(K, GROUP)
-    if M <= 64:
+    if M <= 64 or (M <= VERIFY_MAX_M and triton.cdiv(N, 64) < 2 * sms):
         # 64 wide unless that already makes two programs an SM (the 8B's gate_up: kept at 32, as measured before)
         bn = 16 if N < 512 else 64 if triton.cdiv(N, 64) < 2 * sms else 32
-        programs = triton.cdiv(M, 16) * triton.cdiv(N, bn)
+        bm = 16 if M <= 16 else 32 if M <= 32 else 64
+        programs = triton.cdiv(M, 16 if M <= 64 else 64) * triton.cdiv(N, bn)
         split = 1
         while 2 * programs * split < 3 * sms and k_blocks >= 8 * split:
             split *= 2
-        return dict(BLOCK_M=16 if M <= 16 else 32 if M <= 32 else 64, BLOCK_N=bn, SPLIT=split, warps=4, stages=4,
-                    GROUP_M=1)
+        # verification rows (65 .. VERIFY_MAX_M): 64-row blocks, a column block's side by side to share its weight
+        # tile in L2 (benchmarks/fp8_gemm.py --sweep-rows: at 80 rows 64 x 64 tiles were the best or within 3 % of
+        # it on the 8B's qkv, o and down, 1.2-1.9x faster than the prefill tile)
+        return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=4, stages=4, GROUP_M=triton.cdiv(M, 64))
     return dict(BLOCK_M=64 if M <= 128 else 128, BLOCK_N=128, SPLIT=1, warps=8 if M > 128 else 4, stages=3,
                 GROUP_M=8)
 
@@ -435,6 +440,12 @@ _CUBLAS: dict = {}
 # output before o is still quantized by `_quant_kernel`. benchmarks/fp8.py's decode mode "quantize-unfused" is
 # "quantize" without it.
 CUBLAS_FROM_M: int | None = 128
+# Verification rows (a batch of 16 verifying 4 drafts is 80), 65 .. VERIFY_MAX_M (64: none): cuBLAS's block-scaled
+# GEMM where its 128-wide column tiles alone fill the device (`verify_on_cublas`: the 8B's gate_up, 39.8 µs at 80
+# rows against 60.0 for the best Triton tile), else the Triton GEMM on decode-style tiles of 64-row blocks with K
+# split (`tiles`: the 8B's o 14.7 µs, down 36.5, against cuBLAS's 16.8 and 44.6, whose 32 column tiles leave most of
+# the SMs idle). Before, these rows ran on the prefill tile (o 21.2, down 68.1). benchmarks/fp8_gemm.py --sweep-rows.
+VERIFY_MAX_M = 127
 DECODE_MODE = "quantize"
 GEMV_MAX_WEIGHT = 32 << 20
 FUSE_DECODE_QUANT = True
@@ -443,17 +454,27 @@ FUSE_DECODE_QUANT = True
 def fused_quant_wanted(x: torch.Tensor, w) -> bool:
     """Whether the kernel reading x [M, ...] (an RMSNorm over K columns, or silu_and_mul's [gate | up] of 2K) may
     hand the FP8 linear `w` (models/quant.FP8Weight, K = its columns) its output already quantized (FP8Activation):
-    x on CUDA, w kept FP8, M rows that fp8_linear runs as "quantize" (M <= 64, DECODE_MODE "quantize", not cuBLAS's
-    rows), K a multiple of 128 (whole groups in every program of those kernels: the RMSNorm holds its row in one
-    block of next_power_of_2(K) columns, silu_and_mul blocks of min(that, 1024)). Shapes, dtypes and these settings
+    x on CUDA, w kept FP8, M rows that fp8_linear runs on the Triton GEMM as "quantize" (M <= 64 or verification
+    rows, DECODE_MODE "quantize", not cuBLAS's rows), K a multiple of 128 (whole groups in every program of those
+    kernels: the RMSNorm holds its row in one block of next_power_of_2(K) columns, silu_and_mul blocks of min(that,
+    1024)). Shapes, dtypes and these settings
     alone decide it, so a CUDA graph captures the same path it replays."""
     if not (FUSE_DECODE_QUANT and DECODE_MODE == "quantize" and x.is_cuda) or isinstance(w, torch.Tensor):
         return False
     weight = getattr(w, "weight", None)
     M, K = x.shape[0], w.shape[-1]
     return (weight is not None and weight.dtype == torch.float8_e4m3fn and weight.dim() == 2 and x.dim() == 2
-            and 0 < M <= 64 and (CUBLAS_FROM_M is None or M < CUBLAS_FROM_M) and K % GROUP == 0
+            and 0 < M <= max(64, VERIFY_MAX_M) and (CUBLAS_FROM_M is None or M < CUBLAS_FROM_M)
+            and not verify_on_cublas(M, weight.shape[0], getattr(w, "cublas_scale", None), x.device) and K % GROUP == 0
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+def verify_on_cublas(M: int, N: int, cublas_scale: torch.Tensor | None, device: torch.device) -> bool:
+    """Whether M verification rows (65 .. VERIFY_MAX_M) through an N-row weight run on cuBLAS's block-scaled GEMM:
+    where it has the weight's scales (set at load only where cublas_supported) and cdiv(N, 128) column tiles fill
+    every SM."""
+    return (cublas_scale is not None and CUBLAS_FROM_M is not None and 64 < M <= VERIFY_MAX_M
+            and triton.cdiv(N, 128) >= _num_sms(device))
 
 
 def fp8_linear(x: torch.Tensor | FP8Activation, weight: torch.Tensor, scale: torch.Tensor, rows: int,
@@ -466,7 +487,9 @@ def fp8_linear(x: torch.Tensor | FP8Activation, weight: torch.Tensor, scale: tor
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]
     # cublas_scale is set at load only where cublas_supported (models/weights.py)
-    if CUBLAS_FROM_M is not None and cublas_scale is not None and M >= CUBLAS_FROM_M and x2.shape[1] % GROUP == 0:
+    if cublas_scale is not None and x2.shape[1] % GROUP == 0 and (
+            (CUBLAS_FROM_M is not None and M >= CUBLAS_FROM_M)
+            or verify_on_cublas(M, weight.shape[0], cublas_scale, x2.device)):
         pad = -M % 8                      # cuBLAS's block-scaled GEMM wants M a multiple of 8
         xp = torch.nn.functional.pad(x2, (0, 0, 0, pad)) if pad else x2
         y = cublas_block_fp8_gemm(xp, weight, cublas_scale, bias)[:M]
