@@ -53,9 +53,10 @@ def apply_mode(mode: str | None) -> None:
     not with programmatic dependent launch; runtime/pdl.py), "-noprefetch" (PDL without the GEMMs' weight prefetch),
     "-expertsplain" (PDL, but the routed-expert kernels launched plainly, as the GEMMs), "-s21" (session 21's path:
     "-nopdl"); "-cublas": cuBLAS's block-scaled GEMM from 65 rows (the Triton decode tiles up to 64); "-noverify":
-    rows 65-127 on the prefill tile, not the verification rows' tiles (fp8_kernels.VERIFY_MAX_M; session 27's path)."""
+    rows 65-127 on the prefill tile, not the verification rows' tiles (fp8_kernels.VERIFY_MAX_M; session 27's path);
+    "-pairs": the decode and verification tiles two K blocks a step (fp8_kernels.PAIRS)."""
     from specdp_cli.runtime import fp8_kernels, pdl, triton_kernels
-    for name in ("CUBLAS_FROM_M", "VERIFY_MAX_M"):
+    for name in ("CUBLAS_FROM_M", "VERIFY_MAX_M", "PAIRS"):
         DEFAULTS.setdefault(name, getattr(fp8_kernels, name))
     base, *off = (mode or "bf16").split("-")
     off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
@@ -69,6 +70,7 @@ def apply_mode(mode: str | None) -> None:
     triton_kernels.MAX_SPLITS = 1 if "nosplit" in off else 16
     fp8_kernels.CUBLAS_FROM_M = 65 if "cublas" in off else DEFAULTS["CUBLAS_FROM_M"]
     fp8_kernels.VERIFY_MAX_M = 64 if "noverify" in off else DEFAULTS["VERIFY_MAX_M"]
+    fp8_kernels.PAIRS = True if "pairs" in off else DEFAULTS["PAIRS"]
 
 
 def agreement(outs: list[list[int]], ref: list[list[int]]) -> dict:

@@ -6,8 +6,8 @@ path before the tile's last program summed it); GB/s counts the weight bytes rea
 With --sweep, the GEMV's tiles (BLOCK_N x groups a step x warps / stages) at M = 1, 4, 16 and the GEMM's decode
 tiles (BLOCK_N x split K) at M = 1 and 16. With --sweep-stages (alone), the decode GEMM's tiles with 3-8 pipeline
 stages on cold weights (`sweep_stages`). With --sweep-rows 48,80 (alone), the 8B's projections at those row counts
-(a verification step: batch x (k + 1)) over BLOCK_M x BLOCK_N x split K x warps, cold weights, against bf16 and
-cuBLAS's block-scaled GEMM (`sweep_rows`).
+(a verification step: batch x (k + 1)) over BLOCK_M x BLOCK_N x split K x warps x PAIRS, cold weights, against
+bf16 and cuBLAS's block-scaled GEMM (`sweep_rows`).
 
 Usage: python benchmarks/fp8_gemm.py [--rows 1,16,64,256,2048] [--sweep | --sweep-stages | --sweep-rows 48,80]
        --json OUT.json
@@ -199,7 +199,7 @@ def cold(fn, copies: int) -> float:
 
 def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
     """The 8B's projections at `row_counts` rows (activations quantized before the GEMM, as the norm kernels hand
-    them over) over BLOCK_M x BLOCK_N x split K x warps (GROUP_M 8: a column block's row blocks run side by side and
+    them over) over BLOCK_M x BLOCK_N x split K x warps x PAIRS (two K blocks a step) (GROUP_M 8: a column block's row blocks run side by side and
     share its weight tile in L2), each against bf16 F.linear and cuBLAS's block-scaled GEMM on cold weights."""
     out = []
     cublas = fk.cublas_supported(dev)
@@ -219,13 +219,15 @@ def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
                     "cublas_us": cold(lambda i: fk.cublas_block_fp8_gemm(xp, w8[i][0], wcs[i]), copies) * 1e3
                     if cublas else None}
             tried = [dict(fk.tiles(M, N, K, fk._num_sms(dev)), label="default")]
-            for bm in (16, 32, 64, 128):
+            for bm in (16, 64, 128):
                 if bm > max(16, triton.next_power_of_2(M)):
                     continue
                 for bn in (32, 64, 128):
-                    for split in (1, 2, 4):
-                        for warps in ((4, 8) if bm >= 64 else (4,)):
-                            tried.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=warps, stages=4, GROUP_M=8))
+                    for split in (1, 2, 4, 8):
+                        for warps in ((4, 8) if bm == 128 else (4,)):
+                            for pairs in (False, True):
+                                tried.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=warps, stages=4,
+                                                  GROUP_M=8, PAIRS=pairs))
             found = []
             for t in tried:
                 try:
@@ -239,8 +241,8 @@ def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
             best = min(found, key=lambda r: r["us"])
             cb = f"{base['cublas_us']:.1f}" if base["cublas_us"] is not None else "-"
             print(f"{name:<12}{M:>4}{base['bf16_us']:>9.1f}{cb:>10}{found[0]['us']:>11.1f}{best['us']:>9.1f}  "
-                  f"BLOCK_M {best['BLOCK_M']} BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} warps {best['warps']}",
-                  flush=True)
+                  f"BLOCK_M {best['BLOCK_M']} BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} warps {best['warps']}"
+                  f" pairs {best.get('PAIRS', False)}", flush=True)
         w16 = w8 = wcs = None
         torch.cuda.empty_cache()
     return out
