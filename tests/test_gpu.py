@@ -851,14 +851,15 @@ def test_norm_and_activation_quantized_for_fp8_equal_quantize_activations(dtype)
 
 
 def test_fp8_fused_decode_quantization_equals_unfused_in_graphs(models, tmp_path, monkeypatch):
-    """A Llama quantized at load (`quantization: fp8`, bf16, hidden 256: whole 128-column groups) in CUDA graphs:
-    its norms and silu_and_mul hand the FP8 linears their outputs quantized (fp8_kernels.FUSE_DECODE_QUANT) or
-    not; greedy tokens are identical either way, and equal eager execution's with it."""
+    """A Llama quantized at load (`quantization: fp8`, bf16, hidden 256: whole 128-column groups; heads 128 wide) in
+    CUDA graphs: its norms, silu_and_mul and attention hand the FP8 linears their outputs quantized
+    (fp8_kernels.FUSE_DECODE_QUANT) or not; greedy tokens are identical either way, and equal eager execution's with
+    it."""
     from helpers import make_model_dir
     from specdp_cli.runtime import fp8_kernels as fk
     from specdp_cli.runtime.models.quant import FP8Weight
 
-    target = make_model_dir(tmp_path / "llama", models["tokenizer"], hidden=256, layers=2, heads=4, kv_heads=2,
+    target = make_model_dir(tmp_path / "llama", models["tokenizer"], hidden=256, layers=2, heads=2, kv_heads=1,
                             seed=11)
     decided = []
     wanted = fk.fused_quant_wanted

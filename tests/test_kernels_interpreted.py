@@ -2,7 +2,7 @@
 the torch paths CPU runs: Qwen3's per-head q/k norms inside the rotary-and-store kernel, the routed experts with
 a token's experts partly held elsewhere (expert parallelism) through both align kernels, the routing kernels
 (router logits, the small align, softmax top-k fused with it), the routed sum fused with the residual add and the
-next norm, RMSNorm and silu_and_mul writing their output quantized for an FP8 linear, the one-row output
+next norm, RMSNorm, silu_and_mul and paged attention writing their output quantized for an FP8 linear, the one-row output
 projection's matrix-vector kernel (`gemv_kernels`), a step's input copies and
 logits argmax (`set_rows`, `argmax`), and paged attention with its keys split over several programs. float32 (the interpreter's
 bf16 dot is not the GPU's: tests/test_gpu.py checks bf16 there)."""
@@ -57,6 +57,7 @@ def interpreted_checks() -> None:
     fused_quant_checks(g)
     step_trim_checks(g)
     attention_checks(g)
+    attention_quant_checks(g)
     print("interpreted kernels: ok")
 
 
@@ -89,6 +90,30 @@ def attention_checks(g: torch.Generator) -> None:
     assert tk.attention_splits(1, 8, 1, 32, 128, 192, 64, 132) == 3
     assert tk.attention_splits(64, 8, 1, 32, 128, 8192, 64, 132) == 1
     assert tk.attention_splits(1, 8, 1, 32, 128, 8192, 64, 0) == 1
+
+
+def attention_quant_checks(g: torch.Generator) -> None:
+    """Paged attention writing its output quantized for an FP8 o (`quantized`, 128-wide values: one group a head)
+    gives exactly quantize_activations' fp8 values and scales of its plain output viewed [N, H * DV]: the single pass
+    (the attention kernel writes them) and the keys split (the combine kernel does), T 1 and 3, a zero head (scale
+    1e-12), bf16 and float32 (kernel against kernel)."""
+    from specdp_cli.runtime import fp8_kernels as fk, triton_kernels as tk
+
+    H, KV, D, DV, BS = 4, 2, 32, 128, 16
+    bt = torch.tensor([[3, 1, 4, 0], [2, 5, 0, 0]], dtype=torch.int32)
+    for dtype, T, S in ((torch.bfloat16, 1, 1), (torch.bfloat16, 3, 2), (torch.float32, 3, 2)):
+        kc = torch.randn(6, BS, KV, D, generator=g).to(dtype)
+        vc = (torch.randn(6, BS, KV, DV, generator=g) * 3).to(dtype)
+        vc[..., 1, :] = 0                                   # KV head 1's values: its query heads' outputs are 0
+        p = (torch.tensor([50, 20])[:, None] + torch.arange(T)[None]).view(-1)
+        q = torch.randn(2 * T, H, D, generator=g).to(dtype)
+        out = torch.empty(2 * T, H, DV, dtype=dtype)
+        tk.paged_attention(q, kc, vc, out, p, bt, T, 0.1, None, None, splits=S)
+        values, scales = fk.quantized_rows(2 * T, H * DV, q.device)
+        tk.paged_attention(q, kc, vc, out[:1], p, bt, T, 0.1, None, None, splits=S, quantized=(values, scales))
+        want_q, want_s = fk.quantize_activations(out.reshape(2 * T, H * DV))
+        assert torch.equal(values.float(), want_q.float()) and torch.equal(scales, want_s), (dtype, T, S)
+        assert (scales[:, 2:] == 1e-12).all()
 
 
 def fused_quant_checks(g: torch.Generator) -> None:

@@ -62,7 +62,7 @@ def linear_one_row(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torc
     float32) of at most gemv_kernels.ONE_ROW_MAX_WEIGHT elements, no bias, on CUDA runs `gemv_kernels.gemv`;
     anything else `linear`. Decided by shapes and dtypes alone, so a CUDA graph captured at one row replays it."""
     # H200, one token: o [2048 x 4096] 8.7 vs cuBLAS 9.6 µs, [4096 x 4096] 12.0 vs 13.5 (cuBLAS adds a split-K reduce)
-    if (x.is_cuda and x.shape[0] == 1 and bias is None and isinstance(w, torch.Tensor)
+    if (isinstance(x, torch.Tensor) and x.is_cuda and x.shape[0] == 1 and bias is None and isinstance(w, torch.Tensor)
             and w.dtype in (torch.bfloat16, torch.float16) and x.dtype == w.dtype and w.stride(-1) == 1):
         from . import gemv_kernels
         if w.numel() <= gemv_kernels.ONE_ROW_MAX_WEIGHT:
@@ -172,13 +172,22 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, meta: AttnMeta, k_cache: torch.Te
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta,
-                    scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, window: int | None, sinks: torch.Tensor | None = None,
+                    quantize: bool = False) -> torch.Tensor:
     """Causal attention of q [N, H, D] over the cache; returns [N, H, DV]. A token sees its own
     row's keys at positions <= its own (and within `window` when set). `sinks` [H]: a logit per head
-    that joins each softmax's denominator and adds no value (GPT-OSS)."""
+    that joins each softmax's denominator and adds no value (GPT-OSS). `quantize` (DV 128, only where
+    `fused_quant_wanted` for the FP8 o that alone reads it): on CUDA the result viewed [N, H * DV] comes quantized
+    for o (fp8_kernels.FP8Activation); ignored on CPU."""
     N, H, D = q.shape
     DV = v_cache.shape[-1]
     if q.is_cuda:
+        if quantize:
+            from .fp8_kernels import FP8Activation, quantized_rows
+            values, scales = quantized_rows(N, H * DV, q.device)
+            _triton().paged_attention(q, k_cache, v_cache, q.new_empty((1, 1, DV)), meta.positions,
+                                      meta.block_table, meta.T, scale, window, sinks, quantized=(values, scales))
+            return FP8Activation(values, scales, q.dtype)
         out = torch.empty((N, H, DV), dtype=q.dtype, device=q.device)
         _triton().paged_attention(q, k_cache, v_cache, out, meta.positions, meta.block_table, meta.T, scale, window,
                                   sinks)

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .fp8_kernels import FP8Activation, quantized_rows, store_quantized
+from .fp8_kernels import FP8Activation, _quantize_groups, quantized_rows, store_quantized
 
 
 def _pow2(n: int) -> int:
@@ -43,13 +43,14 @@ def _pow2(n: int) -> int:
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, k_cache, v_cache, out_ptr, pos_ptr, bt_ptr, sinks_ptr, part_acc, part_ml,
-        stride_qt, stride_qh, stride_ot, stride_oh,
+        q_ptr, k_cache, v_cache, out_ptr, pos_ptr, bt_ptr, sinks_ptr, part_acc, part_ml, oq_ptr, os_ptr,
+        stride_qt, stride_qh, stride_ot, stride_oh, stride_oq, stride_os,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         qn, scale, window, NT, H,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-        BS: tl.constexpr, PREC: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr):
+        BS: tl.constexpr, PREC: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
+        PDL: tl.constexpr):
     pdl.begin(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -113,16 +114,23 @@ def _paged_attention_kernel(
         tl.store(part_ml + tl.num_programs(2) * NT * H + i, l_i, mask=m_ok)
     else:
         acc = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < DV))
+        if QUANT:       # DV = 128: a (token, head)'s output is one 128-column group of o's input, quantized for it
+            q8, s8 = _quantize_groups(acc.to(out_ptr.dtype.element_ty).to(tl.float32))
+            tl.store(oq_ptr + tok[:, None] * stride_oq + head[:, None] * DV + dv[None, :],
+                     q8.to(oq_ptr.dtype.element_ty), mask=m_ok[:, None])
+            tl.store(os_ptr + tok * stride_os + head, s8, mask=m_ok)
+        else:
+            tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < DV))
 
 
 @triton.jit
-def _attention_combine_kernel(part_acc, part_ml, sinks_ptr, out_ptr, stride_ot, stride_oh, NT, H, S,
-                              DV: tl.constexpr, BLOCK_DV: tl.constexpr, S_PAD: tl.constexpr,
-                              HAS_SINKS: tl.constexpr, PDL: tl.constexpr):
+def _attention_combine_kernel(part_acc, part_ml, sinks_ptr, out_ptr, oq_ptr, os_ptr, stride_ot, stride_oh,
+                              stride_oq, stride_os, NT, H, S, DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+                              S_PAD: tl.constexpr, HAS_SINKS: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr):
     """out[tok, head] from the S parts of its keys: each part's sum rescaled to the common max (exp2 domain),
-    summed, divided by the summed denominators (with the head's sink, if any, counted here once)."""
+    summed, divided by the summed denominators (with the head's sink, if any, counted here once). QUANT (DV = 128):
+    written quantized for an FP8 o instead, one 128-column group a (token, head)."""
     pdl.begin(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
@@ -142,7 +150,11 @@ def _attention_combine_kernel(part_acc, part_ml, sinks_ptr, out_ptr, stride_ot, 
         l_sum += tl.exp2(sink - m_max)
     acc = tl.load(part_acc + i[:, None] * DV + dv[None, :], mask=s_ok[:, None] & (dv[None, :] < DV), other=0.0)
     o = tl.sum(acc * w[:, None], 0) / tl.maximum(l_sum, 1e-30)
-    tl.store(out_ptr + tok * stride_ot + head * stride_oh + dv, o.to(out_ptr.dtype.element_ty), mask=dv < DV)
+    if QUANT:
+        store_quantized(o.to(out_ptr.dtype.element_ty), oq_ptr + tok * stride_oq, os_ptr + tok * stride_os,
+                        head * DV, H * DV, BLOCK_DV)
+    else:
+        tl.store(out_ptr + tok * stride_ot + head * stride_oh + dv, o.to(out_ptr.dtype.element_ty), mask=dv < DV)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -180,10 +192,12 @@ def attention_splits(R: int, KV: int, T: int, H: int, DV: int, max_keys: int, bl
 
 
 def paged_attention(q, k_cache, v_cache, out, positions, block_table, T: int, scale: float, window: int,
-                    sinks=None, splits: int | None = None) -> None:
+                    sinks=None, splits: int | None = None, quantized: tuple | None = None) -> None:
     """q [N, H, D] (any token/head strides, unit last stride), caches [blocks, BS, KV, D(V)],
     out [N, H, DV]; row r (of block_table's rows) owns tokens [r*T, (r+1)*T); sinks [H] or None.
-    `splits`: parts each row's keys are cut into (None: `attention_splits`' choice; 1: the single pass)."""
+    `splits`: parts each row's keys are cut into (None: `attention_splits`' choice; 1: the single pass).
+    `quantized` (DV = 128): (values [N, H * DV] float8, scales [N, H] float32) written instead of out, the numbers
+    fp8_kernels.quantize_activations makes of out viewed [N, H * DV] (out only gives the dtype then)."""
     H, D = q.shape[1], q.shape[2]
     BS, KV, DV = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
     G = H // KV
@@ -204,21 +218,25 @@ def paged_attention(q, k_cache, v_cache, out, positions, block_table, T: int, sc
     else:
         part_acc = part_ml = out        # unused
     has_sinks = sinks is not None
+    if quantized is not None:
+        assert DV == 128 and _pow2(DV) == DV, DV
+    oq, os_ = quantized if quantized is not None else (out, out)
     launch = pdl.options(q.device)
     _paged_attention_kernel[(R, KV, splits)](
         q, k_cache, v_cache, out, positions, block_table, sinks if has_sinks else positions, part_acc, part_ml,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        oq, os_, q.stride(0), q.stride(1), out.stride(0), out.stride(1), oq.stride(0), os_.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         T, scale, window or 0, NT, H,
         G=G, G_PAD=G_PAD, D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
         BLOCK_Q=max(_pow2(T), 16 // min(G_PAD, 16)), BLOCK_N=BLOCK_N, BS=BS,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=has_sinks, SPLIT=splits > 1, num_warps=4,
-        **launch)
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=has_sinks, SPLIT=splits > 1,
+        QUANT=quantized is not None, num_warps=4, **launch)
     if splits > 1:
         _attention_combine_kernel[(NT, H)](
-            part_acc, part_ml, sinks if has_sinks else part_ml, out, out.stride(0), out.stride(1), NT, H, splits,
-            DV=DV, BLOCK_DV=_pow2(DV), S_PAD=_pow2(splits), HAS_SINKS=has_sinks, num_warps=2, **launch)
+            part_acc, part_ml, sinks if has_sinks else part_ml, out, oq, os_, out.stride(0), out.stride(1),
+            oq.stride(0), os_.stride(0), NT, H, splits, DV=DV, BLOCK_DV=_pow2(DV), S_PAD=_pow2(splits),
+            HAS_SINKS=has_sinks, QUANT=quantized is not None, num_warps=2, **launch)
 
 
 # ---------------------------------------------------------------------------------------------
