@@ -809,7 +809,8 @@ def test_norm_and_activation_quantized_for_fp8_equal_quantize_activations(dtype)
     """RMSNorm (with and without the residual add) and silu_and_mul writing their output quantized for an FP8 linear
     (fp8_kernels.FP8Activation) give bit for bit quantize_activations' values and scales of their plain output (the
     GPU's float8 conversion, random inputs), the same residual, and the FP8 GEMM reading them the same product;
-    decode rows, the 8B's widths and widths that are not a power of two; inside a CUDA graph too."""
+    decode rows, the 8B's widths and widths that are not a power of two; inside a CUDA graph too. Paged attention
+    with 128-wide heads (`quantized`) likewise, single pass and keys split."""
     from specdp_cli.runtime import fp8_kernels as fk, ops
     from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -848,6 +849,22 @@ def test_norm_and_activation_quantized_for_fp8_equal_quantize_activations(dtype)
     res.copy_(r0)
     graph.replay()
     assert torch.equal(out, want) and torch.equal(res, want_res)
+    # paged attention with 128-wide heads writing o's input quantized: one pass, and keys split (the combine kernel
+    # writes it)
+    from specdp_cli.runtime import triton_kernels as tk
+    H, KV, D, BS = 32, 8, 128, 16
+    for R, T, S in ((1, 1, 1), (1, 1, None), (2, 5, 1), (2, 5, None)):
+        kc = torch.randn(R * 20, BS, KV, D, device="cuda", generator=g).to(dtype)
+        vc = (torch.randn(R * 20, BS, KV, D, device="cuda", generator=g) * 3).to(dtype)
+        bt = torch.randperm(R * 20, device="cuda", generator=g).view(R, 20).int()
+        p = (torch.randint(30, 300, (R, 1), device="cuda", generator=g) + torch.arange(T, device="cuda")).view(-1)
+        q = torch.randn(R * T, H, D, device="cuda", generator=g).to(dtype)
+        plain = torch.empty(R * T, H, D, device="cuda", dtype=dtype)
+        tk.paged_attention(q, kc, vc, plain, p, bt, T, 0.08, None, splits=S)
+        values, scales = fk.quantized_rows(R * T, H * D, q.device)
+        tk.paged_attention(q, kc, vc, plain[:1], p, bt, T, 0.08, None, splits=S, quantized=(values, scales))
+        want_q, want_s = fk.quantize_activations(plain.view(R * T, H * D))
+        assert torch.equal(values.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scales, want_s), (R, T, S)
 
 
 def test_fp8_fused_decode_quantization_equals_unfused_in_graphs(models, tmp_path, monkeypatch):
