@@ -484,8 +484,8 @@ def fused_quant_wanted(x: torch.Tensor, w) -> bool:
     x on CUDA, w kept FP8, M rows that fp8_linear runs on the Triton GEMM as "quantize" (M <= 64 or verification
     rows, DECODE_MODE "quantize", not cuBLAS's rows), K a multiple of 128 (whole groups in every program of those
     kernels: the RMSNorm holds its row in one block of next_power_of_2(K) columns, silu_and_mul blocks of min(that,
-    1024)). Shapes, dtypes and these settings
-    alone decide it, so a CUDA graph captures the same path it replays."""
+    1024); the decode attention one group a head). Shapes, dtypes and these settings alone decide it, so a CUDA graph
+    captures the same path it replays."""
     if not (FUSE_DECODE_QUANT and DECODE_MODE == "quantize" and x.is_cuda) or isinstance(w, torch.Tensor):
         return False
     weight = getattr(w, "weight", None)

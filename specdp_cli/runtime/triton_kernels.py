@@ -219,7 +219,7 @@ def paged_attention(q, k_cache, v_cache, out, positions, block_table, T: int, sc
         part_acc = part_ml = out        # unused
     has_sinks = sinks is not None
     if quantized is not None:
-        assert DV == 128 and _pow2(DV) == DV, DV
+        assert DV == 128, DV            # one 128-column group a head
     oq, os_ = quantized if quantized is not None else (out, out)
     launch = pdl.options(q.device)
     _paged_attention_kernel[(R, KV, splits)](
