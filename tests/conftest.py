@@ -44,6 +44,23 @@ def models(tmp_path_factory) -> dict:
     }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def interpreted_kernels_ahead(request, temp_dir_inside_pytests):
+    """test_kernels_interpreted's interpreter process (a single CPU-bound thread, about 30 s), started with the session
+    at niceness 19 when that test is selected: it runs on the CPU time the modules before it leave idle, and the
+    test collects it (at normal priority, with its hard timeout)."""
+    if not any(getattr(item, "originalname", None) == "test_kernels_under_the_triton_interpreter"
+               for item in request.session.items):
+        yield None
+        return
+    import test_kernels_interpreted as tki
+
+    run = tki.Interpreted(niceness=19)
+    tki.AHEAD.append(run)
+    yield run
+    run.kill()                  # a session that ended before the test (-x, Ctrl-C) leaves nothing running
+
+
 @pytest.fixture(scope="module")
 def launches():
     """This module's `dp_util.Launches`: tests' commands started ahead by the module's fixtures, all ended with it."""

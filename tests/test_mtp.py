@@ -165,6 +165,18 @@ def mtp_jobs(request, tmp_path_factory, models, mtp, launches) -> dict:
     """Every selected test's command, started when this module starts (two at a time while the in-process tests
     above run): {key: (run directory, input, config, dp 1 reference config)}."""
     jobs = {}
+
+    def fault_job(fault, timeout_s, exclusive):
+        tmp = tmp_path_factory.mktemp("mtp_fault")
+        inp, cfg = fault_inputs(tmp, models), ep_config(tmp, mtp["lora"], 2, timeout_s=timeout_s, name="fault.yaml")
+        jobs[fault] = (tmp, inp, cfg, None)
+        launches.start(fault, "generate", cfg, "--input", inp, "--output", tmp / "out.jsonl",
+                       env={"SPECDP_FAULT": fault}, exclusive=exclusive)
+
+    # first: without the guard the job spends most of its run idle, waiting out its 8 s collective timeout while the
+    # launch beside it has the CPU
+    for p in selected(request, "test_without_the_guard_the_fault_cannot_finish"):
+        fault_job(p["fault"] + ",no-guard", 8, False)
     for p in selected(request, "test_expert_parallel_equals_dp1"):
         dp, n_short = p["dp"], p["n_short"]
         tmp, target = tmp_path_factory.mktemp("mtp_job"), request.getfixturevalue("eos_target")
@@ -173,16 +185,8 @@ def mtp_jobs(request, tmp_path_factory, models, mtp, launches) -> dict:
         cfg = ep_config(tmp, target, dp, check=True)
         jobs[("ep", dp)] = (tmp, inp, cfg, ref)
         launches.start(("ep", dp), *generate_args(tmp, inp, cfg))
-    # (exclusive: the first test bounds the command's wall time)
-    faults = [(p["fault"], 60, True) for p in selected(request, "test_a_short_dummy_step_is_caught")]
-    faults += [(p["fault"] + ",no-guard", 8, False)
-               for p in selected(request, "test_without_the_guard_the_fault_cannot_finish")]
-    for fault, timeout_s, exclusive in faults:
-        tmp = tmp_path_factory.mktemp("mtp_fault")
-        inp, cfg = fault_inputs(tmp, models), ep_config(tmp, mtp["lora"], 2, timeout_s=timeout_s, name="fault.yaml")
-        jobs[fault] = (tmp, inp, cfg, None)
-        launches.start(fault, "generate", cfg, "--input", inp, "--output", tmp / "out.jsonl",
-                       env={"SPECDP_FAULT": fault}, exclusive=exclusive)
+    for p in selected(request, "test_a_short_dummy_step_is_caught"):
+        fault_job(p["fault"], 60, True)              # exclusive: the test bounds the command's wall time
     return jobs
 
 

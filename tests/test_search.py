@@ -7,7 +7,7 @@ import pytest
 from helpers import make_deepseek_dir, make_eagle3_head, make_eagle_head
 from search import check_outputs, run_launched, run_scenarios
 
-SECONDS = {1: 8, 2: 8, 3: 6}       # per DP size, in the test suite (2 CPU cores; --search-seconds for more)
+SECONDS = {1: 4, 2: 4, 3: 4}       # per DP size, in the test suite (2 CPU cores; --search-seconds for more)
 SEED = 20261201
 
 

@@ -20,7 +20,7 @@ from test_serve import KEY, free_port, server_config, start_server_ahead
 
 pytestmark = pytest.mark.timeout(300)
 PROMPTS = ["def add(a, b):", "for i in range(10):"]
-TIMEOUT_S = 6          # the servers' collective_timeout_s: the lockstep test waits past it
+TIMEOUT_S = 4          # the servers' collective_timeout_s: the lockstep test waits past it
 
 
 @pytest.fixture(scope="module", autouse=True)
