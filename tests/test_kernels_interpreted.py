@@ -5,7 +5,8 @@ a token's experts partly held elsewhere (expert parallelism) through both align 
 next norm, RMSNorm, silu_and_mul and paged attention writing their output quantized for an FP8 linear, the one-row output
 projection's matrix-vector kernel (`gemv_kernels`), a step's input copies and
 logits argmax (`set_rows`, `argmax`), and paged attention with its keys split over several programs. float32 (the interpreter's
-bf16 dot is not the GPU's: tests/test_gpu.py checks bf16 there)."""
+bf16 dot is not the GPU's: tests/test_gpu.py checks bf16 there). Its one interpreter process also runs the checks
+other modules keep beside their tests (`CHECKS`: the feed kernels, the GEMV, EAGLE's head inputs, the FP8 GEMM)."""
 import os
 import subprocess
 import sys
@@ -288,7 +289,8 @@ def routing_checks(g: torch.Generator) -> None:
 
 # the checks of every module's interpreted kernels, in one interpreter process (its start-up is most of the time)
 CHECKS = {"test_kernels_interpreted": "interpreted_checks", "test_async_scheduling": "interpreted_feed_checks",
-          "test_gemv_decode": "interpreted_checks", "test_eagle": "interpreted_head_checks"}
+          "test_gemv_decode": "interpreted_checks", "test_eagle": "interpreted_head_checks",
+          "test_fp8": "interpreted_kernel_checks"}
 
 
 class Interpreted:
