@@ -457,10 +457,10 @@ _CUBLAS: dict = {}
 # too) and silu_and_mul before down write fp8 values and scales (FP8Activation) instead of their bf16 output, the
 # same numbers quantize_activations makes of that output, so `_quant_kernel` is skipped: an 8B-shaped model at
 # batch 1 ran 128 of them a step (1.1 µs each and a 0.4 µs gap on an H100, of a 3.9 ms step). The attention's
-# output before o comes quantized too where its heads are 128 wide (FUSE_ATTENTION_QUANT; the decode attention or its
-# combine kernel writes one group a head: session 22's trace had o's quantization at 1.2 µs and a 0.4 µs gap a layer;
-# not yet measured on a GPU). benchmarks/fp8.py's decode mode "quantize-unfused" is "quantize" without either,
-# "quantize-noattnquant" without the attention's.
+# output before o can come quantized too where its heads are 128 wide (FUSE_ATTENTION_QUANT; the decode attention or
+# its combine kernel writes one group a head: session 22's trace had o's quantization at 1.2 µs and a 0.4 µs gap a
+# layer). Off until it has run on a GPU: benchmarks/fp8.py's "-attnquant" rows turn it on. Its decode mode
+# "quantize-unfused" is "quantize" without either.
 CUBLAS_FROM_M: int | None = 128
 # Verification rows (a batch of 16 verifying 4 drafts is 80), 65 .. VERIFY_MAX_M (64: none): cuBLAS's block-scaled
 # GEMM where its 128-wide column tiles alone fill the device (`verify_on_cublas`: the 8B's gate_up, 39.8 µs at 80
@@ -475,7 +475,7 @@ PAIRS = False
 DECODE_MODE = "quantize"
 GEMV_MAX_WEIGHT = 32 << 20
 FUSE_DECODE_QUANT = True
-FUSE_ATTENTION_QUANT = True
+FUSE_ATTENTION_QUANT = False
 
 
 def fused_quant_wanted(x: torch.Tensor, w) -> bool:

@@ -203,7 +203,8 @@ class CausalLM:
         cos, sin = layer.rope or (self.cos, self.sin)
         ops.rope_and_store(qkv, cos, sin, meta, k_cache, v_cache, H, KV, D, head_norms)
         q = qkv[:, :H * D].view(N, H, D)
-        # an FP8 o at decode sizes takes its input quantized by the attention kernel (one 128-column group a head)
+        # an FP8 o at decode sizes may take its input quantized by the attention kernel (one 128-column group a
+        # head; fp8_kernels.FUSE_ATTENTION_QUANT)
         quantize = v_cache.shape[-1] == 128 and self._fused_quant(qkv, layer.o) and _attention_quant()
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window, layer.sinks, quantize)
         return self._row_parallel(out if quantize else out.reshape(N, -1), layer.o, layer.o_bias, o=True)
