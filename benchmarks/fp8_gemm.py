@@ -199,8 +199,9 @@ def cold(fn, copies: int) -> float:
 
 def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
     """The 8B's projections at `row_counts` rows (activations quantized before the GEMM, as the norm kernels hand
-    them over) over BLOCK_M x BLOCK_N x split K x warps x PAIRS (two K blocks a step) (GROUP_M 8: a column block's row blocks run side by side and
-    share its weight tile in L2), each against bf16 F.linear and cuBLAS's block-scaled GEMM on cold weights."""
+    them over) over BLOCK_M x BLOCK_N x split K x warps x PAIRS (two K blocks a step), GROUP_M 8 (a column block's
+    row blocks run side by side and share its weight tile in L2), each against bf16 F.linear and cuBLAS's
+    block-scaled GEMM on cold weights."""
     out = []
     cublas = fk.cublas_supported(dev)
     print(f"{'shape':<12}{'M':>4}{'bf16 us':>9}{'cublas us':>10}{'default us':>11}{'best us':>9}  best tile")

@@ -806,7 +806,7 @@ s28)
   end=$((SECONDS + ${LIMIT:-560}))
   [ "${SWEEP_S:-170}" != 0 ] && { timeout ${SWEEP_S:-170} python3 benchmarks/fp8_gemm.py --sweep-rows ${ROWS:-48,80} \
     --json "$out/fp8_sweep_rows.json" > "$out/fp8_sweep_rows.log" 2>&1 || tail -5 "$out/fp8_sweep_rows.log"
-    grep -v '^skip' "$out/fp8_sweep_rows.log" | tail -9; }
+    grep -v '^skip' "$out/fp8_sweep_rows.log"; }
   widen || exit 1
   [ "${FP8_S:-290}" != 0 ] && { timeout $(( $(left) < ${FP8_S:-290} ? $(left) : ${FP8_S:-290} )) python3 benchmarks/fp8.py \
     --pair $P --target $W/target --label 8b-shape --methods none,draft_model --prompts 16 --batches ${BATCHES:-16} \
