@@ -144,46 +144,9 @@ def main() -> None:
         json.dump({"meta": meta, "rows": rows, "sweep": sweep}, fh, indent=1)
 
 
-def sweep_stages(dev) -> list[dict]:
-    """The decode GEMM (activations quantized before it) at 1 and 16 rows over BLOCK_N x split K x pipeline stages,
-    each call reading another copy of the weight (at least 160 MB of copies, cycled: nothing is left in L2 from the
-    call before, as in a model's step). A weight-streaming kernel keeps about programs x stages x tile bytes in
-    flight; an FP8 tile holds half a bf16 tile's bytes, so the depth that saturates bf16 may not saturate FP8."""
-    out = []
-    print(f"{'shape':<12}{'M':>4}{'default us':>12}{'best us':>9}{'best GB/s':>11}  best tile")
-    for name, (N, K) in SHAPES.items():
-        copies = max(1, -(-(160 << 20) // (N * K)))
-        ws_ = [quantize_blocks(torch.randn(N, K, device=dev) / 30) for _ in range(copies)]
-        for M in (1, 16):
-            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-            x_q, x_s = fk.quantize_activations(x)
-            i = [0]
-
-            def call(t):
-                wq, wsc = ws_[i[0] % copies]
-                i[0] += 1
-                return fk.block_fp8_gemm(x_q, wq, wsc, 128, x_scale=x_s, tile=t, out_dtype=torch.bfloat16)
-            default = fk.tiles(M, N, K, fk._num_sms(dev))
-            tried = [dict(default, label="default")]
-            for bn in (32, 64, 128):
-                for split in (1, 2, 4, 8):
-                    for stages in (3, 4, 6, 8):
-                        tried.append(dict(BLOCK_M=16, BLOCK_N=bn, SPLIT=split, warps=4, stages=stages, GROUP_M=1))
-            found = []
-            for t in tried:
-                try:
-                    ms = bench(lambda: call(t), calls=2 * copies)
-                except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
-                    print(f"skip {t}: {type(e).__name__}")
-                    continue
-                found.append({"shape": name, "M": M, **t, "us": ms * 1e3, "GBps": N * K / ms / 1e6})
-            out += found
-            best = min(found, key=lambda r: r["us"])
-            print(f"{name:<12}{M:>4}{found[0]['us']:>12.1f}{best['us']:>9.1f}{best['GBps']:>11.0f}  "
-                  f"BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} stages {best['stages']}", flush=True)
-        ws_ = None
-        torch.cuda.empty_cache()
-    return out
+def cold_copies(N: int, K: int) -> int:
+    """How many copies of an [N, K] FP8 weight make at least 160 MB (over 3x an H200's L2)."""
+    return max(1, -(-(160 << 20) // (N * K)))
 
 
 def cold(fn, copies: int) -> float:
@@ -197,6 +160,43 @@ def cold(fn, copies: int) -> float:
     return bench(call, calls=2 * copies)
 
 
+def sweep_stages(dev) -> list[dict]:
+    """The decode GEMM (activations quantized before it) at 1 and 16 rows over BLOCK_N x split K x pipeline stages,
+    each call reading another copy of the weight (at least 160 MB of copies, cycled: nothing is left in L2 from the
+    call before, as in a model's step). A weight-streaming kernel keeps about programs x stages x tile bytes in
+    flight; an FP8 tile holds half a bf16 tile's bytes, so the depth that saturates bf16 may not saturate FP8."""
+    out = []
+    print(f"{'shape':<12}{'M':>4}{'default us':>12}{'best us':>9}{'best GB/s':>11}  best tile")
+    for name, (N, K) in SHAPES.items():
+        copies = cold_copies(N, K)
+        ws_ = [quantize_blocks(torch.randn(N, K, device=dev) / 30) for _ in range(copies)]
+        for M in (1, 16):
+            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+            x_q, x_s = fk.quantize_activations(x)
+            default = fk.tiles(M, N, K, fk._num_sms(dev))
+            tried = [dict(default, label="default")]
+            for bn in (32, 64, 128):
+                for split in (1, 2, 4, 8):
+                    for stages in (3, 4, 6, 8):
+                        tried.append(dict(BLOCK_M=16, BLOCK_N=bn, SPLIT=split, warps=4, stages=stages, GROUP_M=1))
+            found = []
+            for t in tried:
+                try:
+                    ms = cold(lambda i: fk.block_fp8_gemm(x_q, ws_[i][0], ws_[i][1], 128, x_scale=x_s, tile=t,
+                                                          out_dtype=torch.bfloat16), copies)
+                except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
+                    print(f"skip {t}: {type(e).__name__}")
+                    continue
+                found.append({"shape": name, "M": M, **t, "us": ms * 1e3, "GBps": N * K / ms / 1e6})
+            out += found
+            best = min(found, key=lambda r: r["us"])
+            print(f"{name:<12}{M:>4}{found[0]['us']:>12.1f}{best['us']:>9.1f}{best['GBps']:>11.0f}  "
+                  f"BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} stages {best['stages']}", flush=True)
+        ws_ = None
+        torch.cuda.empty_cache()
+    return out
+
+
 def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
     """The 8B's projections at `row_counts` rows (activations quantized before the GEMM, as the norm kernels hand
     them over) over BLOCK_M x BLOCK_N x split K x warps x PAIRS (two K blocks a step), GROUP_M 8 (a column block's
@@ -207,7 +207,7 @@ def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
     print(f"{'shape':<12}{'M':>4}{'bf16 us':>9}{'cublas us':>10}{'default us':>11}{'best us':>9}  best tile")
     for name in ("8b.qkv", "8b.o", "8b.gate_up", "8b.down"):
         N, K = SHAPES[name]
-        copies = max(1, -(-(160 << 20) // (N * K)))
+        copies = cold_copies(N, K)
         w16 = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) / 30 for _ in range(copies)]
         w8 = [quantize_blocks(w) for w in w16]
         wcs = [fk.cublas_weight_scale(s) for _, s in w8]
