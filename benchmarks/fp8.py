@@ -54,10 +54,10 @@ def apply_mode(mode: str | None) -> None:
     "-expertsplain" (PDL, but the routed-expert kernels launched plainly, as the GEMMs), "-s21" (session 21's path:
     "-nopdl"); "-cublas": cuBLAS's block-scaled GEMM from 65 rows (the Triton decode tiles up to 64); "-noverify":
     rows 65-127 on the prefill tile, not the verification rows' tiles (fp8_kernels.VERIFY_MAX_M; session 27's path);
-    "-pairs": the decode and verification tiles two K blocks a step (fp8_kernels.PAIRS); "-attnquant": o's input
-    quantized by the attention kernel, not by its own (fp8_kernels.FUSE_ATTENTION_QUANT)."""
+    "-attnquant": o's input quantized by the attention kernel, not by its own (fp8_kernels.FUSE_ATTENTION_QUANT;
+    the default since session 29), "-noattnquant": by its own."""
     from specdp_cli.runtime import fp8_kernels, pdl, triton_kernels
-    for name in ("CUBLAS_FROM_M", "VERIFY_MAX_M", "PAIRS", "FUSE_ATTENTION_QUANT"):
+    for name in ("CUBLAS_FROM_M", "VERIFY_MAX_M", "FUSE_ATTENTION_QUANT"):
         DEFAULTS.setdefault(name, getattr(fp8_kernels, name))
     base, *off = (mode or "bf16").split("-")
     off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
@@ -67,12 +67,12 @@ def apply_mode(mode: str | None) -> None:
     if base != "bf16":
         fp8_kernels.DECODE_MODE = base
     fp8_kernels.FUSE_DECODE_QUANT = "unfused" not in off
-    fp8_kernels.FUSE_ATTENTION_QUANT = True if "attnquant" in off else DEFAULTS["FUSE_ATTENTION_QUANT"]
+    fp8_kernels.FUSE_ATTENTION_QUANT = ("attnquant" in off or DEFAULTS["FUSE_ATTENTION_QUANT"]) \
+        and "noattnquant" not in off
     fp8_kernels.SPLITK_TICKETS = "sumkernel" not in off
     triton_kernels.MAX_SPLITS = 1 if "nosplit" in off else 16
     fp8_kernels.CUBLAS_FROM_M = 65 if "cublas" in off else DEFAULTS["CUBLAS_FROM_M"]
     fp8_kernels.VERIFY_MAX_M = 64 if "noverify" in off else DEFAULTS["VERIFY_MAX_M"]
-    fp8_kernels.PAIRS = True if "pairs" in off else DEFAULTS["PAIRS"]
 
 
 def agreement(outs: list[list[int]], ref: list[list[int]]) -> dict:

@@ -6,7 +6,7 @@ path before the tile's last program summed it); GB/s counts the weight bytes rea
 With --sweep, the GEMV's tiles (BLOCK_N x groups a step x warps / stages) at M = 1, 4, 16 and the GEMM's decode
 tiles (BLOCK_N x split K) at M = 1 and 16. With --sweep-stages (alone), the decode GEMM's tiles with 3-8 pipeline
 stages on cold weights (`sweep_stages`). With --sweep-rows 48,80 (alone), the 8B's projections at those row counts
-(a verification step: batch x (k + 1)) over BLOCK_M x BLOCK_N x split K x warps x PAIRS, cold weights, against
+(a verification step: batch x (k + 1)) over BLOCK_M x BLOCK_N x split K x warps, cold weights, against
 bf16 and cuBLAS's block-scaled GEMM (`sweep_rows`).
 
 Usage: python benchmarks/fp8_gemm.py [--rows 1,16,64,256,2048] [--sweep | --sweep-stages | --sweep-rows 48,80]
@@ -199,7 +199,7 @@ def sweep_stages(dev) -> list[dict]:
 
 def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
     """The 8B's projections at `row_counts` rows (activations quantized before the GEMM, as the norm kernels hand
-    them over) over BLOCK_M x BLOCK_N x split K x warps x PAIRS (two K blocks a step), GROUP_M 8 (a column block's
+    them over) over BLOCK_M x BLOCK_N x split K x warps, GROUP_M 8 (a column block's
     row blocks run side by side and share its weight tile in L2), each against bf16 F.linear and cuBLAS's
     block-scaled GEMM on cold weights."""
     out = []
@@ -226,9 +226,8 @@ def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
                 for bn in (32, 64, 128):
                     for split in (1, 2, 4, 8):
                         for warps in ((4, 8) if bm == 128 else (4,)):
-                            for pairs in (False, True):
-                                tried.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=warps, stages=4,
-                                                  GROUP_M=8, PAIRS=pairs))
+                            tried.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=warps, stages=4,
+                                              GROUP_M=8))
             found = []
             for t in tried:
                 try:
@@ -242,8 +241,8 @@ def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
             best = min(found, key=lambda r: r["us"])
             cb = f"{base['cublas_us']:.1f}" if base["cublas_us"] is not None else "-"
             print(f"{name:<12}{M:>4}{base['bf16_us']:>9.1f}{cb:>10}{found[0]['us']:>11.1f}{best['us']:>9.1f}  "
-                  f"BLOCK_M {best['BLOCK_M']} BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} warps {best['warps']}"
-                  f" pairs {best.get('PAIRS', False)}", flush=True)
+                  f"BLOCK_M {best['BLOCK_M']} BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} warps {best['warps']}",
+                  flush=True)
         w16 = w8 = wcs = None
         torch.cuda.empty_cache()
     return out

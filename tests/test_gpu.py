@@ -694,11 +694,6 @@ def test_fp8_gemm_matches_reference(M):
                 t = dict(fk.tiles(M, N, K, 132), BLOCK_M=bm, GROUP_M=-(-M // bm))
                 y = fk.block_fp8_gemm(q2, wq, ws, rows, b, x_scale=s2, out_dtype=torch.bfloat16, tile=t)
                 assert rel(y, ref) < 5e-3, ("verify tile", bm, M, N, K, rows, rel(y, ref))
-        if M < 128:                          # two K blocks a step (PAIRS), a split's odd last block alone
-            for split in (1, 3):
-                t = dict(fk.tiles(M, N, K, 132), SPLIT=split, PAIRS=True)
-                y = fk.block_fp8_gemm(q2, wq, ws, rows, b, x_scale=s2, out_dtype=torch.bfloat16, tile=t)
-                assert rel(y, ref) < 5e-3, ("pairs", split, M, N, K, rows, rel(y, ref))
         from specdp_cli.runtime.models.quant import dequantize
         y = fk.block_fp8_gemm(x, wq, ws, rows, b, mode="weight_only")         # W8A16: x as it is
         w16 = x.double() @ dequantize(wq, ws, (rows, 128), torch.float64).t() + (b.double() if bias else 0)

@@ -127,7 +127,7 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
                  stride_ym, prefetch_bytes, B_ROWS: tl.constexpr, A_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, TICKET: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr, PAIRS: tl.constexpr):
+                 PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr):
     # program -> (row block, column block), grouped so that GROUP_M row blocks share the weights in L2
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -155,46 +155,27 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
                           tl.minimum(prefetch_bytes, K - kb0 * BLOCK_K), BLOCK_N, LANES)
     pdl.wait_previous(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    kb_end = tl.minimum(kb0 + k_blocks_per_split, tl.cdiv(K, BLOCK_K))
-    if PAIRS:        # A_MODE 0, EVEN_K: two K blocks a step, both products issued before either is scaled
-        for kb in range(kb0, kb_end, 2):
-            m2_ok = m_ok & (m * 0 + kb + 1 < kb_end)       # the split's last block may be alone
-            n2_ok = n_ok & (n * 0 + kb + 1 < kb_end)
+    for kb in range(kb0, tl.minimum(kb0 + k_blocks_per_split, tl.cdiv(K, BLOCK_K))):
+        if EVEN_K:
             a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-            a2 = tl.load(a_ptrs + BLOCK_K, mask=m2_ok[:, None], other=0.0)
-            b2 = tl.load(b_ptrs + BLOCK_K, mask=n2_ok[None, :], other=0.0)
-            s1 = (tl.load(as_ptr + m * stride_asm + kb * stride_asg, mask=m_ok, other=0.0)[:, None]
-                  * tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)[None, :])
-            s2 = (tl.load(as_ptr + m * stride_asm + (kb + 1) * stride_asg, mask=m2_ok, other=0.0)[:, None]
-                  * tl.load(bs_ptrs + (kb + 1) * stride_bsk, mask=n2_ok, other=0.0)[None, :])
-            p1 = tl.dot(a, b)
-            p2 = tl.dot(a2, b2)
-            acc += p1 * s1 + p2 * s2
-            a_ptrs += 2 * BLOCK_K
-            b_ptrs += 2 * BLOCK_K
-    else:
-        for kb in range(kb0, kb_end):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+        else:
+            k_ok = kb * BLOCK_K + k < K
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
+        if A_MODE == 2:    # weight-only: bf16/fp16 activations, the weights' exact fp8 values in that dtype
+            acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
+        else:
+            if A_MODE == 1:    # this tile's per-row group scales and fp8 values, as _quant_kernel computes them
+                af = a.to(tl.float32)
+                a_s = tl.maximum(tl.max(tl.abs(af), 1) / 448.0, 1e-12)
+                a = tl.clamp(af / a_s[:, None], -448.0, 448.0).to(b_ptr.dtype.element_ty)
             else:
-                k_ok = kb * BLOCK_K + k < K
-                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
-            if A_MODE == 2:    # weight-only: bf16/fp16 activations, the weights' exact fp8 values in that dtype
-                acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
-            else:
-                if A_MODE == 1:    # this tile's per-row group scales and fp8 values, as _quant_kernel computes them
-                    af = a.to(tl.float32)
-                    a_s = tl.maximum(tl.max(tl.abs(af), 1) / 448.0, 1e-12)
-                    a = tl.clamp(af / a_s[:, None], -448.0, 448.0).to(b_ptr.dtype.element_ty)
-                else:
-                    a_s = tl.load(as_ptr + m * stride_asm + kb * stride_asg, mask=m_ok, other=0.0)
-                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
+                a_s = tl.load(as_ptr + m * stride_asm + kb * stride_asg, mask=m_ok, other=0.0)
+            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
     if LATE:
         pdl.launch_next(PDL)
     ok = m_ok[:, None] & n_ok[None, :]
@@ -338,7 +319,7 @@ def tiles(M: int, N: int, K: int, sms: int) -> dict:
         # verification rows (65 .. VERIFY_MAX_M): 64-row blocks, a column block's side by side to share its weight
         # tile in L2 (benchmarks/fp8_gemm.py --sweep-rows: at 80 rows 64 x 64 tiles were the best or within 3 % of
         # it on the 8B's qkv, o and down, 1.2-1.9x faster than the prefill tile)
-        return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=4, stages=4, GROUP_M=triton.cdiv(M, 64), PAIRS=PAIRS)
+        return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=4, stages=4, GROUP_M=triton.cdiv(M, 64))
     return dict(BLOCK_M=64 if M <= 128 else 128, BLOCK_N=128, SPLIT=1, warps=8 if M > 128 else 4, stages=3,
                 GROUP_M=8)
 
@@ -392,7 +373,6 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
                        B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None, SPLIT=split > 1,
                        TICKET=tickets is not None, EVEN_K=K % GROUP == 0, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
                        BLOCK_K=GROUP, GROUP_M=t["GROUP_M"], PREFETCH=prefetch > 0, LANES=32 * t["warps"],
-                       PAIRS=bool(t.get("PAIRS")) and a_mode == 0 and K % GROUP == 0,
                        num_warps=t["warps"], num_stages=t["stages"], **launch)
     if split > 1 and tickets is None:
         BLOCK = 1024
@@ -459,8 +439,8 @@ _CUBLAS: dict = {}
 # batch 1 ran 128 of them a step (1.1 µs each and a 0.4 µs gap on an H100, of a 3.9 ms step). The attention's
 # output before o can come quantized too where its heads are 128 wide (FUSE_ATTENTION_QUANT; the decode attention or
 # its combine kernel writes one group a head: session 22's trace had o's quantization at 1.2 µs and a 0.4 µs gap a
-# layer). Off until it has run on a GPU: benchmarks/fp8.py's "-attnquant" rows turn it on. Its decode mode
-# "quantize-unfused" is "quantize" without either.
+# layer; on the H200 the 8B shape's FP8 step went from 2.88 to 2.86 ms at batch 1 and 3.37 to 3.36 at batch 16,
+# session 29, benchmarks/fp8.py's "-attnquant" rows). Its decode mode "quantize-unfused" is "quantize" without either.
 CUBLAS_FROM_M: int | None = 128
 # Verification rows (a batch of 16 verifying 4 drafts is 80), 65 .. VERIFY_MAX_M (64: none): cuBLAS's block-scaled
 # GEMM where its 128-wide column tiles alone fill the device (`verify_on_cublas`: the 8B's gate_up, 39.8 µs at 80
@@ -468,14 +448,10 @@ CUBLAS_FROM_M: int | None = 128
 # split (`tiles`: the 8B's o 14.7 µs, down 36.5, against cuBLAS's 16.8 and 44.6, whose 32 column tiles leave most of
 # the SMs idle). Before, these rows ran on the prefill tile (o 21.2, down 68.1). benchmarks/fp8_gemm.py --sweep-rows.
 VERIFY_MAX_M = 127
-# Decode and verification tiles step through K two blocks at a time, both products issued before either is scaled
-# (`_gemm_kernel`'s PAIRS: each block's product must be scaled by its own scales before it joins the sum, which may
-# hold the tensor cores idle between blocks). Not yet measured on a GPU: off.
-PAIRS = False
 DECODE_MODE = "quantize"
 GEMV_MAX_WEIGHT = 32 << 20
 FUSE_DECODE_QUANT = True
-FUSE_ATTENTION_QUANT = False
+FUSE_ATTENTION_QUANT = True
 
 
 def fused_quant_wanted(x: torch.Tensor, w) -> bool:
