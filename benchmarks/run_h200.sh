@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29 OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -815,6 +815,18 @@ s28)
   [ "${GPU_TEST_S:-80}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-80} ? $(left) : ${GPU_TEST_S:-80} )) python3 -m pytest \
     -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_gemm_matches_reference or joined}" \
     > "$out/gpu_tests.log" 2>&1; tail -8 "$out/gpu_tests.log"; }
+  ;;
+s29)
+  # session 29 (issue 30): the GEMM at decode and verification rows (ROWS) with each weight tile scaled before its
+  # product (`weight_scaled`) beside the fused tiles; then the same at MMAV3_ROWS with Triton's wgmma turned off
+  # (DISABLE_MMA_V3: is the wait on each block's product what slows 64-row blocks?)
+  timeout ${SWEEP_S:-200} python3 benchmarks/fp8_gemm.py --sweep-rows ${ROWS:-16,80} --json "$out/fp8_sweep_rows.json" \
+    > "$out/fp8_sweep_rows.log" 2>&1 || tail -5 "$out/fp8_sweep_rows.log"
+  grep -v '^skip' "$out/fp8_sweep_rows.log"
+  [ -n "${MMAV3_ROWS:-80}" ] && { DISABLE_MMA_V3=1 TRITON_CACHE_DIR=/tmp/triton-nomma3 timeout ${SWEEP_S:-200} python3 \
+    benchmarks/fp8_gemm.py --sweep-rows ${MMAV3_ROWS:-80} --json "$out/fp8_sweep_rows_nomma3.json" \
+    > "$out/fp8_sweep_rows_nomma3.log" 2>&1 || tail -5 "$out/fp8_sweep_rows_nomma3.log"
+    grep -v '^skip' "$out/fp8_sweep_rows_nomma3.log"; }
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
