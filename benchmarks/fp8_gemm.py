@@ -226,18 +226,13 @@ def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
                 for bn in (32, 64, 128):
                     for split in (1, 2, 4, 8):
                         for warps in ((4, 8) if bm == 128 else (4,)):
-                            for mode in ("fused", "weight_scaled"):
-                                tried.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=warps, stages=4,
-                                                  GROUP_M=8, mode=mode))
+                            tried.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=warps, stages=4,
+                                              GROUP_M=8))
             found = []
             for t in tried:
                 try:
-                    if t.get("mode") == "weight_scaled":       # bf16 activations, each weight tile scaled
-                        us = cold(lambda i: fk.block_fp8_gemm(x, w8[i][0], w8[i][1], 128, tile=t,
-                                                              mode="weight_scaled"), copies) * 1e3
-                    else:
-                        us = cold(lambda i: fk.block_fp8_gemm(x_q, w8[i][0], w8[i][1], 128, x_scale=x_s, tile=t,
-                                                              out_dtype=torch.bfloat16), copies) * 1e3
+                    us = cold(lambda i: fk.block_fp8_gemm(x_q, w8[i][0], w8[i][1], 128, x_scale=x_s, tile=t,
+                                                          out_dtype=torch.bfloat16), copies) * 1e3
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
                     print(f"skip {t}: {type(e).__name__}")
                     continue
@@ -246,13 +241,8 @@ def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
             best = min(found, key=lambda r: r["us"])
             cb = f"{base['cublas_us']:.1f}" if base["cublas_us"] is not None else "-"
             print(f"{name:<12}{M:>4}{base['bf16_us']:>9.1f}{cb:>10}{found[0]['us']:>11.1f}{best['us']:>9.1f}  "
-                  f"BLOCK_M {best['BLOCK_M']} BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} warps {best['warps']}"
-                  f" {best.get('mode', 'fused')}", flush=True)
-            scaled = [r for r in found if r.get("mode") == "weight_scaled"]
-            if scaled:
-                b2 = min(scaled, key=lambda r: r["us"])
-                print(f"{'':<12}{'':>4}  best weight_scaled {b2['us']:.1f} us: BLOCK_M {b2['BLOCK_M']} BLOCK_N "
-                      f"{b2['BLOCK_N']} split {b2['SPLIT']} warps {b2['warps']}", flush=True)
+                  f"BLOCK_M {best['BLOCK_M']} BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} warps {best['warps']}",
+                  flush=True)
         w16 = w8 = wcs = None
         torch.cuda.empty_cache()
     return out

@@ -817,9 +817,9 @@ s28)
     > "$out/gpu_tests.log" 2>&1; tail -8 "$out/gpu_tests.log"; }
   ;;
 s29)
-  # session 29 (issue 30): the GEMM at decode and verification rows (ROWS) with each weight tile scaled before its
-  # product (`weight_scaled`) beside the fused tiles; then the same at MMAV3_ROWS with Triton's wgmma turned off
-  # (DISABLE_MMA_V3: is the wait on each block's product what slows 64-row blocks?)
+  # session 29 (issue 30): the GEMM at decode and verification rows (ROWS); then the same at MMAV3_ROWS with
+  # Triton's wgmma turned off (DISABLE_MMA_V3: is the wait on each block's product what slows 64-row blocks?). The
+  # published rows also had each weight tile scaled before its product (`weight_scaled`, commit 512b357; not kept)
   timeout ${SWEEP_S:-200} python3 benchmarks/fp8_gemm.py --sweep-rows ${ROWS:-16,80} --json "$out/fp8_sweep_rows.json" \
     > "$out/fp8_sweep_rows.log" 2>&1 || tail -5 "$out/fp8_sweep_rows.log"
   grep -v '^skip' "$out/fp8_sweep_rows.log"

@@ -166,8 +166,6 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
         b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
         if A_MODE == 2:    # weight-only: bf16/fp16 activations, the weights' exact fp8 values in that dtype
             acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
-        elif A_MODE == 3:  # weight-only, the weight tile scaled in that dtype: the product accumulates in place
-            acc = tl.dot(a, (b.to(tl.float32) * b_s[None, :]).to(a.dtype), acc)
         else:
             if A_MODE == 1:    # this tile's per-row group scales and fp8 values, as _quant_kernel computes them
                 af = a.to(tl.float32)
@@ -345,8 +343,7 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
                    out_dtype: torch.dtype | None = None, tile: dict | None = None, mode: str = "fused") -> torch.Tensor:
     """y [M, N] = dequant(x) @ dequant(weight)^T (+ bias). x [M, K]: with `x_scale` [M, ceil(K / 128)] already
     float8; else bf16/fp16/fp32 activations, `mode` "fused": quantized per token and 128-group inside the kernel,
-    "weight_only": kept as they are (W8A16), "weight_scaled": likewise, each weight tile scaled before its product.
-    weight [N, K] float8_e4m3fn with `scale` [ceil(N / rows), ceil(K / 128)]
+    "weight_only": kept as they are (W8A16). weight [N, K] float8_e4m3fn with `scale` [ceil(N / rows), ceil(K / 128)]
     float32."""
     M, K = x.shape
     N = weight.shape[0]
@@ -361,7 +358,7 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
     per_split = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, per_split)
     c = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
-    a_mode = 0 if x_scale is not None else {"weight_only": 2, "weight_scaled": 3}.get(mode, 1)
+    a_mode = 0 if x_scale is not None else 2 if mode == "weight_only" else 1
     a_s = x_scale if x_scale is not None else scale          # unused unless pre-quantized
     grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"]), split)
     tickets = _tickets(x.device, grid[0]) if split > 1 and SPLITK_TICKETS else None
