@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -827,6 +827,17 @@ s29)
     benchmarks/fp8_gemm.py --sweep-rows ${MMAV3_ROWS:-80} --json "$out/fp8_sweep_rows_nomma3.json" \
     > "$out/fp8_sweep_rows_nomma3.log" 2>&1 || tail -5 "$out/fp8_sweep_rows_nomma3.log"
     grep -v '^skip' "$out/fp8_sweep_rows_nomma3.log"; }
+  ;;
+s29b)
+  # session 29: the Qwen3-30B-A3B shape (8 layers) in FP8 against bf16 at batch 1 (issue 30's third check; MOE_S),
+  # then the GPU tests of FP8 models with the attention writing o's input quantized, now the default (GPU_TEST_S)
+  [ "${MOE_S:-200}" != 0 ] && { timeout ${MOE_S:-200} python3 benchmarks/fp8.py --pair $P --moe-shape qwen3_30b_a3b \
+    --work /tmp/moe_shapes --prompts 4 --prompt-len 32 --batches 1 --repeats 3 --decode-modes quantize \
+    --json "$out/fp8_qwen3_30b_a3b.json" > "$out/fp8_moe.log" 2>&1 || tail -20 "$out/fp8_moe.log"
+    sed -n '/^method /,$p' "$out/fp8_moe.log"; }
+  [ "${GPU_TEST_S:-300}" != 0 ] && { timeout ${GPU_TEST_S:-300} python3 -m pytest -q -m gpu tests/test_gpu.py \
+    -p no:cacheprovider -k "${GPU_TESTS_K:-(fp8 or quantized) and not gemm_matches and not routed_expert}" \
+    > "$out/gpu_tests.log" 2>&1; tail -8 "$out/gpu_tests.log"; }
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \
