@@ -199,9 +199,8 @@ def sweep_stages(dev) -> list[dict]:
 
 def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
     """The 8B's projections at `row_counts` rows (activations quantized before the GEMM, as the norm kernels hand
-    them over) over BLOCK_M x BLOCK_N x split K x warps, GROUP_M 8 (a column block's
-    row blocks run side by side and share its weight tile in L2), each against bf16 F.linear and cuBLAS's
-    block-scaled GEMM on cold weights."""
+    them over) over BLOCK_M x BLOCK_N x split K x warps, GROUP_M 8 (a column block's row blocks run side by side
+    and share its weight tile in L2), each against bf16 F.linear and cuBLAS's block-scaled GEMM on cold weights."""
     out = []
     cublas = fk.cublas_supported(dev)
     print(f"{'shape':<12}{'M':>4}{'bf16 us':>9}{'cublas us':>10}{'default us':>11}{'best us':>9}  best tile")
@@ -226,8 +225,7 @@ def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
                 for bn in (32, 64, 128):
                     for split in (1, 2, 4, 8):
                         for warps in ((4, 8) if bm == 128 else (4,)):
-                            tried.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=warps, stages=4,
-                                              GROUP_M=8))
+                            tried.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=warps, stages=4, GROUP_M=8))
             found = []
             for t in tried:
                 try:

@@ -880,7 +880,7 @@ def test_fp8_fused_decode_quantization_equals_unfused_in_graphs(models, tmp_path
     kw = dict(method="draft_model", k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda", cache=ROOM,
               dtype="bfloat16", quantization="fp8")
     out = {}
-    monkeypatch.setattr(fk, "FUSE_ATTENTION_QUANT", True)        # the attention's too (off by default)
+    monkeypatch.setattr(fk, "FUSE_ATTENTION_QUANT", True)        # the attention's too (the default)
     for fuse, eager in ((True, False), (False, False), (True, True)):
         monkeypatch.setattr(fk, "FUSE_DECODE_QUANT", fuse)
         decided.clear()
