@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -838,6 +838,20 @@ s29b)
   [ "${GPU_TEST_S:-300}" != 0 ] && { timeout ${GPU_TEST_S:-300} python3 -m pytest -q -m gpu tests/test_gpu.py \
     -p no:cacheprovider -k "${GPU_TESTS_K:-(fp8 or quantized) and not gemm_matches and not routed_expert}" \
     > "$out/gpu_tests.log" 2>&1; tail -8 "$out/gpu_tests.log"; }
+  ;;
+s29c)
+  # session 29: the decode tiles of DECODE_TILES_29 against session 28's (-s28tiles), the 8B shape's none /
+  # draft_model at batch 1 (8 prompts) and 16 (16 prompts), median of 3 (FP8_S); then the GEMM's GPU test (GPU_TEST_S)
+  end=$((SECONDS + ${LIMIT:-250}))
+  widen || exit 1
+  timeout $(( $(left) < ${FP8_S:-190} ? $(left) : ${FP8_S:-190} )) python3 benchmarks/fp8.py --pair $P --target $W/target \
+    --label 8b-shape --methods none,draft_model --prompts 16 --batch1-prompts 8 --batches 1,16 --repeats 3 \
+    --decode-modes ${MODES:-quantize,quantize-s28tiles} --json "$out/fp8_8b.json" > "$out/fp8_8b.log" 2>&1 \
+    || tail -20 "$out/fp8_8b.log"
+  sed -n '/^method /,$p' "$out/fp8_8b.log"
+  [ "${GPU_TEST_S:-40}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-40} ? $(left) : ${GPU_TEST_S:-40} )) python3 -m pytest \
+    -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_gemm_matches_reference}" \
+    > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

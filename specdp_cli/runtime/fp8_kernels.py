@@ -309,12 +309,17 @@ def tiles(M: int, N: int, K: int, sms: int) -> dict:
     projections at 1 and 16 rows, 10-20 % faster than 32-wide blocks); prefill: 64 x 128 tiles."""
     k_blocks = triton.cdiv(K, GROUP)
     if M <= 64 or (M <= VERIFY_MAX_M and triton.cdiv(N, 64) < 2 * sms):
-        # 64 wide unless that already makes two programs an SM (the 8B's gate_up: kept at 32, as measured before)
-        bn = 16 if N < 512 else 64 if triton.cdiv(N, 64) < 2 * sms else 32
+        # 64 wide unless that already makes two programs an SM (verification rows: such a weight goes to cuBLAS;
+        # decode rows: only before DECODE_TILES_29, when the 8B's gate_up ran 32 wide)
+        bn = 16 if N < 512 else 64 if triton.cdiv(N, 64) < 2 * sms or (DECODE_TILES_29 and M <= 64) else 32
         bm = 16 if M <= 16 else 32 if M <= 32 else 64
         programs = triton.cdiv(M, 16 if M <= 64 else 64) * triton.cdiv(N, bn)
         split = 1
         while 2 * programs * split < 3 * sms and k_blocks >= 8 * split:
+            split *= 2
+        # up to 16 rows (one row block): a long K split further while each split keeps more than 16 K blocks and the
+        # programs stay within 4 an SM (DECODE_TILES_29: the 8B's down, 112 K blocks over 64 programs, split 8, was 4)
+        while DECODE_TILES_29 and M <= 16 and k_blocks > 16 * split and 2 * programs * split <= 4 * sms:
             split *= 2
         # verification rows (65 .. VERIFY_MAX_M): 64-row blocks, a column block's side by side to share its weight
         # tile in L2 (benchmarks/fp8_gemm.py --sweep-rows: at 80 rows 64 x 64 tiles were the best or within 3 % of
@@ -448,6 +453,12 @@ CUBLAS_FROM_M: int | None = 128
 # split (`tiles`: the 8B's o 14.7 µs, down 36.5, against cuBLAS's 16.8 and 44.6, whose 32 column tiles leave most of
 # the SMs idle). Before, these rows ran on the prefill tile (o 21.2, down 68.1). benchmarks/fp8_gemm.py --sweep-rows.
 VERIFY_MAX_M = 127
+# Decode tiles (M <= 64) as session 29's sweep (benchmarks/fp8_gemm.py --sweep-rows 1,16, cold weights, H200) found
+# them: 64-wide column blocks for a weight as wide as the 8B's gate_up too (0.5-0.8 µs faster a call than 32-wide
+# at 1 and 16 rows), and up to 16 rows a long K split further (the 8B's down: split 8, 0.4-1.3 µs faster than split
+# 4). False: session 28's tiles
+# (benchmarks/fp8.py's "-s28tiles" rows).
+DECODE_TILES_29 = True
 DECODE_MODE = "quantize"
 GEMV_MAX_WEIGHT = 32 << 20
 FUSE_DECODE_QUANT = True
