@@ -845,7 +845,7 @@ s29c)
   end=$((SECONDS + ${LIMIT:-250}))
   widen || exit 1
   timeout $(( $(left) < ${FP8_S:-190} ? $(left) : ${FP8_S:-190} )) python3 benchmarks/fp8.py --pair $P --target $W/target \
-    --label 8b-shape --methods none,draft_model --prompts 16 --batch1-prompts 8 --batches 1,16 --repeats 3 \
+    --label 8b-shape --methods ${METHODS:-none,draft_model} --prompts 16 --batch1-prompts 8 --batches 1,16 --repeats 3 \
     --decode-modes ${MODES:-quantize,quantize-s28tiles} --json "$out/fp8_8b.json" > "$out/fp8_8b.log" 2>&1 \
     || tail -20 "$out/fp8_8b.log"
   sed -n '/^method /,$p' "$out/fp8_8b.log"
