@@ -389,3 +389,24 @@ def test_fused_quant_wanted_decides_by_shapes_and_settings(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(fk, name, value)
             assert not fk.fused_quant_wanted(Cuda(1, 256), w), (name, value)
+
+
+def test_decode_tiles_of_the_8b_projections(monkeypatch):
+    """fp8_kernels.tiles on an H200 (132 SMs) for the 8B's projections, as session 29's sweep and end-to-end rows chose
+    them: up to 16 rows 64-wide column blocks for all four (gate_up too) and K split 4 (qkv, o) or 8 (down, 112 K
+    blocks), gate_up unsplit; verification rows (80) keep 64-row blocks with their own split (gate_up's run on cuBLAS
+    where it has cuBLAS's scales, else on the prefill tile); DECODE_TILES_29 off gives session 28's tiles (gate_up 32
+    wide, down split 4)."""
+    from specdp_cli.runtime import fp8_kernels as fk
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+    def chosen(M):
+        return {name: (t["BLOCK_M"], t["BLOCK_N"], t["SPLIT"]) for name, (N, K) in shapes.items()
+                for t in [fk.tiles(M, N, K, 132)]}
+
+    for M in (1, 16):
+        assert chosen(M) == {"qkv": (16, 64, 4), "o": (16, 64, 4), "gate_up": (16, 64, 1), "down": (16, 64, 8)}, M
+    assert chosen(80) == {"qkv": (64, 64, 2), "o": (64, 64, 2), "gate_up": (64, 128, 1), "down": (64, 64, 2)}
+    monkeypatch.setattr(fk, "DECODE_TILES_29", False)
+    assert chosen(16) == {"qkv": (16, 64, 4), "o": (16, 64, 4), "gate_up": (16, 32, 1), "down": (16, 64, 4)}
