@@ -454,10 +454,10 @@ CUBLAS_FROM_M: int | None = 128
 # the SMs idle). Before, these rows ran on the prefill tile (o 21.2, down 68.1). benchmarks/fp8_gemm.py --sweep-rows.
 VERIFY_MAX_M = 127
 # Decode tiles (M <= 64) as session 29's sweep (benchmarks/fp8_gemm.py --sweep-rows 1,16, cold weights, H200) found
-# them: 64-wide column blocks for a weight as wide as the 8B's gate_up too (0.5-0.8 µs faster a call than 32-wide
-# at 1 and 16 rows), and up to 16 rows a long K split further (the 8B's down: split 8, 0.4-1.3 µs faster than split
-# 4). False: session 28's tiles
-# (benchmarks/fp8.py's "-s28tiles" rows).
+# them: 64-wide column blocks for a weight as wide as the 8B's gate_up too (0.5-0.8 µs faster a call than 32-wide at
+# 1 and 16 rows; applied up to 64), and up to 16 rows a long K split further (the 8B's down: split 8, 0.4-1.3 µs
+# faster than split 4). The 8B shape end to end: 1.44 -> 1.48x bf16 at batch 1, 1.39 -> 1.42x at batch 16. False:
+# session 28's tiles (benchmarks/fp8.py's "-s28tiles" rows).
 DECODE_TILES_29 = True
 DECODE_MODE = "quantize"
 GEMV_MAX_WEIGHT = 32 << 20
