@@ -2,8 +2,8 @@
 the torch paths CPU runs: Qwen3's per-head q/k norms inside the rotary-and-store kernel, the routed experts with
 a token's experts partly held elsewhere (expert parallelism) through both align kernels, the routing kernels
 (router logits, the small align, softmax top-k fused with it), the routed sum fused with the residual add and the
-next norm, RMSNorm, silu_and_mul and paged attention writing their output quantized for an FP8 linear, the one-row output
-projection's matrix-vector kernel (`gemv_kernels`), a step's input copies and
+next norm, RMSNorm, silu_and_mul and paged attention writing their output quantized for an FP8 linear, the one-row
+output projection's matrix-vector kernel (`gemv_kernels`), a step's input copies and
 logits argmax (`set_rows`, `argmax`), and paged attention with its keys split over several programs. float32 (the interpreter's
 bf16 dot is not the GPU's: tests/test_gpu.py checks bf16 there). Its one interpreter process also runs the checks
 other modules keep beside their tests (`CHECKS`: the feed kernels, the GEMV, EAGLE's head inputs, the FP8 GEMM)."""

@@ -43,7 +43,7 @@ GROUP = 128                     # activation group and weight block width along 
 
 
 @triton.jit
-def _quantize_groups(x):
+def quantize_groups(x):
     """x [groups, 128] float32 -> (values [groups, 128] float32 within +-448, to be cast to float8_e4m3fn; scales
     [groups]): the numbers of every activation quantization here (`_quant_kernel`, the norm and activation
     kernels' quantized outputs in triton_kernels.py)."""
@@ -57,7 +57,7 @@ def store_quantized(y, q_ptr, s_ptr, c0, K, BLOCK: tl.constexpr):
     the activation dtype) stored quantized as `quantize_activations` stores them: float8 values at q_ptr + column,
     float32 scales at s_ptr + group (q_ptr, s_ptr: the row's starts; scales contiguous along the row)."""
     G: tl.constexpr = BLOCK // 128
-    q, s = _quantize_groups(tl.reshape(y.to(tl.float32), [G, 128]))
+    q, s = quantize_groups(tl.reshape(y.to(tl.float32), [G, 128]))
     g = c0 // 128 + tl.arange(0, G)
     col = g[:, None] * 128 + tl.arange(0, 128)[None, :]
     tl.store(q_ptr + col, q.to(q_ptr.dtype.element_ty), mask=col < K)
@@ -74,7 +74,7 @@ def _quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_sm, stri
     col = g[:, None] * GROUP_SIZE + c[None, :]
     ok = col < K
     x = tl.load(x_ptr + m * stride_x + col, mask=ok, other=0.0).to(tl.float32)
-    q, s = _quantize_groups(x)
+    q, s = quantize_groups(x)
     tl.store(q_ptr + m * stride_q + col, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + m * stride_sm + g * stride_sg, s, mask=g * GROUP_SIZE < K)
 
@@ -309,9 +309,10 @@ def tiles(M: int, N: int, K: int, sms: int) -> dict:
     projections at 1 and 16 rows, 10-20 % faster than 32-wide blocks); prefill: 64 x 128 tiles."""
     k_blocks = triton.cdiv(K, GROUP)
     if M <= 64 or (M <= VERIFY_MAX_M and triton.cdiv(N, 64) < 2 * sms):
-        # 64 wide unless that already makes two programs an SM (verification rows: such a weight goes to cuBLAS;
-        # decode rows: only before DECODE_TILES_29, when the 8B's gate_up ran 32 wide)
-        bn = 16 if N < 512 else 64 if triton.cdiv(N, 64) < 2 * sms or (DECODE_TILES_29 and M <= 64) else 32
+        # 64 wide (before DECODE_TILES_29, decode rows ran 32 wide where 64 made two programs an SM: the 8B's
+        # gate_up; verification rows never meet such a weight here, it goes to cuBLAS or the prefill tile)
+        narrow = not DECODE_TILES_29 and triton.cdiv(N, 64) >= 2 * sms
+        bn = 16 if N < 512 else 32 if narrow else 64
         bm = 16 if M <= 16 else 32 if M <= 32 else 64
         programs = triton.cdiv(M, 16 if M <= 64 else 64) * triton.cdiv(N, bn)
         split = 1

@@ -57,6 +57,14 @@ def fused_quant_wanted(x: torch.Tensor, w) -> bool:
     return fp8_kernels.fused_quant_wanted(x, w)
 
 
+def attention_quant_wanted(dv: int) -> bool:
+    """Whether paged attention with DV-wide values writes its output quantized (`paged_attention`'s `quantize`) for
+    an FP8 o that `fused_quant_wanted` already takes quantized: one 128-column group a head
+    (fp8_kernels.FUSE_ATTENTION_QUANT)."""
+    from . import fp8_kernels
+    return dv == fp8_kernels.GROUP and fp8_kernels.FUSE_ATTENTION_QUANT
+
+
 def linear_one_row(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` for the attention output projection (o): one row by a plain bf16/fp16 weight (not FP8, not
     float32) of at most gemv_kernels.ONE_ROW_MAX_WEIGHT elements, no bias, on CUDA runs `gemv_kernels.gemv`;

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .fp8_kernels import FP8Activation, _quantize_groups, quantized_rows, store_quantized
+from .fp8_kernels import FP8Activation, quantize_groups, quantized_rows, store_quantized
 
 
 def _pow2(n: int) -> int:
@@ -115,7 +115,7 @@ def _paged_attention_kernel(
     else:
         acc = acc / tl.maximum(l_i, 1e-30)[:, None]
         if QUANT:       # DV = 128: a (token, head)'s output is one 128-column group of o's input, quantized for it
-            q8, s8 = _quantize_groups(acc.to(out_ptr.dtype.element_ty).to(tl.float32))
+            q8, s8 = quantize_groups(acc.to(out_ptr.dtype.element_ty).to(tl.float32))
             tl.store(oq_ptr + tok[:, None] * stride_oq + head[:, None] * DV + dv[None, :],
                      q8.to(oq_ptr.dtype.element_ty), mask=m_ok[:, None])
             tl.store(os_ptr + tok * stride_os + head, s8, mask=m_ok)

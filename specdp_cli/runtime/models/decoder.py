@@ -203,9 +203,8 @@ class CausalLM:
         cos, sin = layer.rope or (self.cos, self.sin)
         ops.rope_and_store(qkv, cos, sin, meta, k_cache, v_cache, H, KV, D, head_norms)
         q = qkv[:, :H * D].view(N, H, D)
-        # an FP8 o at decode sizes may take its input quantized by the attention kernel (one 128-column group a
-        # head; fp8_kernels.FUSE_ATTENTION_QUANT)
-        quantize = v_cache.shape[-1] == 128 and self._fused_quant(qkv, layer.o) and _attention_quant()
+        # an FP8 o at decode sizes may take its input quantized by the attention kernel
+        quantize = self._fused_quant(qkv, layer.o) and ops.attention_quant_wanted(v_cache.shape[-1])
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window, layer.sinks, quantize)
         return self._row_parallel(out if quantize else out.reshape(N, -1), layer.o, layer.o_bias, o=True)
 
@@ -220,12 +219,6 @@ class CausalLM:
         full = self.tp.all_gather(local).view(self.tp.world, N, rows).transpose(0, 1).reshape(N, -1)
         full = full if full.shape[1] == self.vocab_size else full[:, :self.vocab_size]
         return full.contiguous() if out is None else out.copy_(full)
-
-
-def _attention_quant() -> bool:
-    """fp8_kernels.FUSE_ATTENTION_QUANT (asked only where an FP8 o runs on CUDA, so triton is there)."""
-    from ..fp8_kernels import FUSE_ATTENTION_QUANT
-    return FUSE_ATTENTION_QUANT
 
 
 def _padded_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
