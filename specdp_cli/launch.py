@@ -119,6 +119,12 @@ def threads_per_rank(device: str, per_machine: int) -> int:
     return max(1, (os.cpu_count() or 1) // per_machine)
 
 
+# what each rank runs after the interpreter, before RUN_DIR: `python -m specdp_cli.rank RUN_DIR` (accelerate takes
+# the same "-m MODULE"). The test suite's command forks (tests/cli_forks.py) set their own: a stand-in that has an
+# already-imported copy of the package forked to run the rank, saving each rank's seconds of imports.
+RANK_PROGRAM = ("-m", "specdp_cli.rank")
+
+
 def accelerate_command(cfg: Config, run_dir: RunDir, port: int, threads: int) -> list[str]:
     par = cfg.parallel
     world = world_size(par)               # processes: dp x tp
@@ -137,7 +143,7 @@ def accelerate_command(cfg: Config, run_dir: RunDir, port: int, threads: int) ->
             "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",
             "--rdzv_backend", "static", "--same_network", "--monitor_interval", "0.1",
             "--num_cpu_threads_per_process", str(threads),
-            "-m", "specdp_cli.rank", run_dir.path]
+            *RANK_PROGRAM, run_dir.path]
 
 
 def rank_env(cfg: Config) -> dict[str, str]:
@@ -177,7 +183,7 @@ class Ranks:
         threads = threads_per_rank(self.cfg.device if self.cfg.device != "auto" else "cpu", len(self.local_ranks))
         if world_size(self.cfg.parallel) == 1:
             # one rank needs no launcher (accelerate's --multi_gpu refuses a single process)
-            cmd = [sys.executable, "-m", "specdp_cli.rank", self.run_dir.path]
+            cmd = [sys.executable, *RANK_PROGRAM, self.run_dir.path]
             env.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "OMP_NUM_THREADS": str(threads)})
         else:
             cmd = accelerate_command(self.cfg, self.run_dir, self.port, threads)

@@ -3,10 +3,21 @@ it imports (torch, transformers: about 4 of the ~12 CPU-seconds a 2-rank launch 
 of itself for each command; the copy sets the test's environment, working folder and argv, sends its output to
 files and runs `specdp_cli.cli.main`, a process of its own (the ranks it starts are fresh ones, as always).
 
+The ranks such a command starts are forked from the helper too (nearly all of a launch's CPU time was its ranks'
+imports: about 5 CPU-seconds each, against 0.1 left after the fork). accelerate (or the command, for one rank) starts
+`python tests/cli_forks.py --rank RUN_DIR` in the rank's place (launch.RANK_PROGRAM, set in the command's fork): a
+stand-in of a few milliseconds that hands the helper its environment, working folder and standard streams. The
+helper forks a keeper, the keeper forks the rank (`specdp_cli.rank.main`, in a session of its own as a launched rank
+is) and reports its exit status; the stand-in passes on the signals it gets and leaves as the rank did, so accelerate
+and the command see what a rank of their own would have done. A stand-in that dies takes its rank with it. The rank
+is not the stand-in's child: a test that finds ranks among a command's processes, or stops them by signal, asks for
+real ones (SPECDP_TEST_REAL_RANKS=1 in the command's environment).
+
 `FORKS.run(args, env, cwd, timeout)` -> (returncode, stdout, stderr); a command still running after `timeout` is
 killed and `subprocess.TimeoutExpired` raised, as `subprocess.run` does. `FORKS.start(args, env, cwd)` -> the
 running command, used as a `subprocess.Popen` is (a server). `python tests/cli_forks.py SOCKET` is the helper: it
-listens on the Unix socket SOCKET and leaves when its stdin closes (the test process is gone).
+listens on the Unix socket SOCKET (commands) and SOCKET.rank (ranks) and leaves when its stdin closes (the test
+process is gone).
 """
 from __future__ import annotations
 
@@ -22,10 +33,15 @@ import sys
 import tempfile
 import threading
 
-# what a `generate` / `validate config` command imports on its way (the rest it imports itself)
+# what a `generate` / `validate config` command imports on its way (the rest it imports itself), and with it nearly
+# all a rank imports (torch, torch.distributed, the tokenizers' backend). Nothing whose import reads the environment
+# a test may set (Triton's kernels read TRITON_INTERPRET): a rank imports those after the fork, in its own environment.
 PRELOAD = ("specdp_cli.cli", "specdp_cli.jobs.run_generate", "specdp_cli.launch", "specdp_cli.preflight",
            "transformers", "transformers.tokenization_utils_base", "transformers.tokenization_utils_tokenizers",
-           "transformers.models.auto.tokenization_auto", "specdp_cli.server.run", "specdp_cli.server.app")
+           "transformers.models.auto.tokenization_auto", "specdp_cli.server.run", "specdp_cli.server.app",
+           "torch.distributed")
+REAL_RANKS = "SPECDP_TEST_REAL_RANKS"          # in a command's environment: its ranks start as launched ones do
+RANK_SOCKET = "SPECDP_TEST_RANK_FORKS"         # in a command's environment: where its ranks' stand-ins connect
 
 
 def _send(sock: socket.socket, obj) -> None:
@@ -65,6 +81,10 @@ class Forks:
                 assert self._proc.stdout.readline() == b"ready\n", "the command's fork helper did not start"
             return self._path
 
+    def rank_socket(self) -> str:
+        """Where the ranks' stand-ins connect (the helper started if it was not)."""
+        return self._started() + ".rank"
+
     def start(self, args: list[str], env: dict, cwd: str) -> "Forked":
         """`specdp ARGS` started: a process used as a `subprocess.Popen` is."""
         out_dir = tempfile.mkdtemp(prefix="specdp-cli-out-")
@@ -84,6 +104,25 @@ class Forks:
             raise subprocess.TimeoutExpired(proc.args, timeout, out, err) from None
         out, err = proc.communicate()
         return proc.returncode, out, err
+
+
+_LAUNCHED: tuple | None = None           # launch.RANK_PROGRAM as the package has it
+
+
+def fork_ranks(rank_socket: str | None) -> None:
+    """The commands this process runs from now on start their ranks as forks of the helper listening on
+    `rank_socket` (its stand-in where each rank would be), or with None as `specdp` itself does."""
+    global _LAUNCHED
+    import specdp_cli.launch as launch
+
+    if _LAUNCHED is None:
+        _LAUNCHED = launch.RANK_PROGRAM
+    if rank_socket is None:
+        launch.RANK_PROGRAM = _LAUNCHED
+        os.environ.pop(RANK_SOCKET, None)
+    else:
+        launch.RANK_PROGRAM = (os.path.abspath(__file__), "--rank")
+        os.environ[RANK_SOCKET] = rank_socket
 
 
 class Forked:
@@ -169,13 +208,17 @@ def _serve(path: str) -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)           # the forks are reaped by the system
-    listener = socket.socket(socket.AF_UNIX)
-    listener.bind(path)
-    listener.listen(16)
+    listeners = {}
+    for kind, where in (("command", path), ("rank", path + ".rank")):
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(where)
+        listener.listen(16)
+        listeners[kind] = listener
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ)
+    for kind, listener in listeners.items():
+        sel.register(listener, selectors.EVENT_READ, kind)
     sel.register(sys.stdin, selectors.EVENT_READ)
     while True:
         for key, _ in sel.select():
@@ -183,15 +226,18 @@ def _serve(path: str) -> None:
                 if not sys.stdin.buffer.read1(1):
                     return
                 continue
-            conn, _ = listener.accept()
+            conn, _ = key.fileobj.accept()
             if os.fork() == 0:
                 sel.close()
-                listener.close()
-                _command(conn)                              # never returns
+                for listener in listeners.values():
+                    listener.close()
+                if key.data == "rank":
+                    _keep_rank(conn)                        # never returns
+                _command(conn, path + ".rank")              # never returns
             conn.close()
 
 
-def _command(conn: socket.socket) -> None:
+def _command(conn: socket.socket, rank_socket: str) -> None:
     """In a fork: run the command of the request on `conn`, then leave with its exit status."""
     code = 1
     try:
@@ -199,6 +245,7 @@ def _command(conn: socket.socket) -> None:
         req = _recv(conn)
         os.environ.clear()
         os.environ.update(req["env"])
+        fork_ranks(None if os.environ.get(REAL_RANKS) == "1" else rank_socket)
         tempfile.tempdir = None                             # TMPDIR is read again
         os.chdir(req["cwd"])
         null = os.open(os.devnull, os.O_RDONLY)
@@ -231,6 +278,85 @@ def _command(conn: socket.socket) -> None:
             os._exit(code)
 
 
+def _keep_rank(conn: socket.socket) -> None:
+    """In a fork (the keeper): fork the rank a stand-in asked for (`_stand_in`), tell it the rank's pid, then its exit
+    status; kill the rank should the stand-in go first."""
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _, fds, _, _ = socket.recv_fds(conn, 1, 3)        # the stand-in's stdin, stdout, stderr
+        req = _recv(conn)
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            _rank(req, fds)                                 # never returns
+        for fd in fds:
+            os.close(fd)
+        _send(conn, pid)
+        ended = os.pidfd_open(pid)
+        ready = select.select([conn, ended], [], [])[0]
+        if ended not in ready:                              # the stand-in is gone (its end of the link closed)
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        if ended in ready:
+            _send(conn, os.waitstatus_to_exitcode(status))  # -N: killed by signal N
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def _rank(req: dict, fds: list[int]) -> None:
+    """In the keeper's fork: become the rank, as `python -m specdp_cli.rank RUN_DIR` started there would be."""
+    code = 1
+    try:
+        os.setsid()                                         # a launched rank runs in a session of its own
+        os.environ.clear()
+        os.environ.update(req["env"])
+        tempfile.tempdir = None
+        os.chdir(req["cwd"])
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        sys.argv = [os.path.abspath(__file__), *req["argv"]]
+        from specdp_cli.rank import main
+
+        main(req["argv"])                                   # leaves the process itself
+    except BaseException:  # noqa: BLE001 - in the rank's stderr, as an uncaught error would be
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _stand_in(argv: list[str]) -> None:
+    """`python tests/cli_forks.py --rank RUN_DIR`, started where a rank would be: the helper forks the rank; this
+    process passes on the signals it gets and leaves as the rank did."""
+    sock = socket.socket(socket.AF_UNIX)
+    sock.connect(os.environ[RANK_SOCKET])
+    socket.send_fds(sock, [b"R"], [0, 1, 2])
+    _send(sock, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()})
+    pid = _recv(sock)
+
+    def pass_on(signum, _frame):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, pass_on)
+    code = _recv(sock)
+    if code is None:                                        # the keeper is gone: as a rank killed outright
+        code = -signal.SIGKILL
+    if code < 0:                                            # the rank was killed by a signal: so is this process
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--rank":
+        _stand_in(sys.argv[2:])
     sys.path[0] = os.getcwd()                      # as `python -m specdp_cli` run here has it (not tests/)
     _serve(sys.argv[1])

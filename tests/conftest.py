@@ -61,6 +61,26 @@ def interpreted_kernels_ahead(request, temp_dir_inside_pytests):
     run.kill()                  # a session that ended before the test (-x, Ctrl-C) leaves nothing running
 
 
+@pytest.fixture(scope="session", autouse=True)
+def ranks_forked():
+    """Commands run inside the test process (typer's CliRunner) start their ranks as forks of cli_forks' helper, as
+    the commands it forks do: each skips its seconds of imports. SPECDP_TEST_REAL_RANKS=1 (set when the command
+    starts) launches real ones."""
+    import specdp_cli.launch as launch
+    from cli_forks import FORKS, REAL_RANKS, fork_ranks
+
+    start = launch.Ranks.start
+
+    def start_forked(self):
+        fork_ranks(None if os.environ.get(REAL_RANKS) == "1" else FORKS.rank_socket())
+        start(self)
+
+    launch.Ranks.start = start_forked
+    yield
+    launch.Ranks.start = start
+    fork_ranks(None)
+
+
 @pytest.fixture(scope="module")
 def launches():
     """This module's `dp_util.Launches`: tests' commands started ahead by the module's fixtures, all ended with it."""

@@ -825,7 +825,7 @@ def tp_jobs(request, tmp_path_factory, models, launches) -> dict:
 
         tmp, port = tmp_path_factory.mktemp("tp_serve"), free_port()
         cfg = server_config(tmp, models, port, parallel={"data_parallel_size": 1, "tensor_parallel_size": 2})
-        start_server_ahead(request, launches, "server", cfg, port)
+        start_server_ahead(request, launches, "server", cfg, port, SPECDP_TEST_REAL_RANKS="1")   # ranks() finds them
         jobs["server"] = (tmp, cfg, port)
     fixture = request.getfixturevalue
     for p in selected(request, "test_tp2_generate_equals_transformers"):
