@@ -56,10 +56,9 @@ def apply_mode(mode: str | None) -> None:
     rows 65-127 on the prefill tile, not the verification rows' tiles (fp8_kernels.VERIFY_MAX_M; session 27's path);
     "-attnquant": o's input quantized by the attention kernel, not by its own (fp8_kernels.FUSE_ATTENTION_QUANT;
     the default since session 29), "-noattnquant": by its own; "-s28tiles": the decode tiles before session 29
-    (fp8_kernels.DECODE_TILES_29); "-tma": decode rows' weight tiles read by the tensor memory accelerator
-    (fp8_kernels.TMA_WEIGHTS), "-notma": by the threads' loads."""
+    (fp8_kernels.DECODE_TILES_29)."""
     from specdp_cli.runtime import fp8_kernels, pdl, triton_kernels
-    for name in ("CUBLAS_FROM_M", "VERIFY_MAX_M", "FUSE_ATTENTION_QUANT", "DECODE_TILES_29", "TMA_WEIGHTS"):
+    for name in ("CUBLAS_FROM_M", "VERIFY_MAX_M", "FUSE_ATTENTION_QUANT", "DECODE_TILES_29"):
         DEFAULTS.setdefault(name, getattr(fp8_kernels, name))
     base, *off = (mode or "bf16").split("-")
     off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
@@ -76,7 +75,6 @@ def apply_mode(mode: str | None) -> None:
     fp8_kernels.CUBLAS_FROM_M = 65 if "cublas" in off else DEFAULTS["CUBLAS_FROM_M"]
     fp8_kernels.VERIFY_MAX_M = 64 if "noverify" in off else DEFAULTS["VERIFY_MAX_M"]
     fp8_kernels.DECODE_TILES_29 = DEFAULTS["DECODE_TILES_29"] and "s28tiles" not in off
-    fp8_kernels.TMA_WEIGHTS = ("tma" in off or DEFAULTS["TMA_WEIGHTS"]) and "notma" not in off
 
 
 def agreement(outs: list[list[int]], ref: list[list[int]]) -> dict:

@@ -65,17 +65,13 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-stages", action="store_true",
                     help="only the decode GEMM's tiles with their pipeline depth, cold weights (sweep_stages)")
-    ap.add_argument("--tma", default="",
-                    help="only the decode GEMM at these row counts, weight tiles by thread loads against the tensor "
-                         "memory accelerator, over tiles, cold weights (sweep_tma)")
     ap.add_argument("--sweep-rows", default="",
                     help="only the GEMM's tiles at these row counts against bf16 and cuBLAS, cold weights (sweep_rows)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
-    if a.sweep_stages or a.sweep_rows or a.tma:
-        sweep = sweep_stages(dev) if a.sweep_stages else sweep_tma(dev, [int(m) for m in a.tma.split(",")]) if a.tma \
-            else sweep_rows(dev, [int(m) for m in a.sweep_rows.split(",")])
+    if a.sweep_stages or a.sweep_rows:
+        sweep = sweep_stages(dev) if a.sweep_stages else sweep_rows(dev, [int(m) for m in a.sweep_rows.split(",")])
         with open(a.json, "w") as fh:
             json.dump({"meta": {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                 "triton": triton.__version__, "argv": sys.argv[1:]}, "sweep": sweep}, fh, indent=1)
@@ -196,50 +192,6 @@ def sweep_stages(dev) -> list[dict]:
             best = min(found, key=lambda r: r["us"])
             print(f"{name:<12}{M:>4}{found[0]['us']:>12.1f}{best['us']:>9.1f}{best['GBps']:>11.0f}  "
                   f"BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} stages {best['stages']}", flush=True)
-        ws_ = None
-        torch.cuda.empty_cache()
-    return out
-
-
-def sweep_tma(dev, row_counts: list[int]) -> list[dict]:
-    """The decode GEMM (activations quantized before it) at `row_counts` rows, each projection's weight tiles read by
-    the threads' loads (cp.async) and by the tensor memory accelerator (fp8_kernels.TMA_WEIGHTS): the default tile
-    and BLOCK_N x split K x stages, cold weights."""
-    out = []
-    print(f"{'shape':<12}{'M':>4}{'loads us':>10}{'TMA us':>8}{'best loads':>12}{'best TMA':>10}  best TMA tile")
-    for name in ("8b.qkv", "8b.o", "8b.gate_up", "8b.down"):
-        N, K = SHAPES[name]
-        copies = cold_copies(N, K)
-        ws_ = [quantize_blocks(torch.randn(N, K, device=dev) / 30) for _ in range(copies)]
-        for M in row_counts:
-            x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-            x_q, x_s = fk.quantize_activations(x)
-            default = fk.tiles(M, N, K, fk._num_sms(dev))
-            tried = [dict(default, label="default")]
-            for bn in (32, 64, 128):
-                for split in (1, 2, 4, 8):
-                    tried.append(dict(default, BLOCK_N=bn, SPLIT=split, stages=4))
-            found = []
-            for tma in (False, True):
-                fk.TMA_WEIGHTS = tma
-                for t in tried:
-                    try:
-                        ms = cold(lambda i: fk.block_fp8_gemm(x_q, ws_[i][0], ws_[i][1], 128, x_scale=x_s, tile=t,
-                                                              out_dtype=torch.bfloat16), copies)
-                    except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
-                        print(f"skip {t} tma={tma}: {type(e).__name__}: {str(e)[:200]}")
-                        continue
-                    found.append({"shape": name, "M": M, "tma": tma, **t, "us": ms * 1e3, "GBps": N * K / ms / 1e6})
-            fk.TMA_WEIGHTS = False
-            out += found
-
-            def pick(tma, label=None):
-                rows = [r for r in found if r["tma"] == tma and (label is None or r.get("label") == label)]
-                return min(rows, key=lambda r: r["us"]) if rows else {"us": float("nan")}
-            bt = pick(True)
-            print(f"{name:<12}{M:>4}{pick(False, 'default')['us']:>10.1f}{pick(True, 'default')['us']:>8.1f}"
-                  f"{pick(False)['us']:>12.1f}{bt['us']:>10.1f}  BLOCK_N {bt.get('BLOCK_N')} split {bt.get('SPLIT')} "
-                  f"stages {bt.get('stages')}", flush=True)
         ws_ = None
         torch.cuda.empty_cache()
     return out

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -850,23 +850,6 @@ s29c)
     || tail -20 "$out/fp8_8b.log"
   sed -n '/^method /,$p' "$out/fp8_8b.log"
   [ "${GPU_TEST_S:-40}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-40} ? $(left) : ${GPU_TEST_S:-40} )) python3 -m pytest \
-    -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_gemm_matches_reference}" \
-    > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
-  ;;
-s30)
-  # session 30: the decode GEMM's weight tiles by the tensor memory accelerator (fp8_kernels.TMA_WEIGHTS) against
-  # the threads' loads, kernel by kernel (fp8_gemm.py --tma, cold weights), then the 8B shape end to end
-  # (none at batch 1 and 16, `-tma` rows), then the GEMM's GPU test
-  end=$((SECONDS + ${LIMIT:-400}))
-  widen || exit 1
-  [ "${SWEEP_S:-200}" != 0 ] && { timeout $(( $(left) < ${SWEEP_S:-200} ? $(left) : ${SWEEP_S:-200} )) python3 \
-    benchmarks/fp8_gemm.py --tma ${ROWS:-1,16,80} --json "$out/fp8_gemm_tma.json" > "$out/fp8_gemm_tma.log" 2>&1; \
-    grep -v "^skip" "$out/fp8_gemm_tma.log" | tail -14; }
-  [ "${FP8_S:-150}" != 0 ] && { timeout $(( $(left) < ${FP8_S:-150} ? $(left) : ${FP8_S:-150} )) python3 benchmarks/fp8.py \
-    --pair $P --target $W/target --label 8b-shape --methods ${METHODS:-none} --prompts 16 --batch1-prompts 8 \
-    --batches 1,16 --repeats 3 --decode-modes ${MODES:-quantize,quantize-tma} --json "$out/fp8_8b.json" \
-    > "$out/fp8_8b.log" 2>&1 || tail -20 "$out/fp8_8b.log"; sed -n '/^method /,$p' "$out/fp8_8b.log"; }
-  [ "${GPU_TEST_S:-0}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S} ? $(left) : ${GPU_TEST_S} )) python3 -m pytest \
     -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_gemm_matches_reference}" \
     > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
   ;;

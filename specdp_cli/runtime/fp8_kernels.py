@@ -29,13 +29,11 @@ unless pdl.GEMM_TRIGGER says otherwise.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import pdl
 
@@ -124,12 +122,12 @@ class FP8Activation(NamedTuple):
 
 
 @triton.jit
-def _gemm_kernel(a_ptr, as_ptr, b_ptr, b_desc, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_ptr, M, N, K, k_blocks_per_split,
+def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_ptr, M, N, K, k_blocks_per_split,
                  n_splits, stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm,
                  stride_ym, prefetch_bytes, B_ROWS: tl.constexpr, A_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, TICKET: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr, TMA: tl.constexpr):
+                 PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr):
     # program -> (row block, column block), grouped so that GROUP_M row blocks share the weights in L2
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -158,13 +156,7 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, b_desc, bs_ptr, bias_ptr, c_ptr, y_ptr, t
     pdl.wait_previous(PDL)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(kb0, tl.minimum(kb0 + k_blocks_per_split, tl.cdiv(K, BLOCK_K))):
-        if TMA:          # the weight tile [BLOCK_N, BLOCK_K] by the tensor memory accelerator (zeros past N, K)
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=m_ok[:, None] & (kb * BLOCK_K + k < K)[None, :], other=0.0)
-            b = tl.trans(b_desc.load([pid_n * BLOCK_N, kb * BLOCK_K]))
-        elif EVEN_K:
+        if EVEN_K:
             a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
             b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
@@ -352,18 +344,6 @@ def prefetch_bytes(programs: int, block_n: int, row_bytes: int) -> int:
     return min(row_bytes, per_row)
 
 
-# The weight tiles read by Hopper's tensor memory accelerator (a host-built descriptor, one bulk copy a tile) instead
-# of every thread's loads. Off until measured (benchmarks/fp8_gemm.py --tma).
-TMA_WEIGHTS = False
-
-
-def _tma_supported(device: torch.device) -> bool:
-    """Hopper or newer (or Triton's interpreter, where the descriptor is emulated)."""
-    if device.type != "cuda":
-        return os.environ.get("TRITON_INTERPRET") == "1"
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows: int,
                    bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, tile: dict | None = None, mode: str = "fused") -> torch.Tensor:
@@ -392,16 +372,14 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
     aligned = K % GROUP == 0 and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
     prefetch = prefetch_bytes(grid[0] * grid[1], t["BLOCK_N"], per_split * GROUP * weight.element_size()) \
         if launch["PDL"] and pdl.PREFETCH and M <= 64 and aligned else 0
-    tma = TMA_WEIGHTS and aligned and _tma_supported(x.device)
-    b_desc = TensorDescriptor.from_tensor(weight, [t["BLOCK_N"], GROUP]) if tma else weight
-    _gemm_kernel[grid](x, a_s, weight, b_desc, scale, bias if bias is not None else scale, c, out,
+    _gemm_kernel[grid](x, a_s, weight, scale, bias if bias is not None else scale, c, out,
                        tickets if tickets is not None else scale, M, N, K, per_split, split,
                        x.stride(0), a_s.stride(0), a_s.stride(1), weight.stride(0), scale.stride(0), scale.stride(1),
                        c.stride(0) if split > 1 else 0, c.stride(-2), out.stride(0), prefetch,
                        B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None, SPLIT=split > 1,
                        TICKET=tickets is not None, EVEN_K=K % GROUP == 0, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
                        BLOCK_K=GROUP, GROUP_M=t["GROUP_M"], PREFETCH=prefetch > 0, LANES=32 * t["warps"],
-                       TMA=tma, num_warps=t["warps"], num_stages=t["stages"], **launch)
+                       num_warps=t["warps"], num_stages=t["stages"], **launch)
     if split > 1 and tickets is None:
         BLOCK = 1024
         _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](c, bias if bias is not None else c, out, M * N, N,
