@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -852,6 +852,32 @@ s29c)
   [ "${GPU_TEST_S:-40}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-40} ? $(left) : ${GPU_TEST_S:-40} )) python3 -m pytest \
     -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_gemm_matches_reference}" \
     > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
+  ;;
+s30serve)
+  # session 30: where the served rank's steps lose against offline (issue 33): serve_bench.py --interleave (codepair,
+  # METHODS, ROUNDS rounds) with py-spy sampling every process it starts (--subprocesses, --nonblocking: never paused);
+  # collapsed stacks in OUT/pyspy_METHOD.txt (benchmarks/pyspy_steps.py reads them). Needs py-spy's wheel in .whl/.
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/pyspy .whl/py_spy-*.whl || exit 1
+  for m in ${METHODS:-none}; do
+    timeout ${SPY_S:-200} /tmp/pyspy/bin/py-spy record --subprocesses --nonblocking --rate ${RATE:-250} --format raw \
+      -o "$out/pyspy_$m.txt" -- python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers 4 \
+      --rounds ${ROUNDS:-5} --interleave --rank-cpu ${RANK_CPU:-3} --label spy --work /tmp/sw30_$m \
+      --json "$out/serve_$m.json" > "$out/serve_$m.log" 2>&1; tail -3 "$out/serve_$m.log"
+    python3 benchmarks/pyspy_steps.py "$out/pyspy_$m.txt" --top ${TOP:-150} --json "$out/pyspy_steps_$m.json" \
+      > "$out/pyspy_steps_$m.log" 2>&1; head -c 3000 "$out/pyspy_steps_$m.log"
+    gzip -9 "$out/pyspy_$m.txt"
+  done
+  ;;
+s30core)
+  # session 30: served against offline (codepair, METHODS, ROUNDS interleaved rounds) with the rank's hyperthread
+  # siblings left to the frontend and clients (--share-core, as before) and kept free (the new default), in turn
+  cat /sys/devices/system/cpu/cpu${RANK_CPU:-3}/topology/thread_siblings_list; lscpu | grep -i "thread\|core\|socket" | head -4
+  for i in $(seq ${PAIRS:-1}); do for m in ${METHODS:-none}; do for c in share own; do
+    timeout ${SERVE_S:-90} python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers 4 \
+      --rounds ${ROUNDS:-5} --interleave --rank-cpu ${RANK_CPU:-3} $([ $c = share ] && echo --share-core) --label $c \
+      --work /tmp/sw30_${m}_$c --json "$out/serve_${m}_${c}_$i.json" > "$out/serve_${m}_${c}_$i.log" 2>&1
+    tail -1 "$out/serve_${m}_${c}_$i.log" | sed "s/^/$c $i /"
+  done; done; done
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

@@ -100,6 +100,20 @@ def steps_so_far(url: str) -> dict[str, float]:
             for key, name in STEP_COUNTS.items()}
 
 
+def core_of(cpu: int) -> list[int]:
+    """`cpu` and its hyperthread siblings (the CPUs of its physical core), as Linux lists them."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as fh:
+            text = fh.read().strip()
+    except OSError:
+        return [cpu]
+    out = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out += range(int(lo), int(hi or lo) + 1)
+    return out
+
+
 def pin(pid: int, cpus: set[int]) -> None:
     """Every thread of process `pid` on `cpus` (sched_setaffinity takes one thread at a time)."""
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -296,13 +310,17 @@ def main() -> None:
                     help="the served ranks and the offline process on this CPU (taking turns with --interleave), "
                          "everything else on the others: both sides on the same CPU, where on the H200 machines one "
                          "process's speed depended on the CPU it ran on, up to 2x")
+    ap.add_argument("--share-core", action="store_true",
+                    help="with --rank-cpu: leave the rank CPU's hyperthread siblings to everything else (before "
+                         "session 30; by default nothing else runs on the rank's physical core)")
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--label", default="")
     ap.add_argument("--work", required=True)
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
-    if a.rank_cpu is not None:
-        os.sched_setaffinity(0, os.sched_getaffinity(0) - {a.rank_cpu})     # this process and what it starts
+    a.rank_core = [] if a.rank_cpu is None else [a.rank_cpu] if a.share_core else core_of(a.rank_cpu)
+    if a.rank_cpu is not None:      # this process and what it starts (the server, its frontend; not its ranks)
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - set(a.rank_core))
     a.pair = os.path.abspath(a.pair)
     a.client_workers = [int(w) for w in a.client_workers.split(",")]
     a.target = os.path.abspath(a.target) if a.target else None
@@ -344,7 +362,7 @@ def main() -> None:
             rs.sort(key=lambda r: r["output_throughput"])
             r = rs[len(rs) // 2]
             row = {"label": a.label, "method": method, "caching": caching, "dp": a.dp, "prefix": a.prefix,
-                   "api_servers": a.api_servers, "rank_cpu": a.rank_cpu,
+                   "api_servers": a.api_servers, "rank_cpu": a.rank_cpu, "rank_core": a.rank_core,
                    "client_workers": workers, "processes": a.processes,
                    "served_tok_s": r["output_throughput"], "offline_tok_s": off,
                    "served_rounds_tok_s": [x["output_throughput"] for x in rs],
