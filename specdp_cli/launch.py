@@ -120,9 +120,11 @@ def threads_per_rank(device: str, per_machine: int) -> int:
 
 
 # what each rank runs after the interpreter, before RUN_DIR: `python -m specdp_cli.rank RUN_DIR` (accelerate takes
-# the same "-m MODULE"). The test suite's command forks (tests/cli_forks.py) set their own: a stand-in that has an
-# already-imported copy of the package forked to run the rank, saving each rank's seconds of imports.
+# the same "-m MODULE"), and what starts the ranks of several: `python -m accelerate.commands.launch OPTIONS`. The
+# test suite's command forks (tests/cli_forks.py) set their own: stand-ins that have an already-imported copy of the
+# process forked to do the work, saving each process its seconds of imports.
 RANK_PROGRAM = ("-m", "specdp_cli.rank")
+LAUNCHER = ("-m", "accelerate.commands.launch")
 
 
 def accelerate_command(cfg: Config, run_dir: RunDir, port: int, threads: int) -> list[str]:
@@ -137,7 +139,7 @@ def accelerate_command(cfg: Config, run_dir: RunDir, port: int, threads: int) ->
     cfg_file = run_dir.file("accelerate.yaml")
     with open(cfg_file, "w") as fh:
         yaml.safe_dump(acc, fh)
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", cfg_file,
+    return [sys.executable, *LAUNCHER, "--config_file", cfg_file,
             "--multi_gpu", "--num_processes", str(world), "--num_machines", str(par.num_machines),
             "--machine_rank", str(par.machine_rank), "--main_process_ip", par.main_process_ip,
             "--main_process_port", str(port), "--mixed_precision", "no", "--dynamo_backend", "no",

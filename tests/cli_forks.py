@@ -3,21 +3,23 @@ it imports (torch, transformers: about 4 of the ~12 CPU-seconds a 2-rank launch 
 of itself for each command; the copy sets the test's environment, working folder and argv, sends its output to
 files and runs `specdp_cli.cli.main`, a process of its own (the ranks it starts are fresh ones, as always).
 
-The ranks such a command starts are forked from the helper too (nearly all of a launch's CPU time was its ranks'
-imports: about 5 CPU-seconds each, against 0.1 left after the fork). accelerate (or the command, for one rank) starts
-`python tests/cli_forks.py --rank RUN_DIR` in the rank's place (launch.RANK_PROGRAM, set in the command's fork): a
-stand-in of a few milliseconds that hands the helper its environment, working folder and standard streams. The
-helper forks a keeper, the keeper forks the rank (`specdp_cli.rank.main`, in a session of its own as a launched rank
-is) and reports its exit status; the stand-in passes on the signals it gets and leaves as the rank did, so accelerate
-and the command see what a rank of their own would have done. A stand-in that dies takes its rank with it. The rank
-is not the stand-in's child: a test that finds ranks among a command's processes, or stops them by signal, asks for
-real ones (SPECDP_TEST_REAL_RANKS=1 in the command's environment).
+The ranks such a command starts, and accelerate's launcher that starts them, are forked from the helper too (nearly
+all of a launch's CPU time was their imports: about 5 CPU-seconds a rank and 2.5 the launcher, against 0.1 left
+after the fork). The command starts `python tests/cli_forks.py --launcher OPTIONS` in the launcher's place
+(launch.LAUNCHER, set in the command's fork), and the launcher (or the command, for one rank) `python
+tests/cli_forks.py --rank RUN_DIR` in a rank's (launch.RANK_PROGRAM): a stand-in of a few milliseconds that hands
+the helper its environment, working folder and standard streams. The helper forks a keeper, the keeper forks the
+rank (`specdp_cli.rank.main`) or the launcher (`accelerate.commands.launch` as __main__), in a session of its own as
+a launched one is, and reports its exit status; the stand-in passes on the signals it gets and leaves as the fork
+did, so the launcher and the command see what processes of their own would have done. A stand-in that dies takes its
+fork with it. The fork is not the stand-in's child: a test that finds ranks among a command's processes, or stops
+them by signal, asks for real ones (SPECDP_TEST_REAL_RANKS=1 in the command's environment).
 
 `FORKS.run(args, env, cwd, timeout)` -> (returncode, stdout, stderr); a command still running after `timeout` is
 killed and `subprocess.TimeoutExpired` raised, as `subprocess.run` does. `FORKS.start(args, env, cwd)` -> the
 running command, used as a `subprocess.Popen` is (a server). `python tests/cli_forks.py SOCKET` is the helper: it
-listens on the Unix socket SOCKET (commands) and SOCKET.rank (ranks) and leaves when its stdin closes (the test
-process is gone).
+listens on the Unix socket SOCKET (commands) and SOCKET.rank (ranks, launchers) and leaves when its stdin closes
+(the test process is gone).
 """
 from __future__ import annotations
 
@@ -39,9 +41,9 @@ import threading
 PRELOAD = ("specdp_cli.cli", "specdp_cli.jobs.run_generate", "specdp_cli.launch", "specdp_cli.preflight",
            "transformers", "transformers.tokenization_utils_base", "transformers.tokenization_utils_tokenizers",
            "transformers.models.auto.tokenization_auto", "specdp_cli.server.run", "specdp_cli.server.app",
-           "torch.distributed")
+           "torch.distributed", "accelerate.commands.launch")
 REAL_RANKS = "SPECDP_TEST_REAL_RANKS"          # in a command's environment: its ranks start as launched ones do
-RANK_SOCKET = "SPECDP_TEST_RANK_FORKS"         # in a command's environment: where its ranks' stand-ins connect
+RANK_SOCKET = "SPECDP_TEST_RANK_FORKS"         # in a command's environment: where its stand-ins connect
 
 
 def _send(sock: socket.socket, obj) -> None:
@@ -106,7 +108,7 @@ class Forks:
         return proc.returncode, out, err
 
 
-_LAUNCHED: tuple | None = None           # launch.RANK_PROGRAM as the package has it
+_LAUNCHED: tuple | None = None           # launch.RANK_PROGRAM and launch.LAUNCHER as the package has them
 
 
 def fork_ranks(rank_socket: str | None) -> None:
@@ -116,12 +118,13 @@ def fork_ranks(rank_socket: str | None) -> None:
     import specdp_cli.launch as launch
 
     if _LAUNCHED is None:
-        _LAUNCHED = launch.RANK_PROGRAM
+        _LAUNCHED = (launch.RANK_PROGRAM, launch.LAUNCHER)
     if rank_socket is None:
-        launch.RANK_PROGRAM = _LAUNCHED
+        launch.RANK_PROGRAM, launch.LAUNCHER = _LAUNCHED
         os.environ.pop(RANK_SOCKET, None)
     else:
         launch.RANK_PROGRAM = (os.path.abspath(__file__), "--rank")
+        launch.LAUNCHER = (os.path.abspath(__file__), "--launcher")
         os.environ[RANK_SOCKET] = rank_socket
 
 
@@ -232,7 +235,7 @@ def _serve(path: str) -> None:
                 for listener in listeners.values():
                     listener.close()
                 if key.data == "rank":
-                    _keep_rank(conn)                        # never returns
+                    _keep(conn)                        # never returns
                 _command(conn, path + ".rank")              # never returns
             conn.close()
 
@@ -278,9 +281,9 @@ def _command(conn: socket.socket, rank_socket: str) -> None:
             os._exit(code)
 
 
-def _keep_rank(conn: socket.socket) -> None:
-    """In a fork (the keeper): fork the rank a stand-in asked for (`_stand_in`), tell it the rank's pid, then its exit
-    status; kill the rank should the stand-in go first."""
+def _keep(conn: socket.socket) -> None:
+    """In a fork (the keeper): fork the rank or launcher a stand-in asked for (`_stand_in`), tell it the fork's pid,
+    then its exit status; kill the fork should the stand-in go first."""
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -289,7 +292,7 @@ def _keep_rank(conn: socket.socket) -> None:
         pid = os.fork()
         if pid == 0:
             conn.close()
-            _rank(req, fds)                                 # never returns
+            _become(req, fds)                               # never returns
         for fd in fds:
             os.close(fd)
         _send(conn, pid)
@@ -305,11 +308,12 @@ def _keep_rank(conn: socket.socket) -> None:
         os._exit(code)
 
 
-def _rank(req: dict, fds: list[int]) -> None:
-    """In the keeper's fork: become the rank, as `python -m specdp_cli.rank RUN_DIR` started there would be."""
+def _become(req: dict, fds: list[int]) -> None:
+    """In the keeper's fork: become the rank (`python -m specdp_cli.rank RUN_DIR`) or the launcher (`python -m
+    accelerate.commands.launch OPTIONS`) as started where the stand-in was."""
     code = 1
     try:
-        os.setsid()                                         # a launched rank runs in a session of its own
+        os.setsid()           # a launched rank runs in a session of its own; so does the launcher (the command's)
         os.environ.clear()
         os.environ.update(req["env"])
         tempfile.tempdir = None
@@ -318,24 +322,37 @@ def _rank(req: dict, fds: list[int]) -> None:
             os.dup2(fd, target)
             os.close(fd)
         sys.argv = [os.path.abspath(__file__), *req["argv"]]
-        from specdp_cli.rank import main
+        if req["kind"] == "rank":
+            from specdp_cli.rank import main
 
-        main(req["argv"])                                   # leaves the process itself
-    except BaseException:  # noqa: BLE001 - in the rank's stderr, as an uncaught error would be
+            main(req["argv"])                               # leaves the process itself
+        else:
+            import runpy
+
+            try:
+                runpy.run_module("accelerate.commands.launch", run_name="__main__")
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - in the process's stderr, as an uncaught error would be
         import traceback
 
         traceback.print_exc()
     finally:
-        os._exit(code)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
 
 
-def _stand_in(argv: list[str]) -> None:
-    """`python tests/cli_forks.py --rank RUN_DIR`, started where a rank would be: the helper forks the rank; this
-    process passes on the signals it gets and leaves as the rank did."""
+def _stand_in(kind: str, argv: list[str]) -> None:
+    """`python tests/cli_forks.py --rank RUN_DIR` or `--launcher OPTIONS`, started where a rank or the launcher would
+    be: the helper forks it; this process passes on the signals it gets and leaves as the fork did."""
     sock = socket.socket(socket.AF_UNIX)
     sock.connect(os.environ[RANK_SOCKET])
     socket.send_fds(sock, [b"R"], [0, 1, 2])
-    _send(sock, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()})
+    _send(sock, {"kind": kind, "argv": argv, "env": dict(os.environ), "cwd": os.getcwd()})
     pid = _recv(sock)
 
     def pass_on(signum, _frame):
@@ -347,16 +364,16 @@ def _stand_in(argv: list[str]) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, pass_on)
     code = _recv(sock)
-    if code is None:                                        # the keeper is gone: as a rank killed outright
+    if code is None:                                        # the keeper is gone: as a process killed outright
         code = -signal.SIGKILL
-    if code < 0:                                            # the rank was killed by a signal: so is this process
+    if code < 0:                                            # the fork was killed by a signal: so is this process
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code if code >= 0 else 128 - code)
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--rank":
-        _stand_in(sys.argv[2:])
+    if sys.argv[1] in ("--rank", "--launcher"):
+        _stand_in(sys.argv[1][2:], sys.argv[2:])
     sys.path[0] = os.getcwd()                      # as `python -m specdp_cli` run here has it (not tests/)
     _serve(sys.argv[1])
