@@ -12,15 +12,11 @@ import argparse
 import collections
 import json
 import os
-import re
-
-LINE = re.compile(r":\d+\)$")
-
 
 def frame_name(frame: str) -> str:
     """"step (specdp_cli/runtime/engine.py:412)" -> "step (engine.py)"."""
     name, _, where = frame.partition(" (")
-    return f"{name} ({os.path.basename(LINE.sub(')', '(' + where)[1:-1])})" if where else name
+    return f"{name} ({os.path.basename(where.rstrip(')').rsplit(':', 1)[0])})" if where else name
 
 
 def summarize(path: str, top: int, min_samples: int) -> dict:

@@ -121,8 +121,8 @@ def threads_per_rank(device: str, per_machine: int) -> int:
 
 # what each rank runs after the interpreter, before RUN_DIR: `python -m specdp_cli.rank RUN_DIR` (accelerate takes
 # the same "-m MODULE"), and what starts the ranks of several: `python -m accelerate.commands.launch OPTIONS`. The
-# test suite's command forks (tests/cli_forks.py) set their own: stand-ins that have an already-imported copy of the
-# process forked to do the work, saving each process its seconds of imports.
+# test suite (tests/cli_forks.py) puts stand-ins there: each has a helper that imported torch once fork the real
+# process, saving it the seconds of imports.
 RANK_PROGRAM = ("-m", "specdp_cli.rank")
 LAUNCHER = ("-m", "accelerate.commands.launch")
 

@@ -63,9 +63,9 @@ def interpreted_kernels_ahead(request, temp_dir_inside_pytests):
 
 @pytest.fixture(scope="session", autouse=True)
 def ranks_forked():
-    """Commands run inside the test process (typer's CliRunner) start their ranks as forks of cli_forks' helper, as
-    the commands it forks do: each skips its seconds of imports. SPECDP_TEST_REAL_RANKS=1 (set when the command
-    starts) launches real ones."""
+    """Commands run inside the test process (typer's CliRunner) start their launcher and ranks as forks of
+    cli_forks' helper, as the commands it forks do: each skips its seconds of imports. SPECDP_TEST_REAL_RANKS=1 (set
+    when the command starts) launches real ones."""
     import specdp_cli.launch as launch
     from cli_forks import FORKS, REAL_RANKS, fork_ranks
 

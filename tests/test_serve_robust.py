@@ -39,7 +39,7 @@ def servers_ahead(request, tmp_path_factory, models, launches) -> dict:
                      if mode == "never" else {})
             cfg = server_config(tmp, models, port, parallel={"dp_sync": mode, "collective_timeout_s": TIMEOUT_S},
                                 **plain)
-            # ranks launched as `specdp serve` launches them (not forked by cli_forks): the tests below stop them by signal
+            # ranks launched as `specdp serve` launches them (not cli_forks' forks): the tests below signal them
             start_server_ahead(request, launches, mode, cfg, port, SPECDP_TEST_REAL_RANKS="1")
             out[mode] = (tmp, cfg)
     return out
