@@ -871,8 +871,9 @@ s30serve)
 s30core)
   # session 30: served against offline (codepair, METHODS, ROUNDS interleaved rounds) with the rank's hyperthread
   # siblings left to the frontend and clients (--share-core, as before) and kept free (the new default), in turn
+  # (CORES="own": the default alone)
   cat /sys/devices/system/cpu/cpu${RANK_CPU:-3}/topology/thread_siblings_list; lscpu | grep -i "thread\|core\|socket" | head -4
-  for i in $(seq ${PAIRS:-1}); do for m in ${METHODS:-none}; do for c in share own; do
+  for i in $(seq ${PAIRS:-1}); do for m in ${METHODS:-none}; do for c in ${CORES:-share own}; do
     timeout ${SERVE_S:-90} python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers 4 \
       --rounds ${ROUNDS:-5} --interleave --rank-cpu ${RANK_CPU:-3} $([ $c = share ] && echo --share-core) --label $c \
       --work /tmp/sw30_${m}_$c --json "$out/serve_${m}_${c}_$i.json" > "$out/serve_${m}_${c}_$i.log" 2>&1
