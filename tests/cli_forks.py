@@ -85,7 +85,7 @@ class Forks:
 
     def rank_socket(self) -> str:
         """Where the ranks' stand-ins connect (the helper started if it was not)."""
-        return self._started() + ".rank"
+        return _rank_socket(self._started())
 
     def start(self, args: list[str], env: dict, cwd: str) -> "Forked":
         """`specdp ARGS` started: a process used as a `subprocess.Popen` is."""
@@ -212,7 +212,7 @@ def _serve(path: str) -> None:
         importlib.import_module(name)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)           # the forks are reaped by the system
     listeners = {}
-    for kind, where in (("command", path), ("rank", path + ".rank")):
+    for kind, where in (("command", path), ("rank", _rank_socket(path))):
         listener = socket.socket(socket.AF_UNIX)
         listener.bind(where)
         listener.listen(16)
@@ -235,8 +235,8 @@ def _serve(path: str) -> None:
                 for listener in listeners.values():
                     listener.close()
                 if key.data == "rank":
-                    _keep(conn)                        # never returns
-                _command(conn, path + ".rank")              # never returns
+                    _keep(conn)                             # never returns
+                _command(conn, _rank_socket(path))          # never returns
             conn.close()
 
 
@@ -246,17 +246,9 @@ def _command(conn: socket.socket, rank_socket: str) -> None:
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         req = _recv(conn)
-        os.environ.clear()
-        os.environ.update(req["env"])
+        _adopt(req["env"], req["cwd"], [os.open(os.devnull, os.O_RDONLY)]
+               + [os.open(req[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for name in ("stdout", "stderr")])
         fork_ranks(None if os.environ.get(REAL_RANKS) == "1" else rank_socket)
-        tempfile.tempdir = None                             # TMPDIR is read again
-        os.chdir(req["cwd"])
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            f = os.open(req[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            os.dup2(f, fd)
-            os.close(f)
         _send(conn, os.getpid())
         sys.argv = ["specdp", *req["argv"]]
         from specdp_cli.cli import main
@@ -267,7 +259,7 @@ def _command(conn: socket.socket, rank_socket: str) -> None:
         except SystemExit as e:
             if isinstance(e.code, str):
                 print(e.code, file=sys.stderr)
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            code = _exit_code(e)
     except BaseException:  # noqa: BLE001 - reported in the command's stderr, as an uncaught error would be
         import traceback
 
@@ -279,6 +271,27 @@ def _command(conn: socket.socket, rank_socket: str) -> None:
             _send(conn, code)
         finally:
             os._exit(code)
+
+
+def _rank_socket(path: str) -> str:
+    """The helper's socket for ranks and launchers, beside its socket for commands at `path`."""
+    return path + ".rank"
+
+
+def _adopt(env: dict, cwd: str, fds: list[int]) -> None:
+    """A fork takes on the environment, working folder and standard streams (`fds`: stdin, stdout, stderr, closed
+    once in place) of the process it stands for."""
+    os.environ.clear()
+    os.environ.update(env)
+    tempfile.tempdir = None                                 # TMPDIR is read again
+    os.chdir(cwd)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _exit_code(e: SystemExit) -> int:
+    return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
 
 
 def _keep(conn: socket.socket) -> None:
@@ -314,13 +327,7 @@ def _become(req: dict, fds: list[int]) -> None:
     code = 1
     try:
         os.setsid()           # a launched rank runs in a session of its own; so does the launcher (the command's)
-        os.environ.clear()
-        os.environ.update(req["env"])
-        tempfile.tempdir = None
-        os.chdir(req["cwd"])
-        for target, fd in enumerate(fds):
-            os.dup2(fd, target)
-            os.close(fd)
+        _adopt(req["env"], req["cwd"], fds)
         sys.argv = [os.path.abspath(__file__), *req["argv"]]
         if req["kind"] == "rank":
             from specdp_cli.rank import main
@@ -333,7 +340,7 @@ def _become(req: dict, fds: list[int]) -> None:
                 runpy.run_module("accelerate.commands.launch", run_name="__main__")
                 code = 0
             except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                code = _exit_code(e)
     except BaseException:  # noqa: BLE001 - in the process's stderr, as an uncaught error would be
         import traceback
 
