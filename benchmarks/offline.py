@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from specdp_cli.config import validate  # noqa: E402
+from specdp_cli.launch import threads_per_rank  # noqa: E402
 from specdp_cli.methods import METHODS  # noqa: E402
 from specdp_cli.plan import async_method  # noqa: E402
 from specdp_cli.preflight import run_preflight  # noqa: E402
@@ -66,6 +67,8 @@ def engine_from(data: dict) -> Engine:
     report = run_preflight(cfg)
     assert report.ok, report.errors
     dev = torch.device("cuda", 0) if cfg.device == "cuda" else torch.device("cpu")
+    if cfg.device == "cuda":          # the intra-op threads a launched rank of one GPU has (launch.threads_per_rank)
+        torch.set_num_threads(threads_per_rank("cuda", 1))
     return Engine(cfg, report.plan, DPGroup.solo(), dev)
 
 
@@ -98,7 +101,9 @@ def build(a, method: str, eager: bool, max_seqs: int) -> Engine:
                         **({"model": os.path.join(a.pair, method if method.startswith("eagle") else "draft")}
                            if METHODS[method].loads else {})},
         "scheduler": {"max_num_seqs": max_seqs, "max_num_batched_tokens": a.max_batched_tokens,
-                      "async_scheduling": async_setting(getattr(a, "async_scheduling", "auto"), method)}})
+                      "async_scheduling": async_setting(getattr(a, "async_scheduling", "auto"), method)},
+        **({"cache": {"gpu_memory_utilization": a.gpu_memory_utilization}}
+           if getattr(a, "gpu_memory_utilization", None) else {})})
     freeze_startup_heap()                  # as the CLI's ranks do
     return engine
 
@@ -171,6 +176,8 @@ def main() -> None:
     ap.add_argument("--stdin-rounds", action="store_true",
                     help="the first method at the first batch size: a run for each line read on stdin, its figures "
                          "a JSON line on stdout (serve_bench.py --interleave)")
+    ap.add_argument("--gpu-memory-utilization", type=float,
+                    help="cache.gpu_memory_utilization (engines sharing a GPU: each sizes its KV cache from its share)")
     ap.add_argument("--label", default="codepair")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()

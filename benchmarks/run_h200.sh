@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve OUT_DIR
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -879,6 +879,47 @@ s30core)
       --work /tmp/sw30_${m}_$c --json "$out/serve_${m}_${c}_$i.json" > "$out/serve_${m}_${c}_$i.log" 2>&1
     tail -1 "$out/serve_${m}_${c}_$i.log" | sed "s/^/$c $i /"
   done; done; done
+  ;;
+s31contention)
+  # session 31: the offline engine on the rank CPU with 0 / 3 / 6 / 12 other CPUs busy (benchmarks/cpu_contention.py)
+  grep -m1 "model name" /proc/cpuinfo
+  for m in ${METHODS:-none eagle}; do
+    timeout ${CONT_S:-150} python3 benchmarks/cpu_contention.py --pair $P --method $m --cpu ${RANK_CPU:-3} \
+      --others ${OTHERS:-0,3,6,12} --rounds ${ROUNDS:-5} --json "$out/contention_$m.json" 2> "$out/contention_$m.err"
+  done
+  ;;
+s31threads)
+  # session 31: served against offline with the GPU rank's intra-op threads at THREADS (each in turn; both sides
+  # get OMP_NUM_THREADS), the rank CPU's time accounted a step (serve_bench's cpu_account)
+  for i in $(seq ${PAIRS:-1}); do for m in ${METHODS:-none}; do for t in ${THREADS:-4 1}; do
+    timeout ${SERVE_S:-90} python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers 4 \
+      --rounds ${ROUNDS:-5} --interleave --rank-cpu ${RANK_CPU:-3} --rank-threads $t --label threads$t \
+      --work /tmp/sw31_${m}_$t --json "$out/serve_${m}_t${t}_$i.json" > "$out/serve_${m}_t${t}_$i.log" 2>&1
+    tail -2 "$out/serve_${m}_t${t}_$i.log" | sed "s/^/t$t $i /"
+  done; done; done
+  ;;
+s31serve)
+  # session 31: GPU ranks at one intra-op thread (the new default). First the offline engine unpinned with
+  # OMP_NUM_THREADS 4 (the old default) and 1; then served against offline, RUNS of METHOD:CLIENT_WORKERS:API_SERVERS
+  for spec in ${THREAD_AB:-}; do        # METHOD:CPU (CPU "-": unpinned): rank_threads.py, 4 against 1, interleaved
+    IFS=: read m c <<< "$spec"
+    timeout 150 python3 benchmarks/rank_threads.py --pair $P --method $m --threads 4,1 --rounds ${AB_ROUNDS:-7} \
+      $([ "$c" != - ] && echo --cpu $c) --json "$out/rank_threads_${m}_$c.json" 2> /tmp/rank_threads_$m.err \
+      || tail -5 /tmp/rank_threads_$m.err
+  done
+  for t in ${UNPINNED-4 1}; do
+    OMP_NUM_THREADS=$t timeout 150 python3 benchmarks/offline.py --pair $P --requests 256 --batches 32 --methods none,eagle \
+      --repeats 5 --label unpinned-t$t --json "$out/offline_unpinned_t$t.json" > /tmp/unpinned_$t.log 2>&1 \
+      || tail -5 /tmp/unpinned_$t.log
+    python3 -c "import json,sys; [print('unpinned t$t', r['method'], round(r['tok_s']), 'tok/s, runs', [round(x) for x in r['tok_s_runs']]) for r in json.load(open(sys.argv[1]))['rows']]" "$out/offline_unpinned_t$t.json"
+  done
+  for run in ${RUNS:-none:4:1 eagle:4:1 draft_model:4:1}; do
+    IFS=: read m w api <<< "$run"
+    timeout ${SERVE_S:-90} python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers $w \
+      --api-servers $api --rounds ${ROUNDS:-5} --interleave --rank-cpu ${RANK_CPU:-3} --label c$w-api$api \
+      --work /tmp/sw31_${m}_${w}_$api --json "$out/serve_${m}_c${w}_api$api.json" > "$out/serve_${m}_c${w}_api$api.log" 2>&1
+    tail -4 "$out/serve_${m}_c${w}_api$api.log" | sed "s/^/$run /"
+  done
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

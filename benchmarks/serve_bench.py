@@ -21,7 +21,7 @@ over the offline run just before it; caching on over the off round just before i
 Usage: python benchmarks/serve_bench.py --pair PAIR_DIR [--target DIR] [--methods none,draft_model,eagle]
        [--requests 256] [--concurrency 32] [--max-tokens 128] [--dp 1] [--prefix 0] [--caching on]
        [--dtype bfloat16] [--client-workers 1,2] [--rounds 3] [--processes 1]
-       [--api-servers 1] [--no-offline] [--interleave] [--rank-cpu N] --work DIR --json OUT.json
+       [--api-servers 1] [--no-offline] [--interleave] [--rank-cpu N] [--rank-threads N] --work DIR --json OUT.json
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def offline(a, method: str, proc: int) -> list[dict]:
     cmd += ["--target", a.target] if a.target else []
     with open(os.path.join(a.work, f"offline_{method}_p{proc}.log"), "w") as log:
         cpu = None if a.rank_cpu is None else (lambda: os.sched_setaffinity(0, {a.rank_cpu}))
-        if subprocess.run(cmd, stdout=log, stderr=log, preexec_fn=cpu).returncode != 0:
+        if subprocess.run(cmd, stdout=log, stderr=log, preexec_fn=cpu, env=process_env(a)).returncode != 0:
             print(f"offline {method} failed: see {log.name}")
             return []
     return json.load(open(out))["rows"]
@@ -90,6 +90,12 @@ def offline(a, method: str, proc: int) -> list[dict]:
 
 STEP_COUNTS = {"steps": "specdp:spec_decode_steps_by_k_total", "planned_ahead": "specdp:steps_planned_ahead_total",
                "chunk_steps": "specdp:steps_with_prompt_chunks_total", "busy_s": "specdp:rank_busy_seconds_total"}
+
+
+def process_env(a) -> dict[str, str]:
+    """The server's and the offline process's environment: --rank-threads sets OMP_NUM_THREADS, which a GPU rank's
+    intra-op threads follow (launch.threads_per_rank), as offline.py's engine does."""
+    return dict(os.environ, **({"OMP_NUM_THREADS": str(a.rank_threads)} if a.rank_threads else {}))
 
 
 def steps_so_far(url: str) -> dict[str, float]:
@@ -121,6 +127,103 @@ def pin(pid: int, cpus: set[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except OSError:
             pass                  # a thread that has ended
+
+
+CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_account(cpu: int | None, pid: int | None) -> dict[str, float]:
+    """Counters of where the rank CPU's time went (/proc/stat: user, system, irq, softirq, steal, ... seconds), its
+    interrupts (/proc/interrupts), and the process's CPU seconds and context switches (/proc/PID/stat and status):
+    a round's difference says whether the process ran alone on its CPU, was preempted, or lost time to the
+    hypervisor (steal) or to interrupt work. {} without --rank-cpu."""
+    if cpu is None:
+        return {}
+    out: dict[str, float] = {}
+    try:
+        with open("/proc/stat") as fh:
+            for line in fh:
+                if line.startswith(f"cpu{cpu} "):
+                    out.update({f"cpu_{k}": int(v) / TICK for k, v in zip(CPU_FIELDS, line.split()[1:])})
+        with open("/proc/interrupts") as fh:
+            cpus = fh.readline().split()
+            col = cpus.index(f"CPU{cpu}")
+            out["interrupts"] = sum(int(f[col + 1]) for f in (line.split() for line in fh)
+                                    if len(f) > col + 1 and f[col + 1].isdigit())
+        if pid is not None:
+            with open(f"/proc/{pid}/stat") as fh:
+                f = fh.read().rsplit(")", 1)[1].split()
+                out["proc_utime"], out["proc_stime"] = int(f[11]) / TICK, int(f[12]) / TICK
+            with open(f"/proc/{pid}/status") as fh:       # the main thread's
+                for line in fh:
+                    if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+                        out[line.split(":")[0]] = int(line.split()[1])
+            out["threads_other_s"] = 0.0                   # the CPU seconds of the process's other threads
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                if int(tid) != pid:
+                    try:
+                        with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                            f = fh.read().rsplit(")", 1)[1].split()
+                        out["threads_other_s"] += (int(f[11]) + int(f[12])) / TICK
+                    except OSError:
+                        pass                               # a thread that has ended
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def account_delta(before: dict, after: dict) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after if k in before}
+
+
+def per_step(rounds: list[dict], steps_key: str) -> dict[str, float] | None:
+    """The rounds' median of each CPU counter a step (seconds -> microseconds; counts stay counts)."""
+    accts = [(r["cpu_account"], r[steps_key]) for r in rounds if r.get("cpu_account")]
+    if not accts:
+        return None
+    keys = set.intersection(*(set(a) for a, _ in accts))
+    scale = {k: 1e6 if k.startswith(("cpu_", "proc_", "threads_")) else 1 for k in keys}
+    return {k: statistics.median(a[k] * scale[k] / max(n, 1) for a, n in accts) for k in sorted(keys)}
+
+
+def process_cpu_s(pids) -> float:
+    """The CPU seconds (user + system, all threads) the processes have used so far."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                f = fh.read().rsplit(")", 1)[1].split()
+            total += (int(f[11]) + int(f[12])) / TICK
+        except OSError:
+            pass
+    return total
+
+
+def frontend_processes(server_pid: int) -> list[int]:
+    """The server's command process (the API server of api_server_count 1) and the other API server processes
+    under it: every process under the server but its ranks."""
+    tree = descendants(server_pid)
+    ranks = set(rank_processes(server_pid))
+    return [server_pid] + [pid for pid in tree if pid not in ranks]
+
+
+def descendants(root: int) -> list[int]:
+    parent = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    parent[int(name)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
 
 
 def rank_processes(server_pid: int) -> list[int]:
@@ -165,7 +268,8 @@ class OfflineRounds:
                    str(a.max_tokens), "--max-model-len", str(a.max_model_len), "--dtype", a.dtype, "--stdin-rounds",
                    "--json", os.devnull] + (["--target", a.target] if a.target else [])
             log = open(os.path.join(a.work, f"offline_{self.method}_interleaved.log"), "w")
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                         env=process_env(a))
             if a.rank_cpu is not None:
                 pin(self.proc.pid, {a.rank_cpu})
             for line in self.proc.stdout:
@@ -173,9 +277,12 @@ class OfflineRounds:
                     break
             else:
                 raise SystemExit(f"offline {self.method} failed: see {log.name}")
+        before = cpu_account(a.rank_cpu, self.proc.pid)
         self.proc.stdin.write("run\n")
         self.proc.stdin.flush()
-        self.rows.append(json.loads(self.proc.stdout.readline()))
+        row = json.loads(self.proc.stdout.readline())
+        row["cpu_account"] = account_delta(before, cpu_account(a.rank_cpu, self.proc.pid))
+        self.rows.append(row)
 
     def close(self) -> None:
         if self.proc is not None:
@@ -198,9 +305,10 @@ class Server:
         with open(cfg_path, "w") as fh:
             yaml.safe_dump(cfg, fh)
         self.log = open(os.path.join(a.work, f"server_{tag}.log"), "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "specdp_cli", "serve", cfg_path], stdout=self.log,
-                                     stderr=self.log)
+        self.proc = subprocess.Popen([sys.executable, "-m", "specdp_cli", "serve", cfg_path], env=process_env(a),
+                                     stdout=self.log, stderr=self.log)
         self.url = f"http://127.0.0.1:{port}"
+        self.rank_pid = None        # with --rank-cpu and one rank: its pid (cpu_account)
 
     def wait_ready(self) -> None:
         deadline = time.time() + 300
@@ -219,6 +327,7 @@ class Server:
                 raise SystemExit(f"--rank-cpu: no rank process found under the server (pid {self.proc.pid})")
             for pid in ranks:
                 pin(pid, {self.a.rank_cpu})
+            self.rank_pid = ranks[0] if len(ranks) == 1 else None
         self.bench(self.a.concurrency, 1)   # a warm-up round (first requests of each kind of step)
 
     def bench(self, num_prompts: int, workers: int) -> dict:
@@ -230,7 +339,15 @@ class Server:
     def round(self, workers: int, i: int) -> dict:
         """A measured round: the bench result with the server's steps and busy seconds over it."""
         before = steps_so_far(self.url)
+        acct = cpu_account(self.a.rank_cpu, self.rank_pid)
+        front = frontend_processes(self.proc.pid)
+        front_s, clients_s = process_cpu_s(front), sum(os.times()[2:4])
         r = self.bench(self.a.requests, workers)
+        r["cpu_account"] = account_delta(acct, cpu_account(self.a.rank_cpu, self.rank_pid))
+        # the API servers' CPU and the load generator's worker processes' (from their start, imports and all:
+        # reaped at the round's end) over the round's seconds
+        r["frontend_cpu_share"] = (process_cpu_s(front) - front_s) / r["duration_s"]
+        r["clients_cpu_share"] = (sum(os.times()[2:4]) - clients_s) / r["duration_s"]
         with open(os.path.join(self.a.work, f"bench_{self.tag}_w{workers}_{i}.json"), "w") as fh:
             json.dump(r, fh)
         after = steps_so_far(self.url)                     # (the last step's count may arrive a step late)
@@ -313,6 +430,9 @@ def main() -> None:
     ap.add_argument("--share-core", action="store_true",
                     help="with --rank-cpu: leave the rank CPU's hyperthread siblings to everything else (before "
                          "session 30; by default nothing else runs on the rank's physical core)")
+    ap.add_argument("--rank-threads", type=int,
+                    help="OMP_NUM_THREADS for the server and the offline process: a GPU rank's intra-op threads "
+                         "(default: the product's, launch.threads_per_rank)")
     ap.add_argument("--port", type=int, default=8321)
     ap.add_argument("--label", default="")
     ap.add_argument("--work", required=True)
@@ -363,7 +483,7 @@ def main() -> None:
             r = rs[len(rs) // 2]
             row = {"label": a.label, "method": method, "caching": caching, "dp": a.dp, "prefix": a.prefix,
                    "api_servers": a.api_servers, "rank_cpu": a.rank_cpu, "rank_core": a.rank_core,
-                   "client_workers": workers, "processes": a.processes,
+                   "client_workers": workers, "processes": a.processes, "rank_threads": a.rank_threads,
                    "served_tok_s": r["output_throughput"], "offline_tok_s": off,
                    "served_rounds_tok_s": [x["output_throughput"] for x in rs],
                    "offline_rounds_tok_s": [x["tok_s"] for x in off_rows],
@@ -387,9 +507,16 @@ def main() -> None:
                    "served_planned_ahead": r["planned_ahead"], "served_chunk_steps": r["chunk_steps"],
                    # the served ranks' seconds busy (not waiting for requests): a step's time without the waits
                    "served_busy_s": r["busy_s"],
+                   # CPUs busy over the round (1.0: one CPU all the time): the API servers, the load generator's
+                   # workers (start-up included)
+                   "frontend_cpu_share": r.get("frontend_cpu_share"), "clients_cpu_share": r.get("clients_cpu_share"),
                    "served_busy_ms_per_step": r["busy_s"] / a.dp / max(r["steps"], 1) * 1e3,
                    "offline_planned_ahead": off_row.get("planned_ahead") if off_row else None,
-                   "offline_chunk_steps": off_row.get("chunk_steps") if off_row else None}
+                   "offline_chunk_steps": off_row.get("chunk_steps") if off_row else None,
+                   # --rank-cpu: the rank CPU's time a step by kind, its interrupts and the process's context
+                   # switches a step (medians over each side's rounds; cpu_account)
+                   "served_cpu_per_step": per_step(rs, "steps"),
+                   "offline_cpu_per_step": per_step(off_rows, "steps")}
             rows.append(row)
             print(json.dumps(row), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:], "requests": a.requests,
@@ -410,6 +537,17 @@ def main() -> None:
               f"{r['itl_ms']['p99']:>8.2f}{acc:>8}{r['server_queue_ms'] or 0:>7.1f}{r['server_prefill_ms'] or 0:>8.1f}"
               f"{r['server_ttft_ms'] or 0:>9.1f}{r['served_steps']:>7}/{r['offline_steps'] or 0:<5}"
               f"{r['served_ms_per_step']:>7.2f}/{r['offline_ms_per_step'] or 0:<5.2f}{r['served_busy_ms_per_step']:>13.2f}")
+    for r in rows:
+        if r.get("frontend_cpu_share") is not None:
+            print(f"{r['method']:<12} CPUs busy over the median round: API servers {r['frontend_cpu_share']:.2f}, "
+                  f"load generator {r['clients_cpu_share']:.2f} ({r['client_workers']} processes, start-up included)")
+    for r in rows:          # --rank-cpu: the rank CPU's time a step, served / offline
+        sv, of = r["served_cpu_per_step"], r["offline_cpu_per_step"]
+        if sv and of:
+            print(f"{r['method']:<12} rank CPU a step, served / offline: " + ", ".join(
+                f"{k.replace('_ctxt_switches', ' switches')} {sv[k]:.{3 if 'switch' in k or k == 'interrupts' else 1}f}"
+                f"/{of[k]:.{3 if 'switch' in k or k == 'interrupts' else 1}f}"
+                for k in sv if k in of and (sv[k] or of[k])))
 
 
 if __name__ == "__main__":

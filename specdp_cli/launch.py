@@ -114,9 +114,22 @@ def process_state(pid: int) -> str | None:
 
 
 def threads_per_rank(device: str, per_machine: int) -> int:
+    """A rank's intra-op threads (torch.set_num_threads). A GPU rank's host work is one Python thread; more
+    intra-op threads can only contend with it (on one H200 the offline engine ran as fast with 1 as with 4, or up
+    to 8 % faster: docs/benchmarks.md, session 31). So GPU ranks take 1, as vLLM's workers do, unless the user set
+    OMP_NUM_THREADS."""
     if device == "cuda":
-        return 1 if per_machine > 1 else 4
+        return user_threads() or 1
     return max(1, (os.cpu_count() or 1) // per_machine)
+
+
+def user_threads() -> int | None:
+    """OMP_NUM_THREADS as this process's environment has it (a positive integer), else None."""
+    try:
+        n = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return None
+    return n if n > 0 else None
 
 
 # what each rank runs after the interpreter, before RUN_DIR: `python -m specdp_cli.rank RUN_DIR` (accelerate takes

@@ -352,3 +352,21 @@ def test_start_time_of_a_process_a_shell_exec_ed(monkeypatch):
     assert launch.process_start_time() == now - 0.8
     monkeypatch.setattr(launch, "_forked_at", lambda: now - 80)           # a shell's pip install, then exec
     assert launch.process_start_time() == now
+
+
+def test_intra_op_threads_of_a_rank(monkeypatch):
+    """A GPU rank takes one intra-op thread (its host work is one Python thread, which more only contend with),
+    OMP_NUM_THREADS where the user set it; a CPU rank its share of the machine's CPUs."""
+    import os
+
+    from specdp_cli import launch
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert launch.threads_per_rank("cuda", 1) == 1 and launch.threads_per_rank("cuda", 8) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert launch.threads_per_rank("cuda", 1) == 3
+    for bad in ("0", "four", ""):
+        monkeypatch.setenv("OMP_NUM_THREADS", bad)
+        assert launch.threads_per_rank("cuda", 1) == 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert launch.threads_per_rank("cpu", 2) == 4 and launch.threads_per_rank("cpu", 16) == 1

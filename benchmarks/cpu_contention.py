@@ -1,0 +1,89 @@
+"""Does work on the machine's other CPUs slow a host-bound engine on its own CPU?
+
+A served rank shares the machine with its HTTP frontend and, in `serve_bench.py`, with the load-generating clients;
+the offline engine it is compared with runs while those are idle. This runs one offline engine (`offline.py
+--stdin-rounds`, codepair, 256 prompts, 32 sequences, as `serve_bench.py` runs it) pinned to one CPU, and before each
+of its rounds starts N busy processes pinned to other CPUs: a Python spin loop (`spin`, as the frontend and clients'
+Python keeps a core busy) or a memory-copy loop (`copy`, 64 MiB buffers: last-level cache and memory traffic). The
+settings take turns, round by round, so that each one meets the machine's changing speed alike.
+
+Usage: python benchmarks/cpu_contention.py --pair PAIR_DIR [--method none] [--cpu 3] [--others 0,5]
+       [--kinds spin,copy] [--rounds 5] [--requests 256] --json OUT.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+BUSY = {
+    "spin": "while True: pass",
+    "copy": "import numpy as np\na = np.ones(1 << 23); b = np.empty_like(a)\nwhile True: np.copyto(b, a)",
+}
+
+
+def start_busy(kind: str, cpus: list[int]) -> list[subprocess.Popen]:
+    procs = []
+    for cpu in cpus:
+        p = subprocess.Popen([sys.executable, "-c", BUSY[kind]], preexec_fn=lambda c=cpu: os.sched_setaffinity(0, {c}))
+        procs.append(p)
+    return procs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pair", required=True)
+    ap.add_argument("--method", default="none")
+    ap.add_argument("--cpu", type=int, default=3)
+    ap.add_argument("--others", default="0,5", help="counts of busy processes, each on a CPU of its own")
+    ap.add_argument("--kinds", default="spin,copy")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--json", required=True)
+    a = ap.parse_args()
+    free = sorted(os.sched_getaffinity(0) - {a.cpu})
+    cmd = [sys.executable, os.path.join(HERE, "offline.py"), "--pair", a.pair, "--requests", str(a.requests), "--batches", "32",
+           "--methods", a.method, "--new", "128", "--stdin-rounds", "--json", os.devnull]
+    eng = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                           preexec_fn=lambda: os.sched_setaffinity(0, {a.cpu}))
+    for line in eng.stdout:
+        if line.strip() == "ready":
+            break
+    else:
+        raise SystemExit("the offline engine did not start")
+    settings = [(k, n) for k in a.kinds.split(",") for n in (int(x) for x in a.others.split(",")) if n or k == "spin"]
+    results: dict[str, list[dict]] = {f"{k}x{n}": [] for k, n in settings}
+    for _ in range(a.rounds):
+        for kind, n in settings:
+            busy = start_busy(kind, free[:n])
+            try:
+                eng.stdin.write("run\n")
+                eng.stdin.flush()
+                results[f"{kind}x{n}"].append(json.loads(eng.stdout.readline()))
+            finally:
+                for p in busy:
+                    p.kill()
+                    p.wait()
+    eng.stdin.close()
+    eng.wait(60)
+    base = statistics.median(r["tok_s"] for r in results["spinx0"]) if "spinx0" in results else None
+    rows = []
+    print(f"{'others busy':<14}{'tok/s':>10}{'ms/step':>10}{'x idle':>8}  rounds")
+    for name, rs in results.items():
+        tok = statistics.median(r["tok_s"] for r in rs)
+        ms = statistics.median(r["ms_per_step"] for r in rs)
+        rel = tok / base if base else None
+        rows.append({"setting": name, "tok_s": tok, "ms_per_step": ms, "x_idle": rel, "rounds": rs})
+        label = "none" if name.endswith("x0") else name
+        print(f"{label:<14}{tok:>10.0f}{ms:>10.3f}{(rel or 0):>8.2f}  " + ", ".join(f"{r['tok_s']:.0f}" for r in rs))
+    with open(a.json, "w") as fh:
+        json.dump({"argv": sys.argv[1:], "cpu": a.cpu, "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
