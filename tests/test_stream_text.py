@@ -1,6 +1,7 @@
 """The frontend's streaming pieces without a server: incremental detokenization (the streamed text equals
-the whole decode, for byte-level and SentencePiece-style tokenizers, however the tokens are chunked) and the
-rank link's frame parser (messages split anywhere in the byte stream)."""
+the whole decode, for byte-level and SentencePiece-style tokenizers, however the tokens are chunked), the
+rank link's frame parser (messages split anywhere in the byte stream) and a request's mailbox."""
+import asyncio
 import os
 import pickle
 import random
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from specdp_cli.modeldir import load_tokenizer
-from specdp_cli.server.frontend import IncrementalText, text_decoder
+from specdp_cli.server.app import _next_event
+from specdp_cli.server.frontend import Event, Inflight, IncrementalText, Mailbox, text_decoder
 from specdp_cli.server.link import Frames
 
 DEMO = Path(__file__).resolve().parent.parent / "demo" / "pair" / "target"
@@ -113,3 +115,26 @@ def test_frames_split_anywhere():
     payload = pickle.dumps(("out", [], {}, None))
     big = struct.pack("!i", -1) + struct.pack("!Q", len(payload)) + payload
     assert Frames().feed(big[:7]) == [] and Frames().feed(big) == [("out", [], {}, None)]
+
+
+def test_a_stream_takes_every_event_arrived_up_to_its_end():
+    """A stream's next chunk: every event that has arrived, merged (tokens, log-probabilities) up to the first
+    that ends the request; what came after stays for the next read; a reader waiting on an empty mailbox wakes
+    on the next event."""
+    async def scenario():
+        inf = Inflight("r", None, 0, 0, Mailbox())
+        for ev in (Event([1], logprobs=[(-0.1, [])]), Event([2, 3], logprobs=[(-0.2, []), (-0.3, [])]),
+                   Event([4], "stop", 7, {"n": 1}, logprobs=[(-0.4, [])]), Event([], "disconnect")):
+            inf.mailbox.put(ev)
+        first = await _next_event(inf)
+        assert (first.new_tokens, first.finish_reason, first.stop_text_end, first.stats) == ([1, 2, 3, 4], "stop", 7,
+                                                                                            {"n": 1})
+        assert [lp for lp, _ in first.logprobs] == [-0.1, -0.2, -0.3, -0.4]
+        assert (await _next_event(inf)).finish_reason == "disconnect"
+        reader = asyncio.ensure_future(_next_event(inf))
+        await asyncio.sleep(0)                 # the reader now waits on the empty mailbox
+        assert not reader.done()
+        inf.mailbox.put(Event([5]))
+        alone = await asyncio.wait_for(reader, 5)
+        assert (alone.new_tokens, alone.finish_reason, alone.logprobs) == ([5], None, None)
+    asyncio.run(scenario())

@@ -137,7 +137,7 @@ class GenerationPaths:
             raise
         # the client going away (the ASGI server's http.disconnect) reaches each request's queue
         gone = asyncio.ensure_future(receive())
-        gone.add_done_callback(lambda _: [inf.queue.put_nowait(DISCONNECTED) for inf in infs if not inf.done])
+        gone.add_done_callback(lambda _: [inf.mailbox.put(DISCONNECTED) for inf in infs if not inf.done])
         try:
             if req.stream:
                 await send({"type": "http.response.start", "status": 200,
@@ -195,14 +195,14 @@ async def _collect(frontend: Frontend, infs: list[Inflight], req: GenRequest, to
 
     async def finished(inf: Inflight) -> Event | None:
         while True:
-            ev: Event = await inf.queue.get()
-            if ev.finish_reason == "disconnect":
-                return None
-            frontend.note_tokens(inf, len(ev.new_tokens))
-            tokens[inf.id] += ev.new_tokens
-            logprobs[inf.id] += ev.logprobs or []
-            if ev.finish_reason is not None:
-                return ev
+            for ev in await inf.mailbox.take():
+                if ev.finish_reason == "disconnect":
+                    return None
+                frontend.note_tokens(inf, len(ev.new_tokens))
+                tokens[inf.id] += ev.new_tokens
+                logprobs[inf.id] += ev.logprobs or []
+                if ev.finish_reason is not None:
+                    return ev
 
     try:
         events = await asyncio.gather(*(finished(inf) for inf in infs))
@@ -244,21 +244,23 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _merge(ev: Event, nxt: Event) -> Event:
-    """Two events of a stream as one (the later one's end, both tokens)."""
-    lp = None if ev.logprobs is None and nxt.logprobs is None else (ev.logprobs or []) + (nxt.logprobs or [])
-    return Event(ev.new_tokens + nxt.new_tokens, nxt.finish_reason, nxt.stop_text_end, nxt.stats, nxt.error,
-                 nxt.status, lp)
+def _merge(events: list[Event]) -> Event:
+    """Events of a stream as one (the last one's end, all their tokens)."""
+    last = events[-1]
+    tokens = [t for ev in events for t in ev.new_tokens]
+    lp = None if all(ev.logprobs is None for ev in events) else [x for ev in events for x in ev.logprobs or []]
+    return Event(tokens, last.finish_reason, last.stop_text_end, last.stats, last.error, last.status, lp)
 
 
 async def _next_event(inf: Inflight) -> Event:
-    """The stream's next event, merged with every one queued behind it: when the frontend falls behind the
-    ranks, a chunk carries several steps' tokens instead of the chunks piling up (vLLM merges alike), so
-    a busy frontend costs inter-token latency, not throughput."""
-    ev = await inf.queue.get()
-    while ev.finish_reason is None and not inf.queue.empty():
-        ev = _merge(ev, inf.queue.get_nowait())
-    return ev
+    """The stream's next event, merged with every one that arrived behind it, up to the first that ends it: when
+    the frontend falls behind the ranks, a chunk carries several steps' tokens instead of the chunks piling up
+    (vLLM merges alike), so a busy frontend costs inter-token latency, not throughput."""
+    events = await inf.mailbox.take()
+    end = next((i for i, ev in enumerate(events) if ev.finish_reason is not None), len(events) - 1) + 1
+    if end < len(events):
+        inf.mailbox.put_back(events[end:])
+    return events[0] if end == 1 else _merge(events[:end])
 
 
 async def _stream(frontend: Frontend, tokenizer, inf: Inflight, req: GenRequest):

@@ -1,5 +1,5 @@
-"""The frontend's view of the ranks: requests in flight, routing, and events from the ranks turned
-into per-request asyncio queues."""
+"""The frontend's view of the ranks: requests in flight, routing, and events from the ranks put in each
+request's mailbox."""
 from __future__ import annotations
 
 import asyncio
@@ -28,13 +28,46 @@ class Event:
     logprobs: list | None = None         # per new token (its log-probability, [(id, log-probability)]) when asked
 
 
+class Mailbox:
+    """A request's events, for the one coroutine that reads them: a list and, while that coroutine waits, a future.
+    The reader takes every event that has arrived at once; an asyncio.Queue handed them over one at a time (its
+    calls were a fifth of a saturated frontend's time under cProfile, `benchmarks/frontend_bench.py --profile`;
+    without the profiler the frontend spends about 3 % less CPU a token)."""
+
+    __slots__ = ("events", "waiter")
+
+    def __init__(self):
+        self.events: list[Event] = []
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, ev: Event) -> None:
+        self.events.append(ev)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self) -> list[Event]:
+        """Every event arrived so far, in order; waits for one when there is none."""
+        while not self.events:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        events, self.events = self.events, []
+        return events
+
+    def put_back(self, events: list[Event]) -> None:
+        """Events taken but not used yet: read first next time."""
+        self.events[:0] = events
+
+
 @dataclass
 class Inflight:
     id: str
     req: GenRequest
     rank: int
     cost: int
-    queue: asyncio.Queue
+    mailbox: Mailbox
     created: float = field(default_factory=time.monotonic)
     first_token_t: float | None = None
     last_token_t: float | None = None
@@ -150,9 +183,9 @@ class Frontend:
                 continue
             if finish == "error":          # the engine failed the request (its progress guard): a bug to report
                 log.error("request %s failed on rank %d: %s", rid, inf.rank, end)
-                inf.queue.put_nowait(Event(tokens, finish, error=end, status=500))
+                inf.mailbox.put(Event(tokens, finish, error=end, status=500))
             else:
-                inf.queue.put_nowait(Event(tokens, finish, end, stats, logprobs=logprobs))
+                inf.mailbox.put(Event(tokens, finish, end, stats, logprobs=logprobs))
 
     def rank_lost(self, rank: int, why: str) -> None:
         if self.draining and self.failed is None and not self.inflight:
@@ -160,7 +193,7 @@ class Frontend:
         if self.failed is None:
             self.failed = why
         for inf in list(self.inflight.values()):
-            inf.queue.put_nowait(Event([], "error", error=f"the server lost a rank ({why}); request aborted"))
+            inf.mailbox.put(Event([], "error", error=f"the server lost a rank ({why}); request aborted"))
 
     @property
     def healthy(self) -> bool:
@@ -178,7 +211,7 @@ class Frontend:
         cost = len(req.prompt_ids) + req.max_tokens
         rank = pick_rank(self.rank_cost, cost, self.prefix_index, req.prompt_ids)
         rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        inf = Inflight(rid, req, rank, cost, asyncio.Queue())
+        inf = Inflight(rid, req, rank, cost, Mailbox())
         self.inflight[rid] = inf
         self.rank_cost[rank] += cost
         if not self._send_waking_all(rank, ("add", rid, req.prompt_ids, req.params, req.params["seed"])):
