@@ -47,8 +47,8 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     free = sorted(os.sched_getaffinity(0) - {a.cpu})
-    cmd = [sys.executable, os.path.join(HERE, "offline.py"), "--pair", a.pair, "--requests", str(a.requests), "--batches", "32",
-           "--methods", a.method, "--new", "128", "--stdin-rounds", "--json", os.devnull]
+    cmd = [sys.executable, os.path.join(HERE, "offline.py"), "--pair", a.pair, "--requests", str(a.requests),
+           "--batches", "32", "--methods", a.method, "--new", "128", "--stdin-rounds", "--json", os.devnull]
     eng = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                            preexec_fn=lambda: os.sched_setaffinity(0, {a.cpu}))
     for line in eng.stdout:

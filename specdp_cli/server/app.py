@@ -135,7 +135,7 @@ class GenerationPaths:
             for inf in infs:
                 frontend.abort(inf)
             raise
-        # the client going away (the ASGI server's http.disconnect) reaches each request's queue
+        # the client going away (the ASGI server's http.disconnect) reaches each request's mailbox
         gone = asyncio.ensure_future(receive())
         gone.add_done_callback(lambda _: [inf.mailbox.put(DISCONNECTED) for inf in infs if not inf.done])
         try:
