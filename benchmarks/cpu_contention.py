@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from serve_bench import offline_round, start_offline_rounds
 
 BUSY = {
     "spin": "while True: pass",
@@ -47,24 +47,15 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     free = sorted(os.sched_getaffinity(0) - {a.cpu})
-    cmd = [sys.executable, os.path.join(HERE, "offline.py"), "--pair", a.pair, "--requests", str(a.requests),
-           "--batches", "32", "--methods", a.method, "--new", "128", "--stdin-rounds", "--json", os.devnull]
-    eng = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                           preexec_fn=lambda: os.sched_setaffinity(0, {a.cpu}))
-    for line in eng.stdout:
-        if line.strip() == "ready":
-            break
-    else:
-        raise SystemExit("the offline engine did not start")
+    eng = start_offline_rounds(["--pair", a.pair, "--requests", str(a.requests), "--batches", "32", "--methods",
+                                a.method, "--new", "128"], preexec_fn=lambda: os.sched_setaffinity(0, {a.cpu}))
     settings = [(k, n) for k in a.kinds.split(",") for n in (int(x) for x in a.others.split(",")) if n or k == "spin"]
     results: dict[str, list[dict]] = {f"{k}x{n}": [] for k, n in settings}
     for _ in range(a.rounds):
         for kind, n in settings:
             busy = start_busy(kind, free[:n])
             try:
-                eng.stdin.write("run\n")
-                eng.stdin.flush()
-                results[f"{kind}x{n}"].append(json.loads(eng.stdout.readline()))
+                results[f"{kind}x{n}"].append(offline_round(eng))
             finally:
                 for p in busy:
                     p.kill()

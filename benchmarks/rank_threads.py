@@ -14,10 +14,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from serve_bench import offline_round, start_offline_rounds
 
 
 def main() -> None:
@@ -33,24 +32,14 @@ def main() -> None:
     counts = [int(t) for t in a.threads.split(",")]
     engines = {}
     for i, t in enumerate(counts):
-        cmd = [sys.executable, os.path.join(HERE, "offline.py"), "--pair", a.pair, "--requests", str(a.requests),
-               "--batches", "32", "--methods", a.method, "--new", "128", "--stdin-rounds", "--json", os.devnull,
-               "--gpu-memory-utilization", f"{0.8 * (i + 1) / len(counts):.3f}"]
+        args = ["--pair", a.pair, "--requests", str(a.requests), "--batches", "32", "--methods", a.method, "--new",
+                "128", "--gpu-memory-utilization", f"{0.8 * (i + 1) / len(counts):.3f}"]
         pin = (lambda: os.sched_setaffinity(0, {a.cpu})) if a.cpu is not None else None
-        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=pin,
-                             env=dict(os.environ, OMP_NUM_THREADS=str(t)))
-        for line in p.stdout:
-            if line.strip() == "ready":
-                break
-        else:
-            raise SystemExit(f"the engine with {t} threads did not start")
-        engines[t] = p
+        engines[t] = start_offline_rounds(args, env=dict(os.environ, OMP_NUM_THREADS=str(t)), preexec_fn=pin)
     rounds: dict[int, list[dict]] = {t: [] for t in counts}
     for _ in range(a.rounds):
         for t, p in engines.items():
-            p.stdin.write("run\n")
-            p.stdin.flush()
-            rounds[t].append(json.loads(p.stdout.readline()))
+            rounds[t].append(offline_round(p))
     for p in engines.values():
         p.stdin.close()
         p.wait(60)

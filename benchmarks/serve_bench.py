@@ -133,6 +133,18 @@ CPU_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "ste
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def stat_fields(path: str) -> list[str]:
+    """/proc/PID/stat (or a thread's /proc/PID/task/TID/stat) past the command's name: [state, ppid, ...]."""
+    with open(path) as fh:
+        return fh.read().rsplit(")", 1)[1].split()
+
+
+def cpu_s(path: str) -> float:
+    """A process's (all its threads) or a thread's CPU seconds so far, user + system, from its stat file."""
+    f = stat_fields(path)
+    return (int(f[11]) + int(f[12])) / TICK
+
+
 def cpu_account(cpu: int | None, pid: int | None) -> dict[str, float]:
     """Counters of where the rank CPU's time went (/proc/stat: user, system, irq, softirq, steal, ... seconds), its
     interrupts (/proc/interrupts), and the process's CPU seconds and context switches (/proc/PID/stat and status):
@@ -152,9 +164,8 @@ def cpu_account(cpu: int | None, pid: int | None) -> dict[str, float]:
             out["interrupts"] = sum(int(f[col + 1]) for f in (line.split() for line in fh)
                                     if len(f) > col + 1 and f[col + 1].isdigit())
         if pid is not None:
-            with open(f"/proc/{pid}/stat") as fh:
-                f = fh.read().rsplit(")", 1)[1].split()
-                out["proc_utime"], out["proc_stime"] = int(f[11]) / TICK, int(f[12]) / TICK
+            f = stat_fields(f"/proc/{pid}/stat")
+            out["proc_utime"], out["proc_stime"] = int(f[11]) / TICK, int(f[12]) / TICK
             with open(f"/proc/{pid}/status") as fh:       # the main thread's
                 for line in fh:
                     if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
@@ -163,9 +174,7 @@ def cpu_account(cpu: int | None, pid: int | None) -> dict[str, float]:
             for tid in os.listdir(f"/proc/{pid}/task"):
                 if int(tid) != pid:
                     try:
-                        with open(f"/proc/{pid}/task/{tid}/stat") as fh:
-                            f = fh.read().rsplit(")", 1)[1].split()
-                        out["threads_other_s"] += (int(f[11]) + int(f[12])) / TICK
+                        out["threads_other_s"] += cpu_s(f"/proc/{pid}/task/{tid}/stat")
                     except OSError:
                         pass                               # a thread that has ended
     except (OSError, ValueError, IndexError):
@@ -187,67 +196,59 @@ def per_step(rounds: list[dict], steps_key: str) -> dict[str, float] | None:
     return {k: statistics.median(a[k] * scale[k] / max(n, 1) for a, n in accts) for k in sorted(keys)}
 
 
-def process_cpu_s(pids) -> float:
-    """The CPU seconds (user + system, all threads) the processes have used so far."""
+def processes_cpu_s(pids) -> float:
+    """The CPU seconds (user + system, all threads) the processes have used so far (ended ones left out)."""
     total = 0.0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as fh:
-                f = fh.read().rsplit(")", 1)[1].split()
-            total += (int(f[11]) + int(f[12])) / TICK
+            total += cpu_s(f"/proc/{pid}/stat")
         except OSError:
             pass
     return total
 
 
-def frontend_processes(server_pid: int) -> list[int]:
-    """The server's command process (the API server of api_server_count 1) and the other API server processes
-    under it: every process under the server but its ranks."""
-    tree = descendants(server_pid)
-    ranks = set(rank_processes(server_pid))
-    return [server_pid] + [pid for pid in tree if pid not in ranks]
-
-
-def descendants(root: int) -> list[int]:
-    parent = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as fh:
-                    parent[int(name)] = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
-        out += kids
-        todo += kids
-    return out
-
-
-def rank_processes(server_pid: int) -> list[int]:
-    """The rank processes (`specdp_cli.rank`) started under a server."""
-    parent, ranks = {}, []
+def server_processes(server_pid: int) -> tuple[list[int], list[int]]:
+    """(its ranks (`specdp_cli.rank`), every other process of the server: the command, the API server processes,
+    the launcher) under a server, from one pass over /proc."""
+    parent, is_rank = {}, {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/stat") as fh:
-                parent[int(name)] = int(fh.read().rsplit(")", 1)[1].split()[1])
+            parent[int(name)] = int(stat_fields(f"/proc/{name}/stat")[1])
             with open(f"/proc/{name}/cmdline", "rb") as fh:
-                if b"specdp_cli.rank" in fh.read():
-                    ranks.append(int(name))
+                is_rank[int(name)] = b"specdp_cli.rank" in fh.read()
         except (OSError, ValueError, IndexError):
             pass
+    tree, todo = [], [server_pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        tree += kids
+        todo += kids
+    return [p for p in tree if is_rank.get(p)], [server_pid] + [p for p in tree if not is_rank.get(p)]
 
-    def under(pid: int) -> bool:
-        while pid > 1:
-            if pid == server_pid:
-                return True
-            pid = parent.get(pid, 0)
-        return False
-    return [pid for pid in ranks if under(pid)]
+
+def start_offline_rounds(args: list[str], log=None, env: dict | None = None, preexec_fn=None,
+                         pin_cpu: int | None = None) -> subprocess.Popen:
+    """An `offline.py --stdin-rounds` process (ARGS after the script), started and warmed up: `offline_round` runs
+    one round of it. Its stderr goes to `log`; `pin_cpu`: every thread of it moved to that CPU once started."""
+    proc = subprocess.Popen([sys.executable, os.path.join(HERE, "offline.py"), *args, "--stdin-rounds",
+                             "--json", os.devnull], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                            text=True, env=env, preexec_fn=preexec_fn)
+    if pin_cpu is not None:
+        pin(proc.pid, {pin_cpu})
+    for line in proc.stdout:
+        if line.strip() == "ready":
+            return proc
+    raise SystemExit(f"offline.py {' '.join(args)} failed" + (f": see {log.name}" if hasattr(log, "name") else ""))
+
+
+def offline_round(proc: subprocess.Popen) -> dict:
+    """One run of every prompt by an `offline.py --stdin-rounds` process: its figures."""
+    proc.stdin.write("run\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())
 
 
 class OfflineRounds:
@@ -263,24 +264,13 @@ class OfflineRounds:
     def run_round(self) -> None:
         a = self.a
         if self.proc is None:
-            cmd = [sys.executable, os.path.join(HERE, "offline.py"), "--pair", a.pair, "--requests", str(a.requests),
-                   "--batches", str(a.concurrency), "--methods", self.method, "--k", str(a.k), "--new",
-                   str(a.max_tokens), "--max-model-len", str(a.max_model_len), "--dtype", a.dtype, "--stdin-rounds",
-                   "--json", os.devnull] + (["--target", a.target] if a.target else [])
+            args = ["--pair", a.pair, "--requests", str(a.requests), "--batches", str(a.concurrency), "--methods",
+                    self.method, "--k", str(a.k), "--new", str(a.max_tokens), "--max-model-len", str(a.max_model_len),
+                    "--dtype", a.dtype] + (["--target", a.target] if a.target else [])
             log = open(os.path.join(a.work, f"offline_{self.method}_interleaved.log"), "w")
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-                                         env=process_env(a))
-            if a.rank_cpu is not None:
-                pin(self.proc.pid, {a.rank_cpu})
-            for line in self.proc.stdout:
-                if line.strip() == "ready":
-                    break
-            else:
-                raise SystemExit(f"offline {self.method} failed: see {log.name}")
+            self.proc = start_offline_rounds(args, log, process_env(a), pin_cpu=a.rank_cpu)
         before = cpu_account(a.rank_cpu, self.proc.pid)
-        self.proc.stdin.write("run\n")
-        self.proc.stdin.flush()
-        row = json.loads(self.proc.stdout.readline())
+        row = offline_round(self.proc)
         row["cpu_account"] = account_delta(before, cpu_account(a.rank_cpu, self.proc.pid))
         self.rows.append(row)
 
@@ -309,6 +299,7 @@ class Server:
                                      stdout=self.log, stderr=self.log)
         self.url = f"http://127.0.0.1:{port}"
         self.rank_pid = None        # with --rank-cpu and one rank: its pid (cpu_account)
+        self.frontend_pids: list[int] = []      # the server's processes but its ranks (their CPU a round)
 
     def wait_ready(self) -> None:
         deadline = time.time() + 300
@@ -321,8 +312,8 @@ class Server:
             if self.proc.poll() is not None or time.time() > deadline:
                 raise SystemExit(f"server did not come up: see {self.log.name}")
             time.sleep(0.5)
+        ranks, self.frontend_pids = server_processes(self.proc.pid)
         if self.a.rank_cpu is not None:
-            ranks = rank_processes(self.proc.pid)
             if not ranks:
                 raise SystemExit(f"--rank-cpu: no rank process found under the server (pid {self.proc.pid})")
             for pid in ranks:
@@ -340,13 +331,12 @@ class Server:
         """A measured round: the bench result with the server's steps and busy seconds over it."""
         before = steps_so_far(self.url)
         acct = cpu_account(self.a.rank_cpu, self.rank_pid)
-        front = frontend_processes(self.proc.pid)
-        front_s, clients_s = process_cpu_s(front), sum(os.times()[2:4])
+        front_s, clients_s = processes_cpu_s(self.frontend_pids), sum(os.times()[2:4])
         r = self.bench(self.a.requests, workers)
         r["cpu_account"] = account_delta(acct, cpu_account(self.a.rank_cpu, self.rank_pid))
         # the API servers' CPU and the load generator's worker processes' (from their start, imports and all:
         # reaped at the round's end) over the round's seconds
-        r["frontend_cpu_share"] = (process_cpu_s(front) - front_s) / r["duration_s"]
+        r["frontend_cpu_share"] = (processes_cpu_s(self.frontend_pids) - front_s) / r["duration_s"]
         r["clients_cpu_share"] = (sum(os.times()[2:4]) - clients_s) / r["duration_s"]
         with open(os.path.join(self.a.work, f"bench_{self.tag}_w{workers}_{i}.json"), "w") as fh:
             json.dump(r, fh)
