@@ -142,6 +142,28 @@ def children_cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
+class GCTime:
+    """The frontend process's garbage collections by generation: how many, their milliseconds, the longest."""
+
+    def __init__(self):
+        import gc
+
+        self.by_gen: dict[int, list] = {}
+        self._t = 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+            return
+        ms = 1e3 * (time.perf_counter() - self._t)
+        n = self.by_gen.setdefault(info["generation"], [0, 0.0, 0.0])
+        n[0], n[1], n[2] = n[0] + 1, n[1] + ms, max(n[2], ms)
+
+    def reset(self) -> None:
+        self.by_gen.clear()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", default=os.path.join(ROOT, "demo", "pair", "target"))
@@ -159,6 +181,8 @@ def main() -> None:
                          "(serve_bench.py --prefix's shape): a request's own cost in the frontend")
     ap.add_argument("--client-workers", type=int, default=1, help="load-generating processes (bench serve --num-workers)")
     ap.add_argument("--port", type=int, default=8391)
+    ap.add_argument("--no-freeze", action="store_true",
+                    help="leave the frontend's start-up heap to the garbage collector (as before the API servers froze it)")
     ap.add_argument("--profile", help="write cProfile's statistics of the frontend's event loop here")
     ap.add_argument("--profile-rank", help="write cProfile's statistics of the rank's serving loop here")
     ap.add_argument("--rank-switch-ms", type=float,
@@ -180,6 +204,7 @@ def main() -> None:
     from specdp_cli.server.frontend import Frontend
     from specdp_cli.server.link import RankLink, new_link_spec
     from specdp_cli.server.metrics import Metrics
+    from specdp_cli.runtime.heap import freeze_startup_heap
 
     tokenizer = load_tokenizer(a.tokenizer)
     token = tokenizer.encode(" x", add_special_tokens=False)[-1]       # a token that decodes to text
@@ -196,8 +221,11 @@ def main() -> None:
     if not link.wait_connected(60):
         sys.exit("the rank did not connect")
     app = build_app(frontend, PromptEncoder(tokenizer), tokenizer, "bench", 4096, SamplingConfig(), None)
+    if not a.no_freeze:
+        freeze_startup_heap()                 # as `specdp serve`'s API servers do once started
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=a.port, log_level="warning", lifespan="off"))
     measured = {}
+    gc_time = GCTime()
 
     async def serve() -> None:
         link.attach(asyncio.get_running_loop())
@@ -215,6 +243,7 @@ def main() -> None:
                 for i in range(a.requests):
                     fh.write(json.dumps({"prompt": ids + [(i * 32 + j) % 1000 + 10 for j in range(32)]}) + "\n")
             cmd += ["--input", path]
+        gc_time.reset()
         c0, t0, k0 = cpu_seconds(), time.perf_counter(), children_cpu_seconds()
         measured["client_t0"] = time.time()
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -222,7 +251,9 @@ def main() -> None:
         await proc.wait()
         measured["client_t1"] = time.time()
         measured.update(frontend_cpu_s=cpu_seconds() - c0, wall_s=time.perf_counter() - t0,
-                        client_cpu_s=children_cpu_seconds() - k0)
+                        client_cpu_s=children_cpu_seconds() - k0,
+                        gc={g: {"collections": n, "ms": round(ms, 2), "longest_ms": round(mx, 2)}
+                            for g, (n, ms, mx) in sorted(gc_time.by_gen.items())})
         measured["bench"] = json.load(open(out))
         server.should_exit = True
         await task
@@ -256,6 +287,7 @@ def main() -> None:
            "ttft_ms_median": b["ttft_ms"]["median"], "ttft_ms_mean": b["ttft_ms"]["mean"],
            "server_ttft_ms_mean": b.get("server_ttft_ms"), "itl_ms_median": b["itl_ms"]["median"],
            "itl_ms_p99": b["itl_ms"]["p99"], "failed": b["failed"], "tokens": tokens,
+           "frontend_gc": measured["gc"],
            "client_t0": measured["client_t0"], "client_t1": measured["client_t1"]}     # (wall clock: what ran beside it)
     print(f"{'streams':>8} {'served tok/s':>13} {'rank tok/s':>11} {'frontend us/tok':>16} {'client us/tok':>14} "
           f"{'TTFT ms':>8} {'ITL p50':>8} {'ITL p99':>8} {'rank ms/step':>13} {'frontend us/req':>16} {'frontend CPU':>13}")
@@ -263,6 +295,8 @@ def main() -> None:
           f"{res['frontend_cpu_us_per_token']:>16.1f} {res['client_cpu_us_per_token']:>14.1f} "
           f"{res['ttft_ms_median']:>8.1f} {res['itl_ms_median']:>8.2f} {res['itl_ms_p99']:>8.2f} "
           f"{res['rank_ms_per_step']:>13.3f} {res['frontend_cpu_us_per_request']:>16.0f} {res['frontend_cpu_share']:>13.0%}")
+    print("frontend garbage collections over the run, by generation:", ", ".join(
+        f"{g}: {v['collections']} in {v['ms']:.1f} ms (longest {v['longest_ms']:.1f})" for g, v in res["frontend_gc"].items()))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(res, fh, indent=1)

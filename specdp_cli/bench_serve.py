@@ -17,6 +17,7 @@ processes of their own, for a server that one loop cannot keep up with.
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import json
 import queue
@@ -242,76 +243,143 @@ def _server_counters(client: _Client) -> dict | None:
     return out
 
 
-async def _send_all(client: _Client, model: str, prompts: list, indices: list[int], max_tokens: int,
+def _freeze_heap() -> None:
+    """What the load generator's process holds before the run, out of the garbage collector's view: a full
+    collection then walks only the run's objects, and stalls the timestamps less (the server does the same)."""
+    gc.collect()
+    gc.freeze()
+
+
+class _Counter:
+    """The next request index of a run for one process: start, start + step, ... below num_requests."""
+
+    def __init__(self, num_requests: int, start: int = 0, step: int = 1):
+        self.next, self.step, self.total = start, step, num_requests
+
+    def claim(self) -> int | None:
+        if self.next >= self.total:
+            return None
+        self.next += self.step
+        return self.next - self.step
+
+
+class _SharedCounter:
+    """The next request index of a run, shared by the load-generating processes: a stream that frees up takes
+    the run's next request, whichever process it is in, as one process's streams would. (Fixed shares, request i
+    in process i % N, left a process whose requests ran long finishing alone at the run's end.)"""
+
+    def __init__(self, value, num_requests: int):
+        self.value, self.total = value, num_requests
+
+    def claim(self) -> int | None:
+        with self.value.get_lock():
+            i = self.value.value
+            if i >= self.total:
+                return None
+            self.value.value = i + 1
+        return i
+
+
+async def _send_all(client: _Client, model: str, prompts: list, counter, max_tokens: int,
                     concurrency: int | None, request_rate: float, seed: int) -> list[dict]:
-    """Requests `indices` (request i takes prompt i) at their arrival times (a Poisson process of
-    request_rate; inf: all at once), at most `concurrency` in flight, over a pool of idle keep-alive
-    connections."""
-    limit = asyncio.Semaphore(concurrency or len(indices))
+    """The requests `counter.claim()` hands out (request i takes prompt i) at their arrival times (a Poisson
+    process of request_rate; inf: each as soon as a stream is free), at most `concurrency` in flight, over a pool
+    of idle keep-alive connections."""
     pool: list[_Conn] = []
     rng = random.Random(seed)
 
-    async def task(i: int) -> dict:
-        async with limit:
-            try:
-                return await asyncio.wait_for(_one(client, pool, model, prompts[i % len(prompts)], max_tokens),
-                                              REQUEST_TIMEOUT_S)
-            except TimeoutError:
-                return _result(f"no answer within {REQUEST_TIMEOUT_S} s")
+    async def one(i: int) -> dict:
+        try:
+            return await asyncio.wait_for(_one(client, pool, model, prompts[i % len(prompts)], max_tokens),
+                                          REQUEST_TIMEOUT_S)
+        except TimeoutError:
+            return _result(f"no answer within {REQUEST_TIMEOUT_S} s")
 
-    tasks = []
-    for n, i in enumerate(indices):
-        tasks.append(asyncio.create_task(task(i)))
-        if request_rate != float("inf") and n + 1 < len(indices):
-            await asyncio.sleep(rng.expovariate(request_rate))      # the arrival process itself
-    results = await asyncio.gather(*tasks)
+    results: list[dict] = []
+    if request_rate == float("inf") and concurrency:
+        async def stream() -> None:                   # closed loop: a request claimed when the last one ends
+            while (i := counter.claim()) is not None:
+                results.append(await one(i))
+
+        await asyncio.gather(*(stream() for _ in range(concurrency)))
+    else:
+        limit = asyncio.Semaphore(concurrency) if concurrency else None
+
+        async def task(i: int) -> None:
+            if limit is None:
+                results.append(await one(i))
+                return
+            async with limit:
+                results.append(await one(i))
+
+        tasks = []
+        while (i := counter.claim()) is not None:      # a request claimed when it arrives
+            tasks.append(asyncio.create_task(task(i)))
+            if request_rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(request_rate))      # the arrival process itself
+        await asyncio.gather(*tasks)
     for conn in pool:
         conn.close()
-    return list(results)
+    return results
 
 
-def _worker(client: _Client, model: str, prompts: list, indices: list[int], max_tokens: int,
+def _worker(client: _Client, model: str, prompts: list, next_index, num_requests: int, max_tokens: int,
             concurrency: int | None, request_rate: float, seed: int, go, out) -> None:
-    """One load-generating process of --num-workers: its share of the requests, streams and rate."""
+    """One load-generating process of --num-workers: its share of the streams and rate, requests claimed from
+    the run's shared counter (`next_index`; an int w of N: every N-th request from w, for requests all sent at
+    once). It says it is ready (imports done) and starts when every process is."""
+    counter = (_SharedCounter(next_index, num_requests) if not isinstance(next_index, tuple) else
+               _Counter(num_requests, *next_index))
+    _freeze_heap()
+    out.put("ready")
     go.wait()
     t0 = time.perf_counter()          # CLOCK_MONOTONIC: comparable between the processes
-    results = asyncio.run(_send_all(client, model, prompts, indices, max_tokens, concurrency, request_rate, seed))
+    results = asyncio.run(_send_all(client, model, prompts, counter, max_tokens, concurrency, request_rate, seed))
     out.put((t0, time.perf_counter(), results))
 
 
 def _send_in_processes(client: _Client, model: str, prompts: list, num_requests: int, max_tokens: int,
                        concurrency: int | None, request_rate: float, seed: int, workers: int) -> tuple[list, float]:
-    """The requests over `workers` processes (each its own event loop): request i in process i % workers,
-    the streams and the arrival rate split evenly. Returns the results and the run's duration (first
-    start to last end)."""
+    """The requests over `workers` processes (each its own event loop), the streams and the arrival rate split
+    evenly, the requests claimed in turn from one counter (all sent at once: every N-th in each process). The
+    processes start together once all have started up, so the run does not time one process's start-up while
+    another already sends. Returns the results and the run's duration (first start to last end)."""
     if workers == 1:
+        _freeze_heap()
         t0 = time.perf_counter()
-        results = asyncio.run(_send_all(client, model, prompts, list(range(num_requests)), max_tokens, concurrency,
+        results = asyncio.run(_send_all(client, model, prompts, _Counter(num_requests), max_tokens, concurrency,
                                         request_rate, seed))
         return results, time.perf_counter() - t0
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    go, out = ctx.Event(), ctx.Queue()
+    go, out, shared = ctx.Event(), ctx.Queue(), ctx.Value("q", 0)
+    all_at_once = concurrency is None and request_rate == float("inf")     # nothing to claim in turn: fixed shares
     procs = []
     for w in range(workers):
         share = None if concurrency is None else concurrency // workers + (w < concurrency % workers)
         procs.append(ctx.Process(target=_worker, daemon=True, args=(
-            client, model, prompts, list(range(w, num_requests, workers)), max_tokens, share,
+            client, model, prompts, (w, workers) if all_at_once else shared, num_requests, max_tokens, share,
             request_rate / workers, seed + w, go, out)))
     for p in procs:
         p.start()
+
+    def gather(n: int) -> list:
+        got = []
+        while len(got) < n:
+            try:
+                got.append(out.get(timeout=1.0))
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed:
+                    for p in procs:
+                        p.kill()
+                    raise BenchError(f"a load-generating process failed (exit status {failed[0]})") from None
+        return got
+
+    gather(workers)                 # every process ready
     go.set()
-    parts = []
-    while len(parts) < workers:
-        try:
-            parts.append(out.get(timeout=1.0))
-        except queue.Empty:
-            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if failed:
-                for p in procs:
-                    p.kill()
-                raise BenchError(f"a load-generating process failed (exit status {failed[0]})") from None
+    parts = gather(workers)
     for p in procs:
         p.join()
     results = [r for _, _, rs in parts for r in rs]

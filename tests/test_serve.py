@@ -395,6 +395,10 @@ def test_metrics_counters(server, client):
     assert any(k.startswith("specdp:spec_decode_num_accepted_tokens_per_pos_total") and labels_of(k)["position"] == "0"
                for k in parse_prometheus(text))
     assert server.metric("specdp:spec_decode_steps_by_k_total", k="3", model_name="tiny") > 0
+    # the API server froze its start-up heap (runtime/heap.py) and counts the collections since: a completion's
+    # allocations alone start some
+    assert server.metric("specdp:api_server_gc_collections_total") > 0
+    assert server.metric("specdp:api_server_gc_pause_seconds_total") > 0
 
 
 PER_RANK = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",

@@ -129,6 +129,12 @@ class Metrics:
         self.chunk_steps = counter("steps_with_prompt_chunks", "Engine steps whose forwards were prompt-chunk wide.")
         self.busy = counter("rank_busy_seconds", "Seconds the rank was not waiting for requests (stepping, or "
                             "taking messages).")
+        # this API server process's garbage collections since its start-up heap was frozen (runtime/heap.py)
+        self.gc_collections = Counter("specdp:api_server_gc_collections", "Garbage collections in the API server "
+                                      "process(es) since start-up.", ["model_name"], registry=r).labels(model_name)
+        self.gc_pause = Counter("specdp:api_server_gc_pause_seconds", "Seconds the API server process(es) spent in "
+                                "garbage collections since start-up (their event loop stalled meanwhile).",
+                                ["model_name"], registry=r).labels(model_name)
         self.ranks_up = Gauge("specdp:ranks_up", "Ranks connected to the frontend.", ["model_name"],
                               registry=r, multiprocess_mode="min").labels(model_name)
         Gauge("specdp:ranks", "Data-parallel ranks of the server.", ["model_name"], registry=r,
@@ -154,6 +160,11 @@ class Metrics:
             if now > seen:
                 counter[rank].inc(now - seen)
         self._seen[rank] = tuple(totals)
+
+    def gc_collected(self, pause_s: float) -> None:
+        """A garbage collection of this process took `pause_s` (runtime/heap.py's listener)."""
+        self.gc_collections.inc()
+        self.gc_pause.inc(pause_s)
 
     # -- from the frontend, as a request's tokens reach its handler ------------------------------
 

@@ -26,6 +26,7 @@ from ..launch import Ranks
 from ..modeldir import load_tokenizer
 from ..plan import Plan
 from ..prompts import PromptEncoder
+from ..runtime.heap import freeze_startup_heap
 from . import event_loop
 from .link import RankLink, new_link_spec
 
@@ -254,6 +255,10 @@ async def serve_http(app, frontend, cfg: Config, plan: Plan, console: Console, s
     tasks = [asyncio.create_task(watch()), asyncio.create_task(drain())]
     if ranks is not None:
         tasks.append(asyncio.create_task(announce()))
+    # start-up is over: its objects out of the garbage collector's view (runtime/heap.py). Unfrozen, a full
+    # collection stalled the event loop 40-50 ms every few hundred requests and cost a quarter of the frontend's CPU
+    # under load (`benchmarks/frontend_bench.py --no-freeze`)
+    freeze_startup_heap(frontend.metrics.gc_collected)
     try:
         await server.serve(sockets=[sock] if sock is not None else None)
     except SystemExit:          # uvicorn gives up this way when it cannot bind
