@@ -109,8 +109,22 @@ class InstantEngine:
         return outs
 
 
+def real_engine(pair: str, method: str, max_seqs: int):
+    """`--engine-pair`: offline.py's engine for the pair and method (what its --stdin-rounds process runs), so that a
+    profile of the rank (--profile-rank) shows the serving loop's own work around a real engine's steps."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import offline
+
+    a = SimpleNamespace(pair=pair, target=None, dtype="bfloat16", max_model_len=2048, k=4, max_batched_tokens=16384,
+                        async_scheduling="auto", gpu_memory_utilization=None)
+    engine = offline.build(a, method, False, max_seqs)
+    engine.tokens, engine.first, engine.last = 0, None, None
+    return engine
+
+
 def rank_main(link: dict, max_seqs: int, step_s: float, token: int, per_step: int, host_s: float, cpu: int | None,
-              result_q, profile: str | None = None, switch_s: float | None = None) -> None:
+              result_q, profile: str | None = None, switch_s: float | None = None,
+              engine_pair: str | None = None, engine_method: str = "none") -> None:
     from specdp_cli.server.rank import serve_rank
 
     if switch_s:
@@ -119,7 +133,8 @@ def rank_main(link: dict, max_seqs: int, step_s: float, token: int, per_step: in
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
 
-    engine = InstantEngine(max_seqs, step_s, token, per_step, host_s)
+    engine = (real_engine(engine_pair, engine_method, max_seqs) if engine_pair else
+              InstantEngine(max_seqs, step_s, token, per_step, host_s))
     dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
     if profile:                         # the rank's serving loop, by function (its main thread)
         import cProfile
@@ -184,6 +199,9 @@ def main() -> None:
     ap.add_argument("--no-freeze", action="store_true",
                     help="leave the frontend's start-up heap to the garbage collector (as before the API servers froze it)")
     ap.add_argument("--profile", help="write cProfile's statistics of the frontend's event loop here")
+    ap.add_argument("--engine-pair", help="the rank runs offline.py's engine of this pair (codepair layout) instead of "
+                    "the stand-in; --tokenizer should be its tokenizer")
+    ap.add_argument("--engine-method", default="none", help="--engine-pair's method")
     ap.add_argument("--profile-rank", help="write cProfile's statistics of the rank's serving loop here")
     ap.add_argument("--rank-switch-ms", type=float,
                     help="the rank process's GIL switch interval (sys.setswitchinterval; Python's default is 5 ms)")
@@ -215,10 +233,10 @@ def main() -> None:
     results = ctx.Queue()
     rank = ctx.Process(target=rank_main, args=(link.spec, a.streams, a.step_ms / 1000, token, a.tokens_per_step,
                                                 a.host_ms / 1000, a.rank_cpu, results, a.profile_rank,
-                                                (a.rank_switch_ms or 0) / 1000),
+                                                (a.rank_switch_ms or 0) / 1000, a.engine_pair, a.engine_method),
                        daemon=True)
     rank.start()
-    if not link.wait_connected(60):
+    if not link.wait_connected(300):
         sys.exit("the rank did not connect")
     app = build_app(frontend, PromptEncoder(tokenizer), tokenizer, "bench", 4096, SamplingConfig(), None)
     if not a.no_freeze:

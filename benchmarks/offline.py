@@ -35,7 +35,7 @@ from specdp_cli.plan import async_method  # noqa: E402
 from specdp_cli.preflight import run_preflight  # noqa: E402
 from specdp_cli.runtime.dist import DPGroup  # noqa: E402
 from specdp_cli.runtime.engine import Engine, RankCounters  # noqa: E402
-from specdp_cli.runtime.heap import freeze_startup_heap  # noqa: E402
+from specdp_cli.runtime.heap import collections_since_startup, freeze_startup_heap  # noqa: E402
 from specdp_cli.runtime.sampling import SamplingParams  # noqa: E402
 from workloads import cut_prompts, heldout  # noqa: E402
 
@@ -140,12 +140,13 @@ def rounds_on_stdin(engine: Engine, prompts, new: int) -> None:
     print("ready", flush=True)
     for _ in sys.stdin:
         engine.counters = c = RankCounters()
-        t0 = time.time()
+        t0, gc0 = time.time(), collections_since_startup()
         done, secs = run(engine, prompts, new)
-        gen = sum(len(s.generated) for s in done.values())
+        gen, gc1 = sum(len(s.generated) for s in done.values()), collections_since_startup()
         print(json.dumps({"tok_s": gen / secs, "s": secs, "t0": t0, "tokens": gen, "steps": c.steps,
                           "ms_per_step": secs / max(c.steps, 1) * 1e3, "planned_ahead": c.planned_ahead,
-                          "chunk_steps": c.chunk_steps}), flush=True)
+                          "chunk_steps": c.chunk_steps, "gc_collections": gc1["gc_collections"] - gc0["gc_collections"],
+                          "gc_pause_s": gc1["gc_pause_s"] - gc0["gc_pause_s"]}), flush=True)
 
 
 def async_setting(mode: str, method: str):

@@ -89,7 +89,8 @@ def offline(a, method: str, proc: int) -> list[dict]:
 
 
 STEP_COUNTS = {"steps": "specdp:spec_decode_steps_by_k_total", "planned_ahead": "specdp:steps_planned_ahead_total",
-               "chunk_steps": "specdp:steps_with_prompt_chunks_total", "busy_s": "specdp:rank_busy_seconds_total"}
+               "chunk_steps": "specdp:steps_with_prompt_chunks_total", "busy_s": "specdp:rank_busy_seconds_total",
+               "step_s": "specdp:rank_step_seconds_total"}
 
 
 def process_env(a) -> dict[str, str]:
@@ -501,6 +502,9 @@ def main() -> None:
                    # workers (start-up included)
                    "frontend_cpu_share": r.get("frontend_cpu_share"), "clients_cpu_share": r.get("clients_cpu_share"),
                    "served_busy_ms_per_step": r["busy_s"] / a.dp / max(r["steps"], 1) * 1e3,
+                   # of it inside the engine's step (the rest: the serving loop's own work), against offline's
+                   # ms a step (all of it in the engine's step)
+                   "served_engine_ms_per_step": r["step_s"] / a.dp / max(r["steps"], 1) * 1e3,
                    "offline_planned_ahead": off_row.get("planned_ahead") if off_row else None,
                    "offline_chunk_steps": off_row.get("chunk_steps") if off_row else None,
                    # --rank-cpu: the rank CPU's time a step by kind, its interrupts and the process's context
@@ -514,7 +518,7 @@ def main() -> None:
     with open(a.json, "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     print(f"{'method':<12}{'caching':>8}{'clients':>8}{'served tok/s':>13}{'offline':>9}{'ratio':>7}{'pairs':>7}{'TTFT p50':>9}{'TTFT p99':>9}"
-          f"{'ITL p50':>8}{'ITL p99':>8}{'accept':>8}{'queue':>7}{'prefill':>8}{'srv TTFT':>9}{'steps s/o':>13}{'ms/step s/o':>13}{'busy ms/step':>13}")
+          f"{'ITL p50':>8}{'ITL p99':>8}{'accept':>8}{'queue':>7}{'prefill':>8}{'srv TTFT':>9}{'steps s/o':>13}{'ms/step s/o':>13}{'busy ms/step':>13}{'in step':>8}")
     for r in rows:
         off = f"{r['offline_tok_s']:.0f}" if r["offline_tok_s"] else "-"
         ratio = f"{r['served_over_offline']:.2f}" if r["served_over_offline"] else "-"
@@ -526,7 +530,8 @@ def main() -> None:
               f"{r['ttft_ms']['median']:>9.1f}{r['ttft_ms']['p99']:>9.1f}{r['itl_ms']['median']:>8.2f}"
               f"{r['itl_ms']['p99']:>8.2f}{acc:>8}{r['server_queue_ms'] or 0:>7.1f}{r['server_prefill_ms'] or 0:>8.1f}"
               f"{r['server_ttft_ms'] or 0:>9.1f}{r['served_steps']:>7}/{r['offline_steps'] or 0:<5}"
-              f"{r['served_ms_per_step']:>7.2f}/{r['offline_ms_per_step'] or 0:<5.2f}{r['served_busy_ms_per_step']:>13.2f}")
+              f"{r['served_ms_per_step']:>7.2f}/{r['offline_ms_per_step'] or 0:<5.2f}{r['served_busy_ms_per_step']:>13.2f}"
+              f"{r['served_engine_ms_per_step']:>8.2f}")
     for r in rows:
         if r.get("frontend_cpu_share") is not None:
             print(f"{r['method']:<12} CPUs busy over the median round: API servers {r['frontend_cpu_share']:.2f}, "

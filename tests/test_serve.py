@@ -399,6 +399,8 @@ def test_metrics_counters(server, client):
     # allocations alone start some
     assert server.metric("specdp:api_server_gc_collections_total") > 0
     assert server.metric("specdp:api_server_gc_pause_seconds_total") > 0
+    # the ranks' seconds in engine steps: part of their busy seconds, the rest their serving loop's own
+    assert 0 < server.metric("specdp:rank_step_seconds_total") < server.metric("specdp:rank_busy_seconds_total")
 
 
 PER_RANK = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",

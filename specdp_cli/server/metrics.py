@@ -129,6 +129,8 @@ class Metrics:
         self.chunk_steps = counter("steps_with_prompt_chunks", "Engine steps whose forwards were prompt-chunk wide.")
         self.busy = counter("rank_busy_seconds", "Seconds the rank was not waiting for requests (stepping, or "
                             "taking messages).")
+        self.step_seconds = counter("rank_step_seconds", "Seconds the rank spent in engine steps (of its busy seconds; "
+                                    "the rest is its serving loop's own work: taking requests, sending tokens).")
         # this API server process's garbage collections since its start-up heap was frozen (runtime/heap.py)
         self.gc_collections = Counter("specdp:api_server_gc_collections", "Garbage collections in the API server "
                                       "process(es) since start-up.", ["model_name"], registry=r).labels(model_name)
@@ -139,14 +141,14 @@ class Metrics:
                               registry=r, multiprocess_mode="min").labels(model_name)
         Gauge("specdp:ranks", "Data-parallel ranks of the server.", ["model_name"], registry=r,
               multiprocess_mode="max").labels(model_name).set(world)
-        self._seen = [(0,) * 6] * world      # each rank's totals below (`rank_report`) counted so far
+        self._seen = [(0,) * 7] * world      # each rank's totals below (`rank_report`) counted so far
 
     # -- from the ranks' messages (read on the event loop) -----------------------------------------
 
     def rank_report(self, rank: int, steps_by_k: dict[int, int], state: tuple | None = None) -> None:
         """A rank's "out" message: steps per k since its last one, and its scheduler's state after the
         step (running, waiting, KV cache usage 0..1; preemptions, prefix cache queries and hits, steps planned
-        ahead, steps with prompt chunks and seconds busy so far)."""
+        ahead, steps with prompt chunks, seconds busy and seconds in engine steps so far)."""
         for k, n in steps_by_k.items():
             self.steps_by_k.labels(self.model, str(rank), str(k)).inc(n)
         if state is None:
@@ -156,7 +158,8 @@ class Metrics:
         self.waiting[rank].set(waiting)
         self.kv_usage[rank].set(kv_usage)
         for counter, now, seen in zip((self.preemptions, self.prefix_queries, self.prefix_hits, self.planned_ahead,
-                                       self.chunk_steps, self.busy), totals, self._seen[rank]):
+                                       self.chunk_steps, self.busy, self.step_seconds), totals,
+                                      self._seen[rank]):
             if now > seen:
                 counter[rank].inc(now - seen)
         self._seen[rank] = tuple(totals)

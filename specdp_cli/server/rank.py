@@ -83,7 +83,7 @@ def serve_rank(engine, dp, job: dict) -> None:
     def reply(api: int, events: list) -> None:   # an answer to a frontend message, after the tokens already due
         nonlocal sent_state
         flush()
-        sent_state = _state(engine, busy_s())
+        sent_state = _state(engine, busy_s(), step_s)
         send(api, ("out", events, {}, sent_state) if api == 0 else ("out", events))
         if api:
             send(0, ("out", [], {}, sent_state))
@@ -94,6 +94,7 @@ def serve_rank(engine, dp, job: dict) -> None:
     sent_k: dict[int, int] = {}   # steps per k already reported to the frontend (/metrics)
     sent_state = None             # the scheduler state last reported (/metrics): sent again when it changes
     idle_s = 0.0                  # seconds spent waiting for requests with nothing to run
+    step_s = 0.0                  # seconds in engine steps (/metrics: the rest of the busy seconds is this loop's own)
     started = time.perf_counter()
 
     def busy_s() -> float:        # /metrics: the seconds the rank was not waiting for requests
@@ -133,7 +134,9 @@ def serve_rank(engine, dp, job: dict) -> None:
         if not dp.lockstep and not engine.has_work:
             active = False                    # wait for the next message (above), not spin
             continue
+        t_step = time.perf_counter()
         outs = engine.step(received, while_device_runs=flush)
+        step_s += time.perf_counter() - t_step
         active = outs is not None
         if outs is None:
             flush()
@@ -149,10 +152,10 @@ def serve_rank(engine, dp, job: dict) -> None:
             elif o.new_tokens:
                 rid = o.seq.req.id
                 events[owner.get(rid, 0)].append((rid, o.new_tokens, None, None, None, o.logprobs))
-        state = _state(engine, busy_s())
+        state = _state(engine, busy_s(), step_s)
         # the rank's state and steps to the first API server (/metrics), with its tokens or when the state changed
-        # (its busy seconds aside: they change every step)
-        if events[0] or sent_state is None or state[:-1] != sent_state[:-1]:
+        # (its busy and step seconds aside: they change every step)
+        if events[0] or sent_state is None or state[:-2] != sent_state[:-2]:
             used = engine.spec_len.used
             delta = {k: n - sent_k.get(k, 0) for k, n in used.items() if n != sent_k.get(k, 0)}
             sent_k, sent_state = dict(used), state
@@ -166,12 +169,13 @@ def serve_rank(engine, dp, job: dict) -> None:
         send(api, ("bye", dp.rank))
 
 
-def _state(engine, busy_s: float) -> tuple[int, int, float, int, int, int, int, int, float]:
+def _state(engine, busy_s: float, step_s: float) -> tuple[int, int, float, int, int, int, int, int, float, float]:
     """(running, waiting, KV cache usage 0..1; preemptions, prefix cache queries and hits, steps planned ahead,
-    steps with prompt chunks and seconds not waiting for requests so far): what /metrics shows of this rank."""
+    steps with prompt chunks, seconds not waiting for requests and seconds in engine steps so far): what /metrics
+    shows of this rank."""
     sc, pool, c = engine.scheduler, engine.pool, engine.counters
     return (len(sc.running), len(sc.waiting), 1 - pool.num_free / pool.num_blocks, c.preemptions,
-            pool.queries, pool.hits, c.planned_ahead, c.chunk_steps, round(busy_s, 4))
+            pool.queries, pool.hits, c.planned_ahead, c.chunk_steps, round(busy_s, 4), round(step_s, 4))
 
 
 def _stats(seq) -> dict:
