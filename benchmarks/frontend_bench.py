@@ -34,7 +34,7 @@ class InstantEngine:
     """What serve_rank needs of an engine: each step gives every running request `per_step` tokens (a fixed
     id), up to max_tokens, for at most `max_seqs` requests at a time."""
 
-    step_in_flight = False          # its step is over when `step` returns
+    step_in_flight = False          # its step is over when `step` returns (--async-steps: as if still on the device)
 
     def __init__(self, max_seqs: int, step_s: float, token: int, per_step: int = 1, host_s: float = 0.0):
         from specdp_cli.runtime.engine import RankCounters
@@ -86,8 +86,8 @@ class InstantEngine:
         while time.perf_counter() - t0 < self.host_s:      # a host-bound engine's Python, holding the GIL
             pass
         t0 = time.perf_counter()
-        if while_device_runs is not None:     # the last step's tokens go out while the device runs this one
-            while_device_runs()
+        if while_device_runs is not None and not self.step_in_flight:   # the last step's tokens go out while the
+            while_device_runs()                                          # device runs this one
         if self.step_s:
             time.sleep(max(0.0, self.step_s - (time.perf_counter() - t0)))     # the device's time
         self.step_no += 1
@@ -124,7 +124,7 @@ def real_engine(pair: str, method: str, max_seqs: int):
 
 def rank_main(link: dict, max_seqs: int, step_s: float, token: int, per_step: int, host_s: float, cpu: int | None,
               result_q, profile: str | None = None, switch_s: float | None = None,
-              engine_pair: str | None = None, engine_method: str = "none") -> None:
+              engine_pair: str | None = None, engine_method: str = "none", async_steps: bool = False) -> None:
     from specdp_cli.server.rank import serve_rank
 
     if switch_s:
@@ -135,6 +135,8 @@ def rank_main(link: dict, max_seqs: int, step_s: float, token: int, per_step: in
 
     engine = (real_engine(engine_pair, engine_method, max_seqs) if engine_pair else
               InstantEngine(max_seqs, step_s, token, per_step, host_s))
+    if async_steps and not engine_pair:
+        engine.step_in_flight = True       # the serving loop sends a step's tokens as soon as it returns
     dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
     if profile:                         # the rank's serving loop, by function (its main thread)
         import cProfile
@@ -144,6 +146,18 @@ def rank_main(link: dict, max_seqs: int, step_s: float, token: int, per_step: in
         serve_rank(engine, dp, {"links": [link]})
     span = (engine.last - engine.first) if engine.first else 0.0
     result_q.put({"rank_tokens": engine.tokens, "rank_steps": engine.step_no, "rank_span_s": span})
+
+
+def rank_seconds(frontend) -> dict[str, float]:
+    """The rank's steps, busy seconds and seconds in engine steps so far, as its messages reported them (/metrics)."""
+    from specdp_cli.server.metrics import parse_prometheus
+
+    m = parse_prometheus(frontend.metrics.render(1).decode())
+
+    def total(name: str) -> float:
+        return sum(v for k, v in m.items() if k.split("{")[0] == name)
+    return {"steps": total("specdp:spec_decode_steps_by_k_total"), "busy_s": total("specdp:rank_busy_seconds_total"),
+            "step_s": total("specdp:rank_step_seconds_total")}
 
 
 def cpu_seconds() -> float:
@@ -202,6 +216,9 @@ def main() -> None:
     ap.add_argument("--engine-pair", help="the rank runs offline.py's engine of this pair (codepair layout) instead of "
                     "the stand-in; --tokenizer should be its tokenizer")
     ap.add_argument("--engine-method", default="none", help="--engine-pair's method")
+    ap.add_argument("--async-steps", action="store_true",
+                    help="the stand-in's steps return with the device still running (async scheduling, as the GPU "
+                         "engine's): the loop sends their tokens after the step, not during the next")
     ap.add_argument("--profile-rank", help="write cProfile's statistics of the rank's serving loop here")
     ap.add_argument("--rank-switch-ms", type=float,
                     help="the rank process's GIL switch interval (sys.setswitchinterval; Python's default is 5 ms)")
@@ -233,7 +250,8 @@ def main() -> None:
     results = ctx.Queue()
     rank = ctx.Process(target=rank_main, args=(link.spec, a.streams, a.step_ms / 1000, token, a.tokens_per_step,
                                                 a.host_ms / 1000, a.rank_cpu, results, a.profile_rank,
-                                                (a.rank_switch_ms or 0) / 1000, a.engine_pair, a.engine_method),
+                                                (a.rank_switch_ms or 0) / 1000, a.engine_pair, a.engine_method,
+                                                a.async_steps),
                        daemon=True)
     rank.start()
     if not link.wait_connected(300):
@@ -262,6 +280,7 @@ def main() -> None:
                     fh.write(json.dumps({"prompt": ids + [(i * 32 + j) % 1000 + 10 for j in range(32)]}) + "\n")
             cmd += ["--input", path]
         gc_time.reset()
+        rank0 = rank_seconds(frontend)
         c0, t0, k0 = cpu_seconds(), time.perf_counter(), children_cpu_seconds()
         measured["client_t0"] = time.time()
         proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -273,6 +292,8 @@ def main() -> None:
                         gc={g: {"collections": n, "ms": round(ms, 2), "longest_ms": round(mx, 2)}
                             for g, (n, ms, mx) in sorted(gc_time.by_gen.items())})
         measured["bench"] = json.load(open(out))
+        rank1 = rank_seconds(frontend)
+        measured["rank"] = {k: rank1[k] - rank0[k] for k in rank0}
         server.should_exit = True
         await task
 
@@ -306,6 +327,9 @@ def main() -> None:
            "server_ttft_ms_mean": b.get("server_ttft_ms"), "itl_ms_median": b["itl_ms"]["median"],
            "itl_ms_p99": b["itl_ms"]["p99"], "failed": b["failed"], "tokens": tokens,
            "frontend_gc": measured["gc"],
+           # the serving loop's own time a step: the rank's busy time outside its engine steps
+           "rank_loop_us_per_step": 1e6 * (measured["rank"]["busy_s"] - measured["rank"]["step_s"])
+           / max(measured["rank"]["steps"], 1),
            "client_t0": measured["client_t0"], "client_t1": measured["client_t1"]}     # (wall clock: what ran beside it)
     print(f"{'streams':>8} {'served tok/s':>13} {'rank tok/s':>11} {'frontend us/tok':>16} {'client us/tok':>14} "
           f"{'TTFT ms':>8} {'ITL p50':>8} {'ITL p99':>8} {'rank ms/step':>13} {'frontend us/req':>16} {'frontend CPU':>13}")
@@ -313,6 +337,7 @@ def main() -> None:
           f"{res['frontend_cpu_us_per_token']:>16.1f} {res['client_cpu_us_per_token']:>14.1f} "
           f"{res['ttft_ms_median']:>8.1f} {res['itl_ms_median']:>8.2f} {res['itl_ms_p99']:>8.2f} "
           f"{res['rank_ms_per_step']:>13.3f} {res['frontend_cpu_us_per_request']:>16.0f} {res['frontend_cpu_share']:>13.0%}")
+    print(f"rank: {res['rank_loop_us_per_step']:.1f} us a step in the serving loop outside engine steps")
     print("frontend garbage collections over the run, by generation:", ", ".join(
         f"{g}: {v['collections']} in {v['ms']:.1f} ms (longest {v['longest_ms']:.1f})" for g, v in res["frontend_gc"].items()))
     if a.json:
