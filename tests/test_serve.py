@@ -613,6 +613,7 @@ def test_api_server_processes(tmp_path, models):
         for _ in range(4):                        # each scrape a new connection: either process may answer
             assert server.metric("specdp:request_success_total") == 32
             assert server.metric("specdp:request_generation_tokens_count") == 32
+            assert server.metric("specdp:api_server_gc_collections_total") > 0     # both processes count theirs
         api = [p for p in psutil.Process(server.proc.pid).children()
                if any("spawn_main" in part for part in p.cmdline())]
         assert len(api) == 1

@@ -8,7 +8,8 @@ the adaptive k measures. As vLLM does after start-up: collect once, then freeze 
 the collector's view, so the collections during steps only walk what the steps allocate. The
 collections after that, and their time, are counted for the summary (a rank) or /metrics (an API
 server: its ~90,000 start-up objects took 40-50 ms a full collection, one every few hundred requests, the
-event loop stalled meanwhile)."""
+event loop stalled meanwhile). The count is kept in plain Python: a collection can start inside any
+allocation, one under a lock included, so its callback takes none."""
 from __future__ import annotations
 
 import gc
@@ -16,34 +17,26 @@ import time
 
 _since_startup = {"gc_collections": 0, "gc_pause_s": 0.0}
 _began = [0.0]
-_listeners: list = []
 
 
 def _on_collection(phase: str, _info: dict) -> None:
     if phase == "start":
         _began[0] = time.perf_counter()
     else:
-        pause = time.perf_counter() - _began[0]
         _since_startup["gc_collections"] += 1
-        _since_startup["gc_pause_s"] += pause
-        for listener in _listeners:
-            listener(pause)
+        _since_startup["gc_pause_s"] += time.perf_counter() - _began[0]
 
 
-def freeze_startup_heap(on_collection=None) -> None:
-    """Collect, freeze what survives, count the collections from now on; `on_collection(seconds)` is also
-    called after each of them."""
+def freeze_startup_heap() -> None:
     gc.collect()
     gc.freeze()
     _since_startup.update(gc_collections=0, gc_pause_s=0.0)
-    _listeners[:] = [on_collection] if on_collection is not None else []
     if _on_collection not in gc.callbacks:
         gc.callbacks.append(_on_collection)
 
 
 def thaw_heap() -> None:
     gc.unfreeze()
-    _listeners.clear()
 
 
 def collections_since_startup() -> dict:

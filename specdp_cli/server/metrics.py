@@ -16,6 +16,8 @@ import os
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..runtime.heap import collections_since_startup
+
 try:        # the `_created` series of each counter and histogram: one more series each that nobody reads
     from prometheus_client import disable_created_metrics
     disable_created_metrics()
@@ -141,6 +143,7 @@ class Metrics:
                               registry=r, multiprocess_mode="min").labels(model_name)
         Gauge("specdp:ranks", "Data-parallel ranks of the server.", ["model_name"], registry=r,
               multiprocess_mode="max").labels(model_name).set(world)
+        self._gc_seen = {"gc_collections": 0, "gc_pause_s": 0.0}
         self._seen = [(0,) * 7] * world      # each rank's totals below (`rank_report`) counted so far
 
     # -- from the ranks' messages (read on the event loop) -----------------------------------------
@@ -151,6 +154,7 @@ class Metrics:
         ahead, steps with prompt chunks, seconds busy and seconds in engine steps so far)."""
         for k, n in steps_by_k.items():
             self.steps_by_k.labels(self.model, str(rank), str(k)).inc(n)
+        self.publish_gc()
         if state is None:
             return
         running, waiting, kv_usage, *totals = state
@@ -164,10 +168,16 @@ class Metrics:
                 counter[rank].inc(now - seen)
         self._seen[rank] = tuple(totals)
 
-    def gc_collected(self, pause_s: float) -> None:
-        """A garbage collection of this process took `pause_s` (runtime/heap.py's listener)."""
-        self.gc_collections.inc()
-        self.gc_pause.inc(pause_s)
+    def publish_gc(self) -> None:
+        """This process's garbage collections since its start-up heap was frozen (runtime/heap.py counts them),
+        added to the counters since the last call: on the event loop, never in a collection's callback
+        (prometheus_client's multiprocess values share one lock, which a collection may start under)."""
+        now, seen = collections_since_startup(), self._gc_seen
+        if now["gc_collections"] < seen["gc_collections"]:       # frozen again since (the count starts over)
+            seen = {"gc_collections": 0, "gc_pause_s": 0.0}
+        self.gc_collections.inc(now["gc_collections"] - seen["gc_collections"])
+        self.gc_pause.inc(max(now["gc_pause_s"] - seen["gc_pause_s"], 0.0))
+        self._gc_seen = now
 
     # -- from the frontend, as a request's tokens reach its handler ------------------------------
 
@@ -205,6 +215,7 @@ class Metrics:
 
     def render(self, ranks_up: int) -> bytes:
         self.ranks_up.set(ranks_up)
+        self.publish_gc()
         if not _multiprocess():
             return generate_latest(self.registry)
         from prometheus_client import multiprocess

@@ -258,7 +258,7 @@ async def serve_http(app, frontend, cfg: Config, plan: Plan, console: Console, s
     # start-up is over: its objects out of the garbage collector's view (runtime/heap.py). Unfrozen, a full
     # collection stalled the event loop 40-50 ms every few hundred requests and cost a quarter of the frontend's CPU
     # under load (`benchmarks/frontend_bench.py --no-freeze`)
-    freeze_startup_heap(frontend.metrics.gc_collected)
+    freeze_startup_heap()
     try:
         await server.serve(sockets=[sock] if sock is not None else None)
     except SystemExit:          # uvicorn gives up this way when it cannot bind
