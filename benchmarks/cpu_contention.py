@@ -7,8 +7,12 @@ of its rounds starts N busy processes pinned to other CPUs: a Python spin loop (
 Python keeps a core busy) or a memory-copy loop (`copy`, 64 MiB buffers: last-level cache and memory traffic). The
 settings take turns, round by round, so that each one meets the machine's changing speed alike.
 
+`--kinds frontend`: the real serving load instead, `frontend_bench.py` (an HTTP frontend, a stand-in rank offering
+eagle's token rate, N load-generating processes: `--others`) on the other CPUs, started once and kept running; it is
+stopped (SIGSTOP) for the idle rounds and continued for its own.
+
 Usage: python benchmarks/cpu_contention.py --pair PAIR_DIR [--method none] [--cpu 3] [--others 0,5]
-       [--kinds spin,copy] [--rounds 5] [--requests 256] --json OUT.json
+       [--kinds spin,copy,frontend] [--rounds 5] [--requests 256] --json OUT.json
 """
 from __future__ import annotations
 
@@ -16,8 +20,11 @@ import argparse
 import json
 import os
 import statistics
+import signal
 import subprocess
 import sys
+import time
+import urllib.request
 
 from serve_bench import offline_round, start_offline_rounds
 
@@ -33,6 +40,30 @@ def start_busy(kind: str, cpus: list[int]) -> list[subprocess.Popen]:
         p = subprocess.Popen([sys.executable, "-c", BUSY[kind]], preexec_fn=lambda c=cpu: os.sched_setaffinity(0, {c}))
         procs.append(p)
     return procs
+
+
+FRONTEND_PORT = 8391
+
+
+def start_frontend_load(pair: str, clients: int, cpus: list[int]) -> subprocess.Popen:
+    """frontend_bench.py serving without end on `cpus` (its own process group), once its load is flowing."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = subprocess.Popen([sys.executable, os.path.join(here, "frontend_bench.py"), "--tokenizer",
+                          os.path.join(pair, "tokenizer"), "--step-ms", "0.7", "--tokens-per-step", "3", "--async-steps",
+                          "--client-workers", str(clients), "--requests", "10000000", "--port", str(FRONTEND_PORT)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                         preexec_fn=lambda: os.sched_setaffinity(0, set(cpus)))
+    for _ in range(240):
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{FRONTEND_PORT}/metrics", timeout=2).read().decode()
+            if any(line.startswith("specdp:generation_tokens_total") and float(line.rsplit(" ", 1)[1]) > 0
+                   for line in text.splitlines()):
+                return p
+        except OSError:
+            pass
+        time.sleep(0.5)
+    os.killpg(p.pid, signal.SIGKILL)
+    raise SystemExit("frontend_bench.py's load did not start")
 
 
 def main() -> None:
@@ -51,15 +82,22 @@ def main() -> None:
                                 a.method, "--new", "128"], preexec_fn=lambda: os.sched_setaffinity(0, {a.cpu}))
     settings = [(k, n) for k in a.kinds.split(",") for n in (int(x) for x in a.others.split(",")) if n or k == "spin"]
     results: dict[str, list[dict]] = {f"{k}x{n}": [] for k, n in settings}
-    for _ in range(a.rounds):
-        for kind, n in settings:
-            busy = start_busy(kind, free[:n])
-            try:
-                results[f"{kind}x{n}"].append(offline_round(eng))
-            finally:
-                for p in busy:
-                    p.kill()
-                    p.wait()
+    loads = {n: start_frontend_load(a.pair, n, free) for k, n in settings if k == "frontend"}
+    try:
+        for _ in range(a.rounds):
+            for kind, n in settings:
+                for m, load in loads.items():          # only this round's load runs
+                    os.killpg(load.pid, signal.SIGCONT if (kind, n) == ("frontend", m) else signal.SIGSTOP)
+                busy = start_busy(kind, free[:n]) if kind != "frontend" else []
+                try:
+                    results[f"{kind}x{n}"].append(offline_round(eng))
+                finally:
+                    for p in busy:
+                        p.kill()
+                        p.wait()
+    finally:
+        for load in loads.values():
+            os.killpg(load.pid, signal.SIGKILL)
     eng.stdin.close()
     eng.wait(60)
     base = statistics.median(r["tok_s"] for r in results["spinx0"]) if "spinx0" in results else None

@@ -2,6 +2,7 @@
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
 #   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve OUT_DIR
+#   (s31contention with KINDS=spin,frontend OTHERS=0,4: the offline engine beside a real serving load, session 32)
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
 set -uo pipefail
@@ -885,7 +886,8 @@ s31contention)
   grep -m1 "model name" /proc/cpuinfo
   for m in ${METHODS:-none eagle}; do
     timeout ${CONT_S:-150} python3 benchmarks/cpu_contention.py --pair $P --method $m --cpu ${RANK_CPU:-3} \
-      --others ${OTHERS:-0,3,6,12} --rounds ${ROUNDS:-5} --json "$out/contention_$m.json" 2> "$out/contention_$m.err"
+      --others ${OTHERS:-0,3,6,12} --kinds ${KINDS:-spin,copy} --rounds ${ROUNDS:-5} --json "$out/contention_$m.json" \
+      2> "$out/contention_$m.err" || tail -5 "$out/contention_$m.err"
   done
   ;;
 s31threads)
