@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import signal
+import statistics
 import subprocess
 import sys
 import time
