@@ -905,7 +905,7 @@ s31serve)
   # OMP_NUM_THREADS 4 (the old default) and 1; then served against offline, RUNS of METHOD:CLIENT_WORKERS:API_SERVERS
   for spec in ${THREAD_AB:-}; do        # METHOD:CPU (CPU "-": unpinned): rank_threads.py, 4 against 1, interleaved
     IFS=: read m c <<< "$spec"
-    timeout 150 python3 benchmarks/rank_threads.py --pair $P --method $m --threads 4,1 --rounds ${AB_ROUNDS:-7} \
+    timeout 150 python3 benchmarks/rank_threads.py --pair $P --method $m --threads ${AB_THREADS:-4,1} --rounds ${AB_ROUNDS:-7} \
       $([ "$c" != - ] && echo --cpu $c) --json "$out/rank_threads_${m}_$c.json" 2> /tmp/rank_threads_$m.err \
       || tail -5 /tmp/rank_threads_$m.err
   done
