@@ -90,7 +90,8 @@ def offline(a, method: str, proc: int) -> list[dict]:
 
 STEP_COUNTS = {"steps": "specdp:spec_decode_steps_by_k_total", "planned_ahead": "specdp:steps_planned_ahead_total",
                "chunk_steps": "specdp:steps_with_prompt_chunks_total", "busy_s": "specdp:rank_busy_seconds_total",
-               "step_s": "specdp:rank_step_seconds_total"}
+               "step_s": "specdp:rank_step_seconds_total", "prefix_queries": "specdp:prefix_cache_queries_total",
+               "prefix_hits": "specdp:prefix_cache_hits_total"}
 
 
 def process_env(a) -> dict[str, str]:
@@ -505,6 +506,10 @@ def main() -> None:
                    # of it inside the engine's step (the rest: the serving loop's own work), against offline's
                    # ms a step (all of it in the engine's step)
                    "served_engine_ms_per_step": r["step_s"] / a.dp / max(r["steps"], 1) * 1e3,
+                   # prompt tokens found in the prefix cache over those looked up, all of this row's rounds (every
+                   # rank; with --dp 2 where the frontend's prefix-aware routing sent them)
+                   "prefix_hit_rate": (sum(x["prefix_hits"] for x in rs) / sum(x["prefix_queries"] for x in rs)
+                                       if sum(x["prefix_queries"] for x in rs) else None),
                    "offline_planned_ahead": off_row.get("planned_ahead") if off_row else None,
                    "offline_chunk_steps": off_row.get("chunk_steps") if off_row else None,
                    # --rank-cpu: the rank CPU's time a step by kind, its interrupts and the process's context
@@ -532,6 +537,9 @@ def main() -> None:
               f"{r['server_ttft_ms'] or 0:>9.1f}{r['served_steps']:>7}/{r['offline_steps'] or 0:<5}"
               f"{r['served_ms_per_step']:>7.2f}/{r['offline_ms_per_step'] or 0:<5.2f}{r['served_busy_ms_per_step']:>13.2f}"
               f"{r['served_engine_ms_per_step']:>8.2f}")
+    for r in rows:
+        if r["prefix_hit_rate"] is not None and r["caching"]:
+            print(f"{r['method']:<12} prefix cache hit rate over the rounds: {r['prefix_hit_rate']:.3f} (dp {r['dp']})")
     for r in rows:
         if r.get("frontend_cpu_share") is not None:
             print(f"{r['method']:<12} CPUs busy over the median round: API servers {r['frontend_cpu_share']:.2f}, "
