@@ -149,15 +149,12 @@ def rank_main(link: dict, max_seqs: int, step_s: float, token: int, per_step: in
 
 
 def rank_seconds(frontend) -> dict[str, float]:
-    """The rank's steps, busy seconds and seconds in engine steps so far, as its messages reported them (/metrics)."""
-    from specdp_cli.server.metrics import parse_prometheus
+    """The rank's steps, busy seconds and seconds in engine steps so far, as its messages reported them (/metrics,
+    rendered here: the frontend's own event loop cannot also answer an HTTP request for them)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from serve_bench import step_counts
 
-    m = parse_prometheus(frontend.metrics.render(1).decode())
-
-    def total(name: str) -> float:
-        return sum(v for k, v in m.items() if k.split("{")[0] == name)
-    return {"steps": total("specdp:spec_decode_steps_by_k_total"), "busy_s": total("specdp:rank_busy_seconds_total"),
-            "step_s": total("specdp:rank_step_seconds_total")}
+    return step_counts(frontend.metrics.render(1).decode())
 
 
 def cpu_seconds() -> float:

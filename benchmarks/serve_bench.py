@@ -100,12 +100,18 @@ def process_env(a) -> dict[str, str]:
     return dict(os.environ, **({"OMP_NUM_THREADS": str(a.rank_threads)} if a.rank_threads else {}))
 
 
-def steps_so_far(url: str) -> dict[str, float]:
-    """The server's ranks' engine steps so far (the sum of /metrics' steps per k), of them those planned ahead
-    and those with prompt chunks, and the seconds they were busy (not waiting for requests)."""
-    lines = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode().splitlines()
+def step_counts(metrics_text: str) -> dict[str, float]:
+    """STEP_COUNTS of /metrics' text, each summed over the ranks."""
+    lines = metrics_text.splitlines()
     return {key: sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
             for key, name in STEP_COUNTS.items()}
+
+
+def steps_so_far(url: str) -> dict[str, float]:
+    """The server's ranks' engine steps so far (the sum of /metrics' steps per k), of them those planned ahead
+    and those with prompt chunks, the seconds they were busy (not waiting for requests) and in engine steps, and
+    their prefix cache's queries and hits."""
+    return step_counts(urllib.request.urlopen(url + "/metrics", timeout=5).read().decode())
 
 
 def core_of(cpu: int) -> list[int]:

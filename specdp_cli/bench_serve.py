@@ -323,13 +323,11 @@ async def _send_all(client: _Client, model: str, prompts: list, counter, max_tok
     return results
 
 
-def _worker(client: _Client, model: str, prompts: list, next_index, num_requests: int, max_tokens: int,
-            concurrency: int | None, request_rate: float, seed: int, go, out) -> None:
-    """One load-generating process of --num-workers: its share of the streams and rate, requests claimed from
-    the run's shared counter (`next_index`; an int w of N: every N-th request from w, for requests all sent at
-    once). It says it is ready (imports done) and starts when every process is."""
-    counter = (_SharedCounter(next_index, num_requests) if not isinstance(next_index, tuple) else
-               _Counter(num_requests, *next_index))
+def _worker(client: _Client, model: str, prompts: list, counter, max_tokens: int, concurrency: int | None,
+            request_rate: float, seed: int, go, out) -> None:
+    """One load-generating process of --num-workers: its share of the streams and rate, its requests from
+    `counter` (the run's shared one, or its fixed share for requests all sent at once). It says it is ready
+    (imports done) and starts when every process is."""
     _freeze_heap()
     out.put("ready")
     go.wait()
@@ -353,14 +351,15 @@ def _send_in_processes(client: _Client, model: str, prompts: list, num_requests:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    go, out, shared = ctx.Event(), ctx.Queue(), ctx.Value("q", 0)
+    go, out = ctx.Event(), ctx.Queue()
+    shared = _SharedCounter(ctx.Value("q", 0), num_requests)
     all_at_once = concurrency is None and request_rate == float("inf")     # nothing to claim in turn: fixed shares
     procs = []
     for w in range(workers):
         share = None if concurrency is None else concurrency // workers + (w < concurrency % workers)
+        counter = _Counter(num_requests, w, workers) if all_at_once else shared
         procs.append(ctx.Process(target=_worker, daemon=True, args=(
-            client, model, prompts, (w, workers) if all_at_once else shared, num_requests, max_tokens, share,
-            request_rate / workers, seed + w, go, out)))
+            client, model, prompts, counter, max_tokens, share, request_rate / workers, seed + w, go, out)))
     for p in procs:
         p.start()
 

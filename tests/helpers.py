@@ -1,6 +1,7 @@
 """Tiny model directories built by the tests themselves (random weights, a small BPE tokenizer)."""
 from __future__ import annotations
 
+import http.server
 import json
 import os
 from pathlib import Path
@@ -316,3 +317,18 @@ def make_deepseek_dir(path: Path, tokenizer_dir: Path, q_lora_rank: int | None =
             sd[mtp + "shared_head.head.weight"] = sd["lm_head.weight"].clone()
     save_file(sd, str(f), metadata={"format": "pt"})
     return path
+
+
+class ModelListing(http.server.BaseHTTPRequestHandler):
+    """A stand-in OpenAI-compatible server's GET side: /v1/models lists one model ("m"), anything else is a 404;
+    quiet. Subclasses answer the completions (do_POST)."""
+
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "m"}]}).encode() if self.path == "/v1/models" else b""
+        self.send_response(200 if body else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *a):
+        pass

@@ -5,6 +5,7 @@ import json
 import threading
 
 from specdp_cli.bench_serve import run_bench
+from helpers import ModelListing
 
 N = 6
 
@@ -19,16 +20,9 @@ class _Server(http.server.ThreadingHTTPServer):
         self.others_done = threading.Event()   # every prompt but p0 answered
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
+class _Handler(ModelListing):
     """Streams one token a completion; holds p0's answer until every other prompt has had its own."""
     protocol_version = "HTTP/1.1"
-
-    def do_GET(self):
-        body = json.dumps({"data": [{"id": "m"}]}).encode() if self.path == "/v1/models" else b""
-        self.send_response(200 if body else 404)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_POST(self):
         prompt = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["prompt"]
@@ -48,9 +42,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             srv.answered.append(prompt)
             if len(srv.answered) == N - 1 and "p0" not in srv.answered:
                 srv.others_done.set()
-
-    def log_message(self, *a):
-        pass
 
 
 def test_load_processes_claim_requests_as_their_streams_free_up(tmp_path):

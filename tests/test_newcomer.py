@@ -15,6 +15,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from specdp_cli.cli import app
+from helpers import ModelListing
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
@@ -46,15 +47,8 @@ def test_validate_json_answers_a_missing_file_with_json(tmp_path):
         out["errors"][0]
 
 
-class _FailingServer(http.server.BaseHTTPRequestHandler):
+class _FailingServer(ModelListing):
     """Lists a model; answers every completion with a 500."""
-
-    def do_GET(self):
-        body = json.dumps({"data": [{"id": "m"}]}).encode() if self.path == "/v1/models" else b""
-        self.send_response(200 if body else 404)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_POST(self):
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -63,9 +57,6 @@ class _FailingServer(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
-
-    def log_message(self, *a):
-        pass
 
 
 def test_bench_serve_fails_when_every_request_fails():

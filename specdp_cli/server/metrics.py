@@ -173,6 +173,8 @@ class Metrics:
         added to the counters since the last call: on the event loop, never in a collection's callback
         (prometheus_client's multiprocess values share one lock, which a collection may start under)."""
         now, seen = collections_since_startup(), self._gc_seen
+        if now["gc_collections"] == seen["gc_collections"]:      # none since (most calls: one a rank's step message)
+            return
         if now["gc_collections"] < seen["gc_collections"]:       # frozen again since (the count starts over)
             seen = {"gc_collections": 0, "gc_pause_s": 0.0}
         self.gc_collections.inc(now["gc_collections"] - seen["gc_collections"])
