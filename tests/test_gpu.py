@@ -1007,3 +1007,64 @@ def test_pdl_chain_and_engines_equal_plain_launches(models, tmp_path, monkeypatc
             del engine
         for i in range(len(prompts)):
             assert out[True][i].generated == out[False][i].generated, (target.name, quant, i)
+
+
+def test_l2_prefetch_of_o_changes_no_token(models, tmp_path, monkeypatch):
+    """o's weight prefetched into L2 after qkv (runtime/l2_prefetch.py) changes no bit: inside a graph between PDL
+    kernels (a chain of norms and FP8 GEMMs) 20 replays equal the chain without it, and a Llama in bf16 and FP8 in
+    CUDA graphs gives the same greedy tokens with the prefetch on (launched, once a layer) and off."""
+    from helpers import make_model_dir
+    from specdp_cli.runtime import fp8_kernels as fk
+    from specdp_cli.runtime import l2_prefetch
+    from specdp_cli.runtime import triton_kernels as tk
+    from specdp_cli.runtime.models.quant import quantize_blocks
+
+    if not l2_prefetch.supported(torch.device("cuda")):
+        pytest.skip("the bulk prefetch needs compute capability 9.0")
+    g = torch.Generator(device="cuda").manual_seed(6)
+    H = 1024
+    w = [(*quantize_blocks(torch.randn(H, H, device="cuda", generator=g) / 30), 128) for _ in range(4)]
+    norm_w = torch.rand(H, device="cuda", generator=g).bfloat16() + 0.5
+    x0 = torch.randn(1, H, device="cuda", generator=g).bfloat16()
+
+    def chain(x, prefetch: bool):
+        for i in range(0, len(w), 2):
+            h = tk.rms_norm(x, norm_w, 1e-6, quantize=True)
+            q = fk.fp8_linear(h, *w[i])
+            if prefetch:
+                l2_prefetch.prefetch(w[i + 1][0])
+            x = fk.fp8_linear(tk.rms_norm(q, norm_w, 1e-6), *w[i + 1])
+        return x
+
+    want = chain(x0.clone(), False)
+    x = x0.clone()
+    chain(x, True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x, True)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+    launched = []
+    real = l2_prefetch.prefetch
+    monkeypatch.setattr(l2_prefetch, "prefetch", lambda t, n=None: launched.append(t.numel()) or real(t, n))
+    llama = make_model_dir(tmp_path / "llama", models["tokenizer"], hidden=256, layers=2, heads=2, kv_heads=1, seed=12)
+    prompts = prompts_of_lengths([3, 9, 17, 26, 33])
+    for quant in (None, "fp8"):
+        out = {}
+        for on in (True, False):
+            monkeypatch.setattr(l2_prefetch, "PREFETCH_O", on)
+            launched.clear()
+            extra = {"quantization": quant} if quant else {}
+            cfg, plan = make_config(llama, models["draft"], method="draft_model", k=3, M=64, max_num_seqs=4,
+                                    max_batched=24, device="cuda", cache=ROOM, dtype="bfloat16", **extra)
+            engine = cuda_engine(cfg, plan)
+            assert engine.graphs > 0
+            out[on] = run_engine(engine, prompts, max_tokens=20)
+            assert bool(launched) == on, (quant, on)
+            del engine
+        for i in range(len(prompts)):
+            assert out[True][i].generated == out[False][i].generated, (quant, i)
