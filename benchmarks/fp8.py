@@ -56,9 +56,8 @@ def apply_mode(mode: str | None) -> None:
     rows 65-127 on the prefill tile, not the verification rows' tiles (fp8_kernels.VERIFY_MAX_M; session 27's path);
     "-attnquant": o's input quantized by the attention kernel, not by its own (fp8_kernels.FUSE_ATTENTION_QUANT;
     the default since session 29), "-noattnquant": by its own; "-s28tiles": the decode tiles before session 29
-    (fp8_kernels.DECODE_TILES_29); "-noprefetcho": o's weight not prefetched into L2 after qkv (l2_prefetch.PREFETCH_O,
-    the default since session 33)."""
-    from specdp_cli.runtime import fp8_kernels, l2_prefetch, pdl, triton_kernels
+    (fp8_kernels.DECODE_TILES_29)."""
+    from specdp_cli.runtime import fp8_kernels, pdl, triton_kernels
     for name in ("CUBLAS_FROM_M", "VERIFY_MAX_M", "FUSE_ATTENTION_QUANT", "DECODE_TILES_29"):
         DEFAULTS.setdefault(name, getattr(fp8_kernels, name))
     base, *off = (mode or "bf16").split("-")
@@ -66,7 +65,6 @@ def apply_mode(mode: str | None) -> None:
     pdl.ENABLED = "nopdl" not in off
     pdl.PREFETCH = "noprefetch" not in off
     pdl.EXPERTS_PLAIN = "expertsplain" in off
-    l2_prefetch.PREFETCH_O = "noprefetcho" not in off
     if base != "bf16":
         fp8_kernels.DECODE_MODE = base
     fp8_kernels.FUSE_DECODE_QUANT = "unfused" not in off

@@ -5,13 +5,10 @@ FP8 linear) -> qkv -> quantization of q's columns -> o -> residual add + RMSNorm
 with FP8 weights (128 x 128 blocks) or bf16 ones (the bf16 rows run torch's linear, cuBLAS, and the one-row Triton
 GEMV for o at batch 1, as the engine does), `--layers` layers with their own weights, captured in one CUDA graph.
 Rows (VARIANTS): kernels launched plainly; with PDL, the GEMMs letting the next kernel launch at their start, after
-their main loop, or launched plainly; with and without the GEMMs' weight prefetch; with PDL and the GEMMs plain
-(the default), o's weight prefetched into L2 after qkv (runtime/l2_prefetch.py, "o prefetched"). `--window-us W`
-puts a W µs wait (torch.cuda._sleep) between qkv and o in every row, for the attention that the chain leaves out
-(rotary, KV store and decode attention took about 9 µs at batch 1 in session 22's trace). Median µs a replay
+their main loop, or launched plainly; with and without the GEMMs' weight prefetch. Median µs a replay
 (fp8_gemm.py's `bench`: the graph replayed under Triton's do_bench).
 
-Usage: python benchmarks/pdl_chain.py [--layers 32] [--batches 1,16] [--window-us 0] [--variants all] --json OUT.json
+Usage: python benchmarks/pdl_chain.py [--layers 32] [--batches 1,16] --json OUT.json
 """
 from __future__ import annotations
 
@@ -26,17 +23,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fp8_gemm import bench  # noqa: E402
-from specdp_cli.runtime import l2_prefetch, ops, pdl  # noqa: E402
+from specdp_cli.runtime import ops, pdl  # noqa: E402
 from specdp_cli.runtime import triton_kernels as tk  # noqa: E402
 from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks  # noqa: E402
 
 H, I, QKV = 4096, 14336, 6144
-# (row, PDL on, where GEMMs let the next kernel launch (pdl.GEMM_TRIGGER), the GEMMs' weight prefetch, o's weight
-# prefetched after qkv)
-VARIANTS = (("plain", False, "end", False, False), ("pdl, gemm plain", True, "off", False, False),
-            ("pdl, gemm start", True, "start", False, False), ("pdl, gemm end", True, "end", False, False),
-            ("pdl, gemm end+pf", True, "end", True, False), ("pdl, gemm start+pf", True, "start", True, False),
-            ("o prefetched", True, "off", False, True))
+# (row, PDL on, where GEMMs let the next kernel launch (pdl.GEMM_TRIGGER), weight prefetch)
+VARIANTS = (("plain", False, "end", False), ("pdl, gemm plain", True, "off", False),
+            ("pdl, gemm start", True, "start", False), ("pdl, gemm end", True, "end", False),
+            ("pdl, gemm end+pf", True, "end", True), ("pdl, gemm start+pf", True, "start", True))
 
 
 def layer_weights(fp8: bool, g):
@@ -47,15 +42,12 @@ def layer_weights(fp8: bool, g):
                 norm=torch.rand(H, device="cuda", generator=g).bfloat16() + 0.5)
 
 
-def chain(x, res, layers, fp8: bool, window_cycles: int = 0):
+def chain(x, res, layers, fp8: bool):
     """The layers as the decoder runs them (models/decoder.py): norms quantized for an FP8 linear where
-    ops.fused_quant_wanted says so; o's weight prefetched where l2_prefetch.o_wanted says so."""
+    ops.fused_quant_wanted says so."""
     for L in layers:
         h = tk.rms_norm(x, L["norm"], 1e-6, quantize=ops.fused_quant_wanted(x, L["qkv"]))
         q = ops.linear(h, L["qkv"])
-        ops.prefetch_weight(L["o"], q.shape[0])
-        if window_cycles:
-            torch.cuda._sleep(window_cycles)
         x = ops.linear(q[:, :H], L["o"]) if fp8 else ops.linear_one_row(q[:, :H].contiguous(), L["o"])
         h = tk.rms_norm(x, L["norm"], 1e-6, residual=res, quantize=ops.fused_quant_wanted(x, L["gate_up"]))
         gu = ops.linear(h, L["gate_up"])
@@ -68,16 +60,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--window-us", type=float, default=0.0, help="a wait between qkv and o, for the attention")
-    ap.add_argument("--variants", default="all", help="the rows to run, by name, separated by ; (the first is the "
-                    "reference of 'x plain')")
     ap.add_argument("--json", required=True)
     args = ap.parse_args()
-    variants = VARIANTS if args.variants == "all" else \
-        [v for name in args.variants.split(";") for v in VARIANTS if v[0] == name]
-    # clock64 cycles of the wait: the SM clock in kHz (torch 2.11 reports it; 1,980 MHz, an H200's boost, if not)
-    khz = getattr(torch.cuda.get_device_properties(0), "clock_rate", 0) or 1_980_000
-    window_cycles = int(args.window_us * khz / 1000)
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     print(f"{'weights':8} {'batch':>5} {'launch':20} {'us':>9} {'x plain':>8}")
@@ -87,19 +71,16 @@ def main() -> None:
             x = torch.randn(M, H, device="cuda", generator=g).bfloat16()
             res = torch.randn(M, H, device="cuda", generator=g).bfloat16()
             plain = None
-            for name, on, trigger, prefetch, prefetch_o in variants:
+            for name, on, trigger, prefetch in VARIANTS:
                 pdl.ENABLED, pdl.GEMM_TRIGGER, pdl.PREFETCH = on, trigger, prefetch
-                l2_prefetch.PREFETCH_O = prefetch_o
-                us = bench(lambda: chain(x, res, layers, fp8, window_cycles), calls=1) * 1e3
+                us = bench(lambda: chain(x, res, layers, fp8), calls=1) * 1e3
                 plain = plain or us
                 rows.append(dict(weights="fp8" if fp8 else "bf16", batch=M, launch=name, us=us, vs_plain=plain / us))
                 print(f"{rows[-1]['weights']:8} {M:>5} {name:20} {us:9.1f} {plain / us:8.3f}")
         layers = None
         torch.cuda.empty_cache()
     pdl.ENABLED, pdl.GEMM_TRIGGER, pdl.PREFETCH = True, "off", True
-    l2_prefetch.PREFETCH_O = True
-    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv[1:],
-                window_cycles=window_cycles)
+    meta = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, argv=sys.argv[1:])
     with open(args.json, "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve OUT_DIR
 #   (s31contention with KINDS=spin,frontend OTHERS=0,4: the offline engine beside a real serving load, session 32)
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
@@ -853,23 +853,6 @@ s29c)
   [ "${GPU_TEST_S:-40}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-40} ? $(left) : ${GPU_TEST_S:-40} )) python3 -m pytest \
     -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_gemm_matches_reference}" \
     > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
-  ;;
-s33)
-  # session 33: o's weight prefetched into L2 after qkv (runtime/l2_prefetch.py). The GPU tests (GPU_TESTS_K), the layer
-  # chain with an attention-sized wait between qkv and o (pdl_chain.py --window-us), then the 8B shape's FP8 and
-  # bf16 with and without the prefetch (MODES), batch 1 (8 prompts) and 16, median of 3
-  end=$((SECONDS + ${LIMIT:-540}))
-  [ "${GPU_TEST_S:-90}" != 0 ] && { timeout ${GPU_TEST_S:-90} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-    -k "${GPU_TESTS_K:-l2_prefetch}" > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
-  [ "${CHAIN_S:-120}" != 0 ] && for win in ${WINDOWS:-9}; do
-    timeout ${CHAIN_S:-120} python3 benchmarks/pdl_chain.py --window-us $win --variants "pdl, gemm plain;o prefetched" \
-      --json "$out/pdl_chain_w$win.json" 2>&1 | tail -9; done
-  widen || exit 1
-  timeout $(left) python3 benchmarks/fp8.py --pair $P --target $W/target --label 8b-shape --methods ${METHODS:-none} \
-    --prompts 16 --batch1-prompts 8 --batches ${BATCHES:-1,16} --repeats 3 \
-    --decode-modes ${MODES:-quantize,quantize-noprefetcho,bf16-noprefetcho} --json "$out/fp8_8b.json" \
-    > "$out/fp8_8b.log" 2>&1 || tail -20 "$out/fp8_8b.log"
-  sed -n '/^method /,$p' "$out/fp8_8b.log"
   ;;
 s30serve)
   # session 30: where the served rank's steps lose against offline (issue 33): serve_bench.py --interleave (codepair,

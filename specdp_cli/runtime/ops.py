@@ -65,17 +65,6 @@ def attention_quant_wanted(dv: int) -> bool:
     return dv == fp8_kernels.GROUP and fp8_kernels.FUSE_ATTENTION_QUANT
 
 
-def prefetch_weight(w, rows: int) -> None:
-    """Start copying linear weight `w` into L2 ahead of its GEMM in a forward of `rows` tokens, where
-    l2_prefetch.o_wanted says so (CUDA, Hopper, decode sizes); nothing elsewhere."""
-    t = w if isinstance(w, torch.Tensor) else getattr(w, "weight", None)
-    if t is None or not t.is_cuda:
-        return
-    from . import l2_prefetch
-    if l2_prefetch.o_wanted(rows, w):
-        l2_prefetch.prefetch(t)
-
-
 def linear_one_row(x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` for the attention output projection (o): one row by a plain bf16/fp16 weight (not FP8, not
     float32) of at most gemv_kernels.ONE_ROW_MAX_WEIGHT elements, no bias, on CUDA runs `gemv_kernels.gemv`;

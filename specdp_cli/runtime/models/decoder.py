@@ -192,7 +192,6 @@ class CausalLM:
         H, KV, D = self.H, self.KV, self.D
         qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
         N = qkv.shape[0]
-        ops.prefetch_weight(layer.o, N)          # into L2 while rotary and attention leave the bandwidth idle
         head_norms = None
         if layer.q_norm is not None:
             if layer.qk_norm_whole:
