@@ -1,5 +1,5 @@
 """The serving rank's loop's own cost a step (`server/rank.py`: reading the links, the step's events, the rank's
-state, pickling and sending), around frontend_bench.py's stand-in engine with a step that costs nothing: STREAMS
+state, encoding and sending), around frontend_bench.py's stand-in engine with a step that costs nothing: STREAMS
 running requests, each given TOKENS tokens a step, for SECONDS. The rank runs in its own process (a CPU of its own);
 this one (another CPU) drains its messages as a frontend would, with no HTTP.
 
@@ -12,6 +12,7 @@ Usage: python benchmarks/rank_loop.py [--streams 32] [--tokens 3] [--seconds 3] 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -31,8 +32,21 @@ def rank(root: str, *args) -> None:
     frontend_bench.rank_main(*args)
 
 
+def link_codec(root: str):
+    """(send, receive) of the measured package's link (its server/link.py, loaded alone: it imports only the
+    standard library); pickle's through the connection where it has none (before session 33)."""
+    path = os.path.join(root, "specdp_cli", "server", "link.py")
+    spec = importlib.util.spec_from_file_location("measured_link", path)
+    link = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(link)
+    if hasattr(link, "recv_message"):
+        return link.send_message, link.recv_message
+    return (lambda conn, msg: conn.send(msg)), (lambda conn: conn.recv())
+
+
 def one_run(a, cpus: list[int]) -> float:
     """µs a step of one run."""
+    send_message, recv_message = link_codec(a.root)
     spec = {"host": "127.0.0.1", "port": 0, "authkey": os.urandom(16).hex()}
     listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(spec["authkey"]))
     spec["port"] = listener.address[1]
@@ -42,15 +56,15 @@ def one_run(a, cpus: list[int]) -> float:
     p = ctx.Process(target=rank, args=(a.root, spec, a.streams, 0.0, 7, a.tokens, 0.0, cpu, q), daemon=True)
     p.start()
     conn = listener.accept()
-    conn.recv()                                   # hello
+    recv_message(conn)                                   # hello
     params = {"max_tokens": 10**9, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
     for i in range(a.streams):
-        conn.send(("add", f"cmpl-{i:024x}", [1, 2, 3], params, None))
+        send_message(conn, ("add", f"cmpl-{i:024x}", [1, 2, 3], params, None))
     end = time.monotonic() + a.seconds
     while time.monotonic() < end:
         if conn.poll(0.01):
             conn.recv_bytes()
-    conn.send(("shutdown",))
+    send_message(conn, ("shutdown",))
     while True:                                   # to the rank's goodbye (its requests aborted)
         try:
             conn.recv_bytes()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link OUT_DIR
 #   (s31contention with KINDS=spin,frontend OTHERS=0,4: the offline engine beside a real serving load, session 32)
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
@@ -853,6 +853,31 @@ s29c)
   [ "${GPU_TEST_S:-40}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-40} ? $(left) : ${GPU_TEST_S:-40} )) python3 -m pytest \
     -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_gemm_matches_reference}" \
     > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
+  ;;
+s33link)
+  # session 33: the rank's serving loop before (OLD_ROOT: a package as `git archive 8a007fd specdp_cli benchmarks | tar
+  # -x -C .bench/old` makes it) and after (this tree), in turn: benchmarks/rank_loop.py (the loop's own µs a step over
+  # a stand-in engine), frontend_bench.py with the codepair's METHOD engine (the serving loop's µs a step outside
+  # engine steps), then serve_bench.py served against offline (RUNS of METHOD:CLIENT_WORKERS:API_SERVERS)
+  old=${OLD_ROOT:-.bench/old}
+  for i in 1 2; do for side in old new; do
+    root=$([ $side = old ] && echo $old || echo .)
+    taskset -c 2,3 timeout 60 python3 benchmarks/rank_loop.py --root $root --runs 3 --seconds 2 \
+      --json "$out/rank_loop_${side}_$i.json" 2>&1 | tail -1 | sed "s/^/$side /"
+  done; done
+  for i in 1 2; do for side in old new; do
+    root=$([ $side = old ] && echo $old || echo .)
+    timeout 100 python3 $root/benchmarks/frontend_bench.py --tokenizer $P/tokenizer --engine-pair $P \
+      --engine-method ${METHOD:-eagle} --client-workers 4 --rank-cpu 3 --json "$out/frontend_${side}_$i.json" > /tmp/fb.log 2>&1
+    grep -A1 "streams" /tmp/fb.log | tail -1 | sed "s/^/$side $i /"; grep "^rank:" /tmp/fb.log | sed "s/^/$side $i /"
+  done; done
+  for run in ${RUNS:-eagle:4:1 eagle:4:2}; do
+    IFS=: read m w api <<< "$run"
+    timeout 100 python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers $w --api-servers $api \
+      --rounds ${ROUNDS:-7} --interleave --rank-cpu 3 --label c$w-api$api --work /tmp/sw33_${m}_${w}_$api \
+      --json "$out/serve_${m}_c${w}_api$api.json" > "$out/serve_${m}_c${w}_api$api.log" 2>&1
+    tail -4 "$out/serve_${m}_c${w}_api$api.log" | head -1 | sed "s/^/$run /"
+  done
   ;;
 s30serve)
   # session 30: where the served rank's steps lose against offline (issue 33): serve_bench.py --interleave (codepair,

@@ -9,7 +9,7 @@ from multiprocessing.connection import Listener
 from types import SimpleNamespace
 
 from specdp_cli.runtime.engine import RankCounters
-from specdp_cli.server.link import RankLink, new_link_spec
+from specdp_cli.server.link import RankLink, new_link_spec, recv_message, send_message
 from specdp_cli.server.rank import serve_rank
 
 
@@ -103,7 +103,7 @@ def _read_tokens(conn, seen, until_finished: int) -> dict:
     got, steps, finished = {}, 0, 0
     while finished < until_finished:
         assert conn.poll(30), "the rank stopped answering"
-        msg = conn.recv()
+        msg = recv_message(conn)
         assert msg[0] == "out"
         if msg[1]:
             steps += 1
@@ -121,10 +121,10 @@ def test_async_steps_tokens_go_out_before_the_next_step():
     engine = AsyncStandIn(seen)
     conn, rank = _rank_over_link(engine)
     params = {"max_tokens": 6, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
-    conn.send(("add", "r1", [1, 2, 3], params, None))
+    send_message(conn, ("add", "r1", [1, 2, 3], params, None))
     assert _read_tokens(conn, seen, 1) == {"r1": [7] * 6}
-    conn.send(("shutdown",))
-    assert conn.poll(30) and conn.recv() == ("bye", 0)
+    send_message(conn, ("shutdown",))
+    assert conn.poll(30) and recv_message(conn) == ("bye", 0)
     rank.join(30)
     assert engine.late == []
 
@@ -138,7 +138,7 @@ def test_a_message_arriving_during_a_step_is_taken_at_the_next():
 
     def during_step(n):
         if n == 3:
-            frontend[0].send(("add", "r2", [4], params, None))
+            send_message(frontend[0], ("add", "r2", [4], params, None))
             busy = 0
             for i in range(20_000):            # the rest of the step (~1 ms): Python holding the GIL
                 busy += i
@@ -146,10 +146,10 @@ def test_a_message_arriving_during_a_step_is_taken_at_the_next():
     engine = AsyncStandIn(seen, during_step)
     conn, rank = _rank_over_link(engine)
     frontend.append(conn)
-    conn.send(("add", "r1", [1, 2, 3], params, None))
+    send_message(conn, ("add", "r1", [1, 2, 3], params, None))
     assert _read_tokens(conn, seen, 2) == {"r1": [7] * 6, "r2": [7] * 6}
-    conn.send(("shutdown",))
-    assert conn.poll(30) and conn.recv() == ("bye", 0)
+    send_message(conn, ("shutdown",))
+    assert conn.poll(30) and recv_message(conn) == ("bye", 0)
     rank.join(30)
     assert engine.added_at["r2"] == 3, engine.added_at
 
@@ -163,7 +163,7 @@ def _rank_over_link(engine):
     rank = threading.Thread(target=serve_rank, args=(engine, dp, {"links": [spec]}), daemon=True)
     rank.start()
     conn = listener.accept()
-    assert conn.recv() == ("hello", 0)
+    assert recv_message(conn) == ("hello", 0)
     return conn, rank
 
 
@@ -171,11 +171,11 @@ def test_every_step_reaches_the_frontend_and_an_idle_rank_waits():
     engine = OneTokenEngine()
     conn, rank = _rank_over_link(engine)
     params = {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
-    conn.send(("add", "r1", [1, 2, 3], params, None))
+    send_message(conn, ("add", "r1", [1, 2, 3], params, None))
     tokens, finish = [], None
     while finish is None:
         assert conn.poll(30), "a step's tokens never reached the frontend"
-        msg = conn.recv()
+        msg = recv_message(conn)
         assert msg[0] == "out"
         for rid, new, fin, *_ in msg[1]:
             assert rid == "r1"
@@ -183,8 +183,8 @@ def test_every_step_reaches_the_frontend_and_an_idle_rank_waits():
             finish = fin
     assert tokens == [7] * 5 and finish == "length"
     assert engine.overlapped == 5        # each step's tokens went out from the next step or once idle
-    conn.send(("shutdown",))
-    assert conn.poll(30) and conn.recv() == ("bye", 0)
+    send_message(conn, ("shutdown",))
+    assert conn.poll(30) and recv_message(conn) == ("bye", 0)
     rank.join(30)
     assert not rank.is_alive()
     # once idle, the loop asked for work a bounded number of times before it blocked (a spinning loop asks on and on)
@@ -197,14 +197,14 @@ def test_an_abort_answer_follows_the_tokens_sent_before_it():
     engine = OneTokenEngine()
     conn, rank = _rank_over_link(engine)
     params = {"max_tokens": 10**6, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
-    conn.send(("add", "r1", [1, 2, 3], params, None))
-    assert conn.poll(30) and conn.recv()[0] == "out"          # it runs
-    conn.send(("abort", "r1"))
-    conn.send(("shutdown",))
+    send_message(conn, ("add", "r1", [1, 2, 3], params, None))
+    assert conn.poll(30) and recv_message(conn)[0] == "out"          # it runs
+    send_message(conn, ("abort", "r1"))
+    send_message(conn, ("shutdown",))
     after_abort = None
     while True:
         assert conn.poll(30), "the rank stopped answering"
-        msg = conn.recv()
+        msg = recv_message(conn)
         if msg == ("bye", 0):
             break
         for rid, new, fin, *_ in msg[1]:
@@ -283,17 +283,17 @@ def test_each_api_server_gets_its_own_requests_tokens():
     conns = []
     for listener in listeners:
         conns.append(listener.accept())
-        assert conns[-1].recv() == ("hello", 0)
+        assert recv_message(conns[-1]) == ("hello", 0)
     params = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
-    conns[0].send(("add", "a", [1], params, None))
-    conns[1].send(("add", "b", [2], params, None))
-    conns[1].send(("add", "c", [3], params, None))
+    send_message(conns[0], ("add", "a", [1], params, None))
+    send_message(conns[1], ("add", "b", [2], params, None))
+    send_message(conns[1], ("add", "c", [3], params, None))
     got = [{}, {}]
     with_state = [0, 0]
     for api, conn in enumerate(conns):
         while sum(fin is not None for _, fin in got[api].values()) < (1, 2)[api]:
             assert conn.poll(30), f"API server {api} stopped hearing from the rank"
-            msg = conn.recv()
+            msg = recv_message(conn)
             assert msg[0] == "out"
             with_state[api] += len(msg) > 2
             for rid, new, fin, *_ in msg[1]:
@@ -301,11 +301,66 @@ def test_each_api_server_gets_its_own_requests_tokens():
                 got[api][rid] = (tokens + new, fin)
     assert got == [{"a": ([7] * 4, "length")}, {"b": ([7] * 4, "length"), "c": ([7] * 4, "length")}]
     assert with_state[0] > 0 and with_state[1] == 0
-    conns[0].send(("shutdown",))
+    send_message(conns[0], ("shutdown",))
     for conn in conns:
         while True:
             assert conn.poll(30), "no goodbye"
-            if conn.recv() == ("bye", 0):
+            if recv_message(conn) == ("bye", 0):
                 break
     rank.join(30)
     assert not rank.is_alive()
+
+
+def test_the_rank_state_rides_on_a_step_now_and_then_and_on_the_last(monkeypatch):
+    """The rank's state for /metrics goes out with a step's tokens at most every STATE_EVERY_S while it has work
+    (building, sending and reading it every step cost the rank's loop and the frontend), and always with the step
+    after which it has none; the steps per k add up over those messages."""
+    from specdp_cli.server import rank as rank_mod
+
+    monkeypatch.setattr(rank_mod, "STATE_EVERY_S", 3600.0)     # only the first step's and the last one's
+    engine = OneTokenEngine()
+    conn, rank = _rank_over_link(engine)
+    params = {"max_tokens": 50, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
+    send_message(conn, ("add", "r1", [1, 2, 3], params, None))
+    states, steps_by_k, tokens, finish = [], {}, 0, None
+    while finish is None:
+        assert conn.poll(30), "the rank stopped answering"
+        msg = recv_message(conn)
+        assert msg[0] == "out"
+        if len(msg) > 2:
+            states.append((msg[3], finish))
+            for k, n in msg[2].items():
+                steps_by_k[k] = steps_by_k.get(k, 0) + n
+        for rid, new, fin, *_ in msg[1]:
+            tokens += len(new)
+            finish = fin
+    assert tokens == 50 and len(states) == 2, len(states)
+    assert states[-1][0][:2] == (0, 0)          # sent with the last tokens: nothing running or waiting after them
+    assert steps_by_k == {0: 50}
+    send_message(conn, ("shutdown",))
+    assert conn.poll(30) and recv_message(conn) == ("bye", 0)
+    rank.join(30)
+
+
+def test_a_message_split_across_reads_is_taken_whole():
+    """The rank reads what has arrived on a link and parses whole messages out of it: a message whose second half
+    arrives later is taken once it is whole, by an idle rank waiting on its links."""
+    import marshal
+    import struct
+
+    engine = OneTokenEngine()
+    conn, rank = _rank_over_link(engine)
+    params = {"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
+    payload = marshal.dumps(("add", "r1", [1, 2, 3], params, None))
+    frame = struct.pack("!i", len(payload)) + payload
+    os.write(conn.fileno(), frame[:7])
+    assert not conn.poll(0.2)                   # half a message: nothing runs
+    os.write(conn.fileno(), frame[7:])
+    got = []
+    while len(got) < 3:
+        assert conn.poll(30), "the rank never took the message"
+        got += [t for _, new, *_ in recv_message(conn)[1] for t in new]
+    assert got == [7, 7, 7]
+    send_message(conn, ("shutdown",))
+    assert conn.poll(30) and recv_message(conn) == ("bye", 0)
+    rank.join(30)

@@ -2,8 +2,8 @@
 the whole decode, for byte-level and SentencePiece-style tokenizers, however the tokens are chunked), the
 rank link's frame parser (messages split anywhere in the byte stream) and a request's mailbox."""
 import asyncio
+import marshal
 import os
-import pickle
 import random
 import struct
 from multiprocessing import Pipe
@@ -14,7 +14,7 @@ import pytest
 from specdp_cli.modeldir import load_tokenizer
 from specdp_cli.server.app import _next_event
 from specdp_cli.server.frontend import Event, Inflight, IncrementalText, Mailbox, text_decoder
-from specdp_cli.server.link import Frames
+from specdp_cli.server.link import Frames, send_message
 
 DEMO = Path(__file__).resolve().parent.parent / "demo" / "pair" / "target"
 TEXTS = ["def héllo(x):\n    return x + 1  # naïve café", "中文字符 and emoji 🙂🙃 mixed\tin",
@@ -98,7 +98,7 @@ def test_frames_split_anywhere():
             ("out", [("x" * 40_000, list(range(5000)), "stop", 7, {"k": 1}, None)], {1: 3}, (0, 0, 0.0, 0, 2, 1)),
             ("bye", 0)]
     for m in msgs:
-        a.send(m)
+        send_message(a, m)
     a.close()
     raw = b""
     while chunk := os.read(b.fileno(), 1 << 20):
@@ -112,7 +112,7 @@ def test_frames_split_anywhere():
             i += n
         assert got == msgs and not frames.buf
     # the 8-byte size a message over 2 GiB would have (built by hand: the parser's other branch)
-    payload = pickle.dumps(("out", [], {}, None))
+    payload = marshal.dumps(("out", [], {}, None))
     big = struct.pack("!i", -1) + struct.pack("!Q", len(payload)) + payload
     assert Frames().feed(big[:7]) == [] and Frames().feed(big) == [("out", [], {}, None)]
 
