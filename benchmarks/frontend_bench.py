@@ -12,7 +12,7 @@ rank offered, the CPU the frontend process spent per token and the chunks per to
 Usage: python benchmarks/frontend_bench.py [--tokenizer DIR] [--streams 32] [--requests 256]
        [--max-tokens 128] [--step-ms 0] [--tokens-per-step 1] [--host-ms 0] [--rank-cpu N] [--prefix N]
        [--client-workers N] [--profile OUT.prof] [--profile-rank OUT.prof] [--rank-switch-ms MS]
-       [--event-loop auto|asyncio|uvloop] [--json OUT.json]
+       [--event-loop auto|asyncio|uvloop] [--long-prompts N [--long-rate R] [--encode-on-loop]] [--json OUT.json]
 """
 import argparse
 import asyncio
@@ -221,6 +221,12 @@ def main() -> None:
                     help="the rank process's GIL switch interval (sys.setswitchinterval; Python's default is 5 ms)")
     ap.add_argument("--event-loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                     help="the frontend's event loop (server.event_loop)")
+    ap.add_argument("--long-prompts", type=int, default=0,
+                    help="beside the load, a second load generator sends text prompts of about this many tokens "
+                    "(max_tokens 1, --long-rate a second): what their tokenization costs the streams (ITL)")
+    ap.add_argument("--long-rate", type=float, default=4.0)
+    ap.add_argument("--encode-on-loop", action="store_true",
+                    help="every prompt tokenized on the event loop (as before session 33; app.ENCODE_OFF_LOOP_BYTES)")
     ap.add_argument("--json")
     a = ap.parse_args()
     if a.rank_cpu is not None:
@@ -240,6 +246,9 @@ def main() -> None:
 
     tokenizer = load_tokenizer(a.tokenizer)
     token = tokenizer.encode(" x", add_special_tokens=False)[-1]       # a token that decodes to text
+    if a.encode_on_loop:
+        from specdp_cli.server import app as app_module
+        app_module.ENCODE_OFF_LOOP_BYTES = 1 << 62
     frontend = Frontend(1, Metrics("bench", 1, 4096), 10_000, a.streams)
     link = RankLink(1, new_link_spec("127.0.0.1"), frontend.on_message, frontend.on_lost)
     frontend.link = link
@@ -266,6 +275,8 @@ def main() -> None:
         while not server.started:
             await asyncio.sleep(0.05)
         out = os.path.join(tempfile.mkdtemp(), "bench.json")
+        client_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
         cmd = [sys.executable, "-m", "specdp_cli", "bench", "serve", "--url", f"http://127.0.0.1:{a.port}",
                "--max-concurrency", str(a.streams), "--num-prompts", str(a.requests), "--max-tokens",
                str(a.max_tokens), "--num-workers", str(a.client_workers), "--result-filename", out]
@@ -276,13 +287,28 @@ def main() -> None:
                 for i in range(a.requests):
                     fh.write(json.dumps({"prompt": ids + [(i * 32 + j) % 1000 + 10 for j in range(32)]}) + "\n")
             cmd += ["--input", path]
+        long_proc = None
+        if a.long_prompts:                    # long text prompts beside the load (their own load generator)
+            piece = open(os.path.join(ROOT, "specdp_cli", "runtime", "engine.py")).read()
+            text = piece * max(1, -(-a.long_prompts // len(tokenizer(piece)["input_ids"])))
+            text = tokenizer.decode(tokenizer(text)["input_ids"][:a.long_prompts])
+            long_path = os.path.join(os.path.dirname(out), "long.jsonl")
+            with open(long_path, "w") as fh:
+                fh.write(json.dumps({"prompt": text}) + "\n")
+            long_cmd = [sys.executable, "-m", "specdp_cli", "bench", "serve", "--url", f"http://127.0.0.1:{a.port}",
+                        "--max-concurrency", "2", "--num-prompts", "100000", "--max-tokens", "1", "--request-rate",
+                        str(a.long_rate), "--input", long_path, "--result-filename", out + ".long.json"]
+            long_proc = await asyncio.create_subprocess_exec(*long_cmd, stdout=subprocess.DEVNULL,
+                                                             stderr=subprocess.DEVNULL, env=client_env)
         gc_time.reset()
         rank0 = rank_seconds(frontend)
         c0, t0, k0 = cpu_seconds(), time.perf_counter(), children_cpu_seconds()
         measured["client_t0"] = time.time()
-        proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": os.pathsep.join(
-            [ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))})
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=subprocess.DEVNULL, env=client_env)
         await proc.wait()
+        if long_proc is not None:
+            long_proc.kill()
+            await long_proc.wait()
         measured["client_t1"] = time.time()
         measured.update(frontend_cpu_s=cpu_seconds() - c0, wall_s=time.perf_counter() - t0,
                         client_cpu_s=children_cpu_seconds() - k0,
@@ -322,7 +348,9 @@ def main() -> None:
            "frontend_cpu_share": measured["frontend_cpu_s"] / b["duration_s"], "client_workers": a.client_workers,
            "ttft_ms_median": b["ttft_ms"]["median"], "ttft_ms_mean": b["ttft_ms"]["mean"],
            "server_ttft_ms_mean": b.get("server_ttft_ms"), "itl_ms_median": b["itl_ms"]["median"],
-           "itl_ms_p99": b["itl_ms"]["p99"], "failed": b["failed"], "tokens": tokens,
+           "itl_ms_p99": b["itl_ms"]["p99"], "itl_ms_max": b["itl_ms"].get("max"), "failed": b["failed"],
+           "tokens": tokens, "long_prompts": a.long_prompts, "long_rate": a.long_rate,
+           "encode_on_loop": a.encode_on_loop,
            "frontend_gc": measured["gc"],
            # the serving loop's own time a step: the rank's busy time outside its engine steps
            "rank_loop_us_per_step": 1e6 * (measured["rank"]["busy_s"] - measured["rank"]["step_s"])
@@ -335,6 +363,9 @@ def main() -> None:
           f"{res['ttft_ms_median']:>8.1f} {res['itl_ms_median']:>8.2f} {res['itl_ms_p99']:>8.2f} "
           f"{res['rank_ms_per_step']:>13.3f} {res['frontend_cpu_us_per_request']:>16.0f} {res['frontend_cpu_share']:>13.0%}")
     print(f"rank: {res['rank_loop_us_per_step']:.1f} us a step in the serving loop outside engine steps")
+    if a.long_prompts:
+        print(f"with {a.long_prompts}-token text prompts beside (about {a.long_rate:g} a second, tokenized "
+              f"{'on the event loop' if a.encode_on_loop else 'as shipped'}): ITL max {res['itl_ms_max']:.1f} ms")
     print("frontend garbage collections over the run, by generation:", ", ".join(
         f"{g}: {v['collections']} in {v['ms']:.1f} ms (longest {v['longest_ms']:.1f})" for g, v in res["frontend_gc"].items()))
     if a.json:

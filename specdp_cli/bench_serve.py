@@ -206,10 +206,11 @@ async def _one(client: _Client, pool: list, model: str, prompt, max_tokens: int)
 
 def _stats_ms(values: list[float]) -> dict:
     if not values:
-        return {"mean": None, "median": None, "p99": None}
+        return {"mean": None, "median": None, "p99": None, "max": None}
     v = sorted(values)
     p99 = v[min(len(v) - 1, max(0, int(round(0.99 * len(v) + 0.5)) - 1))]
-    return {"mean": 1000 * statistics.fmean(v), "median": 1000 * statistics.median(v), "p99": 1000 * p99}
+    return {"mean": 1000 * statistics.fmean(v), "median": 1000 * statistics.median(v), "p99": 1000 * p99,
+            "max": 1000 * v[-1]}
 
 
 SPEC_COUNTERS = {"drafts": "specdp:spec_decode_num_drafts_total",

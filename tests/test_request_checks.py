@@ -135,3 +135,44 @@ def test_a_stopped_rank_is_reported_unresponsive(tmp_path):
         frozen.wait()
     ranks.states_when_ended = {}
     assert "died during step 7" in ranks.failure_message()      # once the process is gone, it died
+
+
+def test_prompts_are_tokenized_as_the_tokenizer_tokenizes_them(models):
+    """Prompts go straight to the Rust tokenizer where the transformers call would pass them to it unchanged
+    (prompts._direct_backend): the same ids as the call, with a BOS added by its post-processor, special tokens
+    written in the text and chat templates; a tokenizer that truncates, or whose class changes the call, keeps the
+    call."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    from specdp_cli.modeldir import load_tokenizer
+
+    tok = load_tokenizer(str(models["tokenizer"]))
+    tok._tokenizer.post_processor = TemplateProcessing(          # a BOS on every encoding with special tokens
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tok.convert_tokens_to_ids("<|endoftext|>"))])
+    enc = PromptEncoder(tok, "{% for m in messages %}<|pad|>{{ m['content'] }}{% endfor %}")
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend  # noqa: F401 - transformers 5
+        assert enc.backend is not None
+    except ImportError:
+        assert enc.backend is None
+    texts = ["def add(a, b):\n    return a + b", "  x", "<|endoftext|>in the text", "héllo 世界 🙂\t\n", "",
+             "for i in range(10): " * 300]
+    for text in texts:
+        assert enc.encode_text(text) == list(tok(text)["input_ids"])
+        messages = [{"role": "user", "content": text}]
+        chat = tok.apply_chat_template(messages, chat_template=enc.template, tokenize=False, add_generation_prompt=True)
+        assert enc.encode_chat(messages) == list(tok(chat, add_special_tokens=False)["input_ids"])
+    assert enc.encode_text("abc")[0] == tok.convert_tokens_to_ids("<|endoftext|>")
+
+    truncating = copy.deepcopy(tok)
+    truncating._tokenizer.enable_truncation(4)
+    assert PromptEncoder(truncating).backend is None
+
+    class Lowercasing(type(tok)):
+        def _encode_plus(self, text, *args, **kwargs):
+            return super()._encode_plus(text.lower() if isinstance(text, str) else text, *args, **kwargs)
+
+    lower = Lowercasing.from_pretrained(str(models["tokenizer"]))
+    assert PromptEncoder(lower).backend is None and PromptEncoder(lower).encode_text("ABC") == list(lower("abc")["input_ids"])

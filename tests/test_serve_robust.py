@@ -269,6 +269,45 @@ def test_a_bug_in_a_handler_is_an_openai_500_and_serving_goes_on(models):
     assert client.get("/v1/models").status_code == 200
 
 
+def test_a_long_prompt_is_tokenized_off_the_event_loop(models):
+    """In process: a request body from ENCODE_OFF_LOOP_BYTES on is parsed and its prompt tokenized on the API
+    server's encoding thread (the tokenizer releases the GIL: the event loop goes on streaming), a short one on the
+    event loop; both reach the frontend as the same request would."""
+    import threading
+
+    from fastapi.testclient import TestClient
+
+    from specdp_cli.config import SamplingConfig
+    from specdp_cli.modeldir import load_tokenizer
+    from specdp_cli.prompts import PromptEncoder
+    from specdp_cli.server.app import ENCODE_OFF_LOOP_BYTES, build_app
+    from specdp_cli.server.protocol import APIError
+
+    where, submitted = {}, []
+
+    class Recording(PromptEncoder):
+        def encode_text(self, text):
+            where[len(text)] = threading.current_thread().name
+            return super().encode_text(text)
+
+    class Frontend:
+        def submit(self, req):
+            submitted.append(req)
+            raise APIError(503, "no ranks here")
+
+    tok = load_tokenizer(str(models["tokenizer"]))
+    api = build_app(Frontend(), Recording(tok), tok, "tiny", 1 << 20, SamplingConfig(), None)
+    client = TestClient(api, raise_server_exceptions=False)
+    short, long = "def f(x):\n", "def f(x):\n" * (ENCODE_OFF_LOOP_BYTES // 10 + 1)
+    for text in (short, long):
+        r = client.post("/v1/completions", json={"prompt": text, "max_tokens": 2})
+        assert r.status_code == 503, r.text
+    assert not where[len(short)].startswith("specdp-encode") and where[len(long)].startswith("specdp-encode"), where
+    assert submitted[1].prompt_ids == tok(long)["input_ids"] and submitted[0].prompt_ids == tok(short)["input_ids"]
+    r = client.post("/v1/completions", json={"prompt": long, "max_tokens": 2, "top_p": 7})     # errors still 4xx
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+
+
 def test_one_schema_same_error_text_from_generate_and_serve(server, tmp_path):
     """The server and a `generate` job check requests with the same code: the same bad request gets
     the same sentence (generate prefixes the line number)."""
