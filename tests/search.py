@@ -3,7 +3,8 @@
 Each scenario is a generate job drawn at random over what decides whether a sequence near its limits
 can go on: the drafter (draft_model, ngram, eagle, eagle3, mtp), k and its schedule (fixed, ranges,
 adaptive), the policy, dp_sync, max_num_seqs 1-6, the KV cache from the minimum (one full-length
-sequence) up, block sizes, chunked prefill, and prompts at M - 1 ... M - k - 2 and D - k +- 1. It runs
+sequence) up, block sizes, chunked prefill, prefix caching on and off with prompts that share prefixes, and
+prompts at M - 1 ... M - k - 2 and D - k +- 1. It runs
 through the real rank code — `Engine` and the generate job's `run_rank` — on 1 rank in this process,
 or on 2-3 gloo processes in one process group (`python tests/search.py RUN_DIR`, started by
 `run_launched`), one scenario after another, so a launch's cost is paid once for many scenarios.
@@ -74,6 +75,15 @@ def scenario(rng: random.Random, models: dict, world: int) -> dict:
                          "speculative": rng.random() < 0.9})
     if async_method(method):      # async scheduling: without drafts, or drafts proposed on the device (drawn last)
         config["scheduler"]["async_scheduling"] = rng.random() < 0.5
+    # prefix caching (drawn after everything above, so a seed's earlier scenarios keep their other draws): on or off,
+    # and in some jobs the prompts begin with a common prefix of random length, so that full blocks are shared,
+    # hit, evicted and recomputed through preemption near M and D
+    config["cache"]["enable_prefix_caching"] = rng.random() < 0.8
+    if rng.random() < 0.5:
+        common = [rng.randrange(2, VOCAB) for _ in range(M - 1)]
+        for r in requests:
+            shared = rng.randint(0, len(r["prompt_ids"]))
+            r["prompt_ids"] = common[:shared] + r["prompt_ids"][shared:]
     return {"config": config, "requests": requests, "target": str(target)}
 
 
@@ -122,8 +132,19 @@ def run_scenarios(dp, models: dict, run_dir: Path, seed: int, seconds: float, at
                            fingerprint={"job": "search", "input": str(n)}) for n, r in enumerate(sc["requests"])]
         run_rank(engine, group, str(run_dir / f"s{i}.out.jsonl"), False, reqs if dp.rank == 0 else None,
                  dp.rank == 0, pool_path=str(run_dir / f"s{i}.claims") if dp.world > 1 else None)
+        (run_dir / f"cache{i}.rank{dp.rank}.json").write_text(json.dumps(
+            {"queries": engine.pool.queries, "hits": engine.pool.hits, "preemptions": engine.counters.preemptions}))
         i += 1
     return i
+
+
+def cache_summary(run_dir: Path) -> str:
+    """What the scenarios did with the KV cache, over all ranks: prefix cache block queries and hits, preemptions,
+    and the jobs in which a rank had both."""
+    stats = [json.loads(p.read_text()) for p in run_dir.glob("cache*.rank*.json")]
+    both = sum(1 for st in stats if st["hits"] and st["preemptions"])
+    return (f"prefix cache {sum(st['hits'] for st in stats)} hits of {sum(st['queries'] for st in stats)} queries, "
+            f"{sum(st['preemptions'] for st in stats)} preemptions, {both} rank-jobs with hits and preemptions")
 
 
 def check_outputs(run_dir: Path, count: int) -> list[str]:
