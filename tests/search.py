@@ -3,8 +3,9 @@
 Each scenario is a generate job drawn at random over what decides whether a sequence near its limits
 can go on: the drafter (draft_model, ngram, eagle, eagle3, mtp), k and its schedule (fixed, ranges,
 adaptive), the policy, dp_sync, max_num_seqs 1-6, the KV cache from the minimum (one full-length
-sequence) up, block sizes, chunked prefill, prefix caching on and off with prompts that share prefixes, and
-prompts at M - 1 ... M - k - 2 and D - k +- 1. It runs
+sequence) up, block sizes, chunked prefill, prefix caching on and off with prompts that share prefixes, a
+mixture-of-experts target (Qwen3-MoE, with expert parallelism at dp > 1) beside the dense one, and prompts at
+M - 1 ... M - k - 2 and D - k +- 1. It runs
 through the real rank code — `Engine` and the generate job's `run_rank` — on 1 rank in this process,
 or on 2-3 gloo processes in one process group (`python tests/search.py RUN_DIR`, started by
 `run_launched`), one scenario after another, so a launch's cost is paid once for many scenarios.
@@ -84,6 +85,12 @@ def scenario(rng: random.Random, models: dict, world: int) -> dict:
         for r in requests:
             shared = rng.randint(0, len(r["prompt_ids"]))
             r["prompt_ids"] = common[:shared] + r["prompt_ids"][shared:]
+    # a mixture-of-experts target (Qwen3-MoE) for the drafters that do not come with one target (drawn last)
+    if method in ("draft_model", "ngram") and "moe" in models and rng.random() < 0.3:
+        target = models["moe"]
+        config["model"] = str(target)
+        if world > 1 and parallel["dp_sync"] == "always" and rng.random() < 0.5:
+            parallel["enable_expert_parallel"] = True
     return {"config": config, "requests": requests, "target": str(target)}
 
 
@@ -138,13 +145,15 @@ def run_scenarios(dp, models: dict, run_dir: Path, seed: int, seconds: float, at
     return i
 
 
-def cache_summary(run_dir: Path) -> str:
-    """What the scenarios did with the KV cache, over all ranks: prefix cache block queries and hits, preemptions,
-    and the jobs in which a rank had both."""
+def summary(run_dir: Path, models: dict) -> str:
+    """What the scenarios covered: jobs on the mixture-of-experts target and, over all ranks, prefix cache block
+    queries and hits, preemptions, and the jobs in which a rank had both."""
+    moe = sum(1 for p in run_dir.glob("s*.json") if json.loads(p.read_text())["target"] == models.get("moe"))
     stats = [json.loads(p.read_text()) for p in run_dir.glob("cache*.rank*.json")]
     both = sum(1 for st in stats if st["hits"] and st["preemptions"])
-    return (f"prefix cache {sum(st['hits'] for st in stats)} hits of {sum(st['queries'] for st in stats)} queries, "
-            f"{sum(st['preemptions'] for st in stats)} preemptions, {both} rank-jobs with hits and preemptions")
+    return (f"{moe} on the MoE target; prefix cache {sum(st['hits'] for st in stats)} hits of "
+            f"{sum(st['queries'] for st in stats)} queries, {sum(st['preemptions'] for st in stats)} preemptions, "
+            f"{both} rank-jobs with hits and preemptions")
 
 
 def check_outputs(run_dir: Path, count: int) -> list[str]:

@@ -1,12 +1,12 @@
 """The randomized search of `search.py` (seeded, time-boxed): at dp 1, 2 and 3, over every drafter, k
 schedule, policy, dp_sync, async scheduling (method none), max_num_seqs 1-6, KV caches from the minimum up, prefix
-caching on and off with prompts that share prefixes, and prompts at the edges of M and D, every job ends and its
-greedy float32 output equals transformers' target-only output.
+caching on and off with prompts that share prefixes, a Qwen3-MoE target, and prompts at the edges of M and D, every
+job ends and its greedy float32 output equals transformers' target-only output.
 `--search-seconds` / `--search-seed` run it longer or elsewhere."""
 import pytest
 
-from helpers import make_deepseek_dir, make_eagle3_head, make_eagle_head
-from search import cache_summary, check_outputs, run_launched, run_scenarios
+from helpers import make_deepseek_dir, make_eagle3_head, make_eagle_head, make_moe_dir
+from search import check_outputs, run_launched, run_scenarios, summary
 
 SECONDS = {1: 4, 2: 4, 3: 4}       # per DP size, in the test suite (2 CPU cores; --search-seconds for more)
 SEED = 20261201
@@ -16,6 +16,7 @@ SEED = 20261201
 def search_models(tmp_path_factory, models):
     root = tmp_path_factory.mktemp("search")
     return {"target": str(models["target"]), "mtp": str(make_deepseek_dir(root / "mtp", models["tokenizer"], seed=7)),
+            "moe": str(make_moe_dir(root / "moe", models["tokenizer"], family="qwen3_moe", seed=11)),
             "drafters": {"draft_model": str(models["draft"]),
                          "eagle": str(make_eagle_head(root / "eagle", models["target"])),
                          "eagle3": str(make_eagle3_head(root / "eagle3", models["target"]))}}
@@ -35,7 +36,7 @@ def test_search_one_rank(request, tmp_path, search_models):
     from specdp_cli.runtime.dist import DPGroup
 
     n = run_scenarios(DPGroup.solo(), search_models, tmp_path, seed(request), budget(request, 1))
-    print(f"dp 1: {n} scenarios; {cache_summary(tmp_path)}")
+    print(f"dp 1: {n} scenarios; {summary(tmp_path, search_models)}")
     assert check_outputs(tmp_path, n) == []
 
 
@@ -43,6 +44,6 @@ def test_search_one_rank(request, tmp_path, search_models):
 def test_search_launched(request, tmp_path, search_models, world):
     seconds = budget(request, world)
     n = run_launched(search_models, tmp_path, world, seed(request), seconds, timeout=seconds + 90)
-    print(f"dp {world}: {n} scenarios; {cache_summary(tmp_path)}")
+    print(f"dp {world}: {n} scenarios; {summary(tmp_path, search_models)}")
     assert n >= 2
     assert check_outputs(tmp_path, n) == []
