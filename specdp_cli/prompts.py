@@ -62,12 +62,12 @@ _PROBES = ("", "Hello, world!", "  two leading spaces", "line\nbreak\n\n\ttab", 
 
 def _direct_backend(tokenizer):
     """The Rust tokenizer (`tokenizers.Tokenizer`) behind a transformers tokenizer whose call passes the text to it
-    as it is, else None. Through it a prompt's ids come without transformers' per-call Python (about 40 µs a
-    request on the API server's event loop; for a long prompt, milliseconds of list building while holding the
-    GIL), by `encode_batch`, which releases the GIL while it works (`encode` does not). Used only where the call
-    is transformers 5's TokenizersBackend one, unchanged by the tokenizer's class, the Rust tokenizer truncates
-    and pads nothing, splits special tokens as the call would, and gives the same ids on _PROBES (with and without
-    special tokens)."""
+    as it is, else None. Through it a prompt's ids come without transformers' per-call Python (a short prompt in 25
+    µs instead of 41, benchmarks/prompt_encode.py), by `encode_batch`, which releases the GIL while it works
+    (`encode` does not): a long prompt tokenized on the API server's encoding thread leaves the event loop running.
+    Used only where the call is transformers 5's TokenizersBackend one, unchanged by the tokenizer's class, the Rust
+    tokenizer truncates and pads nothing, splits special tokens as the call would, and gives the same ids on _PROBES
+    (with and without special tokens)."""
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
