@@ -277,9 +277,13 @@ def main() -> None:
         out = os.path.join(tempfile.mkdtemp(), "bench.json")
         client_env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [ROOT] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}
-        cmd = [sys.executable, "-m", "specdp_cli", "bench", "serve", "--url", f"http://127.0.0.1:{a.port}",
-               "--max-concurrency", str(a.streams), "--num-prompts", str(a.requests), "--max-tokens",
-               str(a.max_tokens), "--num-workers", str(a.client_workers), "--result-filename", out]
+
+        def bench_serve(streams, prompts, max_tokens, result, *more) -> list[str]:      # a load generator's command
+            return [sys.executable, "-m", "specdp_cli", "bench", "serve", "--url", f"http://127.0.0.1:{a.port}",
+                    "--max-concurrency", str(streams), "--num-prompts", str(prompts), "--max-tokens", str(max_tokens),
+                    "--result-filename", result, *more]
+
+        cmd = bench_serve(a.streams, a.requests, a.max_tokens, out, "--num-workers", str(a.client_workers))
         if a.prefix:
             ids = [token] * a.prefix
             path = os.path.join(os.path.dirname(out), "prompts.jsonl")
@@ -295,9 +299,8 @@ def main() -> None:
             long_path = os.path.join(os.path.dirname(out), "long.jsonl")
             with open(long_path, "w") as fh:
                 fh.write(json.dumps({"prompt": text}) + "\n")
-            long_cmd = [sys.executable, "-m", "specdp_cli", "bench", "serve", "--url", f"http://127.0.0.1:{a.port}",
-                        "--max-concurrency", "2", "--num-prompts", "100000", "--max-tokens", "1", "--request-rate",
-                        str(a.long_rate), "--input", long_path, "--result-filename", out + ".long.json"]
+            long_cmd = bench_serve(2, 100000, 1, out + ".long.json", "--request-rate", str(a.long_rate),
+                                   "--input", long_path)
             long_proc = await asyncio.create_subprocess_exec(*long_cmd, stdout=subprocess.DEVNULL,
                                                              stderr=subprocess.DEVNULL, env=client_env)
         gc_time.reset()

@@ -110,8 +110,8 @@ def serve_rank(engine, dp, job: dict) -> None:
     step_s = 0.0                  # seconds in engine steps (/metrics: the rest of the busy seconds is this loop's own)
     started = time.perf_counter()
 
-    def busy_s() -> float:        # /metrics: the seconds the rank was not waiting for requests
-        return time.perf_counter() - started - idle_s
+    def busy_s(now: float | None = None) -> float:    # /metrics: the seconds the rank was not waiting for requests
+        return (time.perf_counter() if now is None else now) - started - idle_s
     while True:
         if not active and not engine.has_work:
             flush()
@@ -173,7 +173,7 @@ def serve_rank(engine, dp, job: dict) -> None:
             used = engine.spec_len.used
             delta = {k: n - sent_k.get(k, 0) for k, n in used.items() if n != sent_k.get(k, 0)}
             sent_k = dict(used)
-            pending.append((0, ("out", events[0], delta, _state(engine, now - started - idle_s, step_s))))
+            pending.append((0, ("out", events[0], delta, _state(engine, busy_s(now), step_s))))
         elif events[0]:
             pending.append((0, ("out", events[0])))
         told_idle = told_idle and idle_after
