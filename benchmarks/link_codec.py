@@ -3,9 +3,13 @@ by pickle (before session 33), µs a message, median of --repeats timings of --n
 
 The message is a rank's step at --streams requests: ("out", events, steps per k, state), each event (a request id
 as the frontend makes them, --tokens new token ids, no finish), one in --finished of them finished with its stats.
+With --prompt N it is a request instead, as the frontend sends it: ("add", id, N prompt token ids, parameters, seed),
+the ids as the API server has them (parsed from the request's JSON and copied, the parsed body still held: each id
+referenced twice, which marshal's current version notes in its table of references), random in [0, --vocab);
+marshal's version 2 (the link's for requests: no references) is measured beside the current one.
 
-Usage: python benchmarks/link_codec.py [--streams 32] [--tokens 3] [--finished 8] [--n 20000] [--repeats 5]
-           [--json OUT.json]
+Usage: python benchmarks/link_codec.py [--streams 32] [--tokens 3] [--finished 8] [--prompt N [--vocab 32000]]
+           [--n 20000] [--repeats 5] [--json OUT.json]
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import argparse
 import json
 import marshal
 import pickle
+import random
 import statistics
 import time
 import uuid
@@ -26,6 +31,14 @@ def step_message(streams: int, tokens: int, finished: int) -> tuple:
                "length" if finished and i % finished == 0 else None, None,
                stats if finished and i % finished == 0 else None, None) for i in range(streams)]
     return ("out", events, {3: 1}, (streams, 0, 0.42, 0, 1200, 1100, 300, 20, 1.2345, 1.0123))
+
+
+def request_message(prompt: int, vocab: int) -> tuple[tuple, dict]:
+    """(the message, the parsed request body it came from, which the caller keeps alive as the frontend does)."""
+    rng = random.Random(0)
+    body = json.loads(json.dumps({"prompt": [rng.randrange(vocab) for _ in range(prompt)], "max_tokens": 128}))
+    ids = list(body["prompt"])
+    return ("add", f"cmpl-{uuid.uuid4().hex[:24]}", ids, {"max_tokens": 128, "temperature": 0.0}, None), body
 
 
 def per_message_us(fn, arg, n: int, repeats: int) -> float:
@@ -43,22 +56,27 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=3)
     ap.add_argument("--finished", type=int, default=8, help="one in this many events finished (0: none)")
+    ap.add_argument("--prompt", type=int, default=0, help="a request with this many prompt tokens (0: a step)")
+    ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--n", type=int, default=20000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json")
     a = ap.parse_args()
-    msg = step_message(a.streams, a.tokens, a.finished)
+    msg, body = request_message(a.prompt, a.vocab) if a.prompt else (step_message(a.streams, a.tokens, a.finished),
+                                                                      None)
     codecs = {"marshal": (marshal.dumps, marshal.loads),
+              "marshal2": (lambda m: marshal.dumps(m, 2), marshal.loads),
               "pickle": (lambda m: pickle.dumps(m, protocol=pickle.HIGHEST_PROTOCOL), pickle.loads)}
     rows = []
-    print(f"{'codec':<8}{'bytes':>7}{'encode us':>11}{'decode us':>11}")
+    print(f"{'codec':<9}{'bytes':>7}{'encode us':>11}{'decode us':>11}")
     for name, (dumps, loads) in codecs.items():
         data = dumps(msg)
         assert loads(data) == msg
         row = {"codec": name, "bytes": len(data), "encode_us": per_message_us(dumps, msg, a.n, a.repeats),
                "decode_us": per_message_us(loads, data, a.n, a.repeats)}
         rows.append(row)
-        print(f"{name:<8}{row['bytes']:>7}{row['encode_us']:>11.2f}{row['decode_us']:>11.2f}")
+        print(f"{name:<9}{row['bytes']:>7}{row['encode_us']:>11.2f}{row['decode_us']:>11.2f}")
+    del body                   # held until here, as the frontend holds a request's parsed body (request_message)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"args": vars(a), "rows": rows}, fh, indent=1)

@@ -364,3 +364,24 @@ def test_a_message_split_across_reads_is_taken_whole():
     send_message(conn, ("shutdown",))
     assert conn.poll(30) and recv_message(conn) == ("bye", 0)
     rank.join(30)
+
+
+def test_a_request_goes_in_marshal_without_references():
+    """A request goes over the link in marshal's version 2: from version 3 on, marshal notes every value that may
+    recur in a table, one entry per prompt token, which cost the frontend 2-4x the encoding
+    (benchmarks/link_codec.py --prompt 1500). It arrives as sent; the steps' messages keep the current version."""
+    import marshal
+    from multiprocessing import Pipe
+
+    a, b = Pipe()
+    parsed = [(i * 7919) % 5000 for i in range(1500)]      # the body's list, held while its copy goes out
+    msg = ("add", "r1", list(parsed), {"max_tokens": 3, "temperature": 0.0}, None)
+    send_message(a, msg)
+    raw = b.recv_bytes()
+    assert raw == marshal.dumps(msg, 2) and raw != marshal.dumps(msg)
+    assert marshal.loads(raw) == msg
+    step = ("out", [("r1", [5, 6], None, None, None, None)])
+    send_message(a, step)
+    assert b.recv_bytes() == marshal.dumps(step)
+    a.close()
+    b.close()
