@@ -12,7 +12,7 @@ rank offered, the CPU the frontend process spent per token and the chunks per to
 Usage: python benchmarks/frontend_bench.py [--tokenizer DIR] [--streams 32] [--requests 256]
        [--max-tokens 128] [--step-ms 0] [--tokens-per-step 1] [--host-ms 0] [--rank-cpu N] [--prefix N]
        [--client-workers N] [--profile OUT.prof] [--profile-rank OUT.prof] [--rank-switch-ms MS]
-       [--event-loop auto|asyncio|uvloop] [--long-prompts N [--long-rate R] [--encode-on-loop]] [--json OUT.json]
+       [--event-loop auto|asyncio|uvloop] [--client-event-loop auto|asyncio|uvloop] [--long-prompts N [--long-rate R] [--encode-on-loop]] [--json OUT.json]
 """
 import argparse
 import asyncio
@@ -221,6 +221,8 @@ def main() -> None:
                     help="the rank process's GIL switch interval (sys.setswitchinterval; Python's default is 5 ms)")
     ap.add_argument("--event-loop", default="auto", choices=["auto", "asyncio", "uvloop"],
                     help="the frontend's event loop (server.event_loop)")
+    ap.add_argument("--client-event-loop", default="asyncio", choices=["auto", "asyncio", "uvloop"],
+                    help="the load generator's (specdp bench serve --event-loop)")
     ap.add_argument("--long-prompts", type=int, default=0,
                     help="beside the load, a second load generator sends text prompts of about this many tokens "
                     "(max_tokens 1, --long-rate a second): what their tokenization costs the streams (ITL)")
@@ -283,7 +285,8 @@ def main() -> None:
                     "--max-concurrency", str(streams), "--num-prompts", str(prompts), "--max-tokens", str(max_tokens),
                     "--result-filename", result, *more]
 
-        cmd = bench_serve(a.streams, a.requests, a.max_tokens, out, "--num-workers", str(a.client_workers))
+        cmd = bench_serve(a.streams, a.requests, a.max_tokens, out, "--num-workers", str(a.client_workers),
+                          "--event-loop", a.client_event_loop)
         if a.prefix:
             ids = [token] * a.prefix
             path = os.path.join(os.path.dirname(out), "prompts.jsonl")

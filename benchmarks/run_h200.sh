@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop OUT_DIR
 #   (s31contention with KINDS=spin,frontend OTHERS=0,4: the offline engine beside a real serving load, session 32)
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
@@ -947,6 +947,18 @@ s31serve)
       --work /tmp/sw31_${m}_${w}_$api --json "$out/serve_${m}_c${w}_api$api.json" > "$out/serve_${m}_c${w}_api$api.log" 2>&1
     tail -4 "$out/serve_${m}_c${w}_api$api.log" | sed "s/^/$run /"
   done
+  ;;
+s35loop)
+  # session 35: served against offline with the load generator on asyncio's event loop (the default) and on uvloop's
+  # (`bench serve --event-loop uvloop`), in turn (RUNS of METHOD:CLIENT_WORKERS:API_SERVERS, PAIRS times)
+  for i in $(seq ${PAIRS:-2}); do for run in ${RUNS:-eagle:4:1}; do for L in asyncio uvloop; do
+    IFS=: read m w api <<< "$run"
+    timeout ${SERVE_S:-100} python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers $w \
+      --api-servers $api --client-event-loop $L --rounds ${ROUNDS:-7} --interleave --rank-cpu ${RANK_CPU:-3} \
+      --label c$w-api$api-$L --work /tmp/sw35_${m}_${w}_${api}_$L \
+      --json "$out/serve_${m}_c${w}_api${api}_${L}_$i.json" > "$out/serve_${m}_c${w}_api${api}_${L}_$i.log" 2>&1
+    tail -4 "$out/serve_${m}_c${w}_api${api}_${L}_$i.log" | head -1 | sed "s/^/$i $run $L /"
+  done; done; done
   ;;
 dp)
   python3 benchmarks/dp_scaling.py --pair $P --runs "${RUNS:-1:never,1:never,2:never,2:never,2:always}" --work /tmp/dpwork \

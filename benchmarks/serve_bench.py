@@ -20,7 +20,7 @@ over the offline run just before it; caching on over the off round just before i
 
 Usage: python benchmarks/serve_bench.py --pair PAIR_DIR [--target DIR] [--methods none,draft_model,eagle]
        [--requests 256] [--concurrency 32] [--max-tokens 128] [--dp 1] [--prefix 0] [--caching on]
-       [--dtype bfloat16] [--client-workers 1,2] [--rounds 3] [--processes 1]
+       [--dtype bfloat16] [--client-workers 1,2] [--client-event-loop asyncio] [--rounds 3] [--processes 1]
        [--api-servers 1] [--no-offline] [--interleave] [--rank-cpu N] [--rank-threads N] --work DIR --json OUT.json
 """
 from __future__ import annotations
@@ -333,7 +333,7 @@ class Server:
         # the load generator in this process (`specdp bench serve`'s run_bench): a round starts within a second of
         # the run before it (--interleave), where the CLI's start-up took seconds
         return run_bench(self.url, self.prompts_path, self.a.concurrency, num_prompts, self.a.max_tokens, None, None,
-                         workers=workers)
+                         workers=workers, loop=self.a.client_event_loop)
 
     def round(self, workers: int, i: int) -> dict:
         """A measured round: the bench result with the server's steps and busy seconds over it."""
@@ -416,6 +416,8 @@ def main() -> None:
                     "to 2x apart on the same machine")
     ap.add_argument("--client-workers", default="1",
                     help="load-generating processes of `bench serve`, a list: each count measured on the same server")
+    ap.add_argument("--client-event-loop", default="asyncio", choices=["auto", "asyncio", "uvloop"],
+                    help="the load generator's event loop (`specdp bench serve --event-loop`)")
     ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--interleave", action="store_true",
                     help="rounds take turns: an offline run before each served round (one offline process beside the "
@@ -481,7 +483,8 @@ def main() -> None:
             r = rs[len(rs) // 2]
             row = {"label": a.label, "method": method, "caching": caching, "dp": a.dp, "prefix": a.prefix,
                    "api_servers": a.api_servers, "rank_cpu": a.rank_cpu, "rank_core": a.rank_core,
-                   "client_workers": workers, "processes": a.processes, "rank_threads": a.rank_threads,
+                   "client_workers": workers, "client_event_loop": a.client_event_loop, "processes": a.processes,
+                   "rank_threads": a.rank_threads,
                    "served_tok_s": r["output_throughput"], "offline_tok_s": off,
                    "served_rounds_tok_s": [x["output_throughput"] for x in rs],
                    "offline_rounds_tok_s": [x["tok_s"] for x in off_rows],

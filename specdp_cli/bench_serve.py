@@ -9,10 +9,13 @@
 Against a specdp server it also reads /metrics before and after, for the acceptance rate and the
 mean acceptance length of the run, and the ranks' mean queue, prefill and decode times of a request (what
 of TTFT the engine took; the rest is HTTP, the frontend and the link), and the mean TTFT the frontend measured.
-Requests go out on one asyncio event loop over keep-alive HTTP/1.1 connections (the standard library's streams;
-as `vllm bench serve` uses aiohttp): the load generator's own cost stays small next to the server's, and no
-thread waits for the GIL between a token's arrival and its timestamp. `--num-workers N` runs N such loops in
-processes of their own, for a server that one loop cannot keep up with.
+Requests go out on one asyncio event loop (or uvloop's: `--event-loop`) over keep-alive HTTP/1.1 connections (the
+standard library's streams; as `vllm bench serve` uses aiohttp): the load generator's own cost stays small next to
+the server's, and no thread waits for the GIL between a token's arrival and its timestamp. On uvloop the load
+generator's CPU a token was within the runs' scatter of asyncio's (benchmarks/frontend_bench.py
+--client-event-loop), and against a served H200 rank it measured the same throughput with higher TTFT and
+inter-token latency (docs/benchmarks.md, session 35): asyncio's stays the default, as in `vllm bench serve`.
+`--num-workers N` runs N such loops in processes of their own, for a server that one loop cannot keep up with.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from urllib.parse import urlparse
 from rich.console import Console
 from rich.table import Table
 
+from .server import event_loop
 from .server.metrics import parse_prometheus
 
 BUILTIN_PROMPTS = [
@@ -325,7 +329,7 @@ async def _send_all(client: _Client, model: str, prompts: list, counter, max_tok
 
 
 def _worker(client: _Client, model: str, prompts: list, counter, max_tokens: int, concurrency: int | None,
-            request_rate: float, seed: int, go, out) -> None:
+            request_rate: float, seed: int, loop: str, go, out) -> None:
     """One load-generating process of --num-workers: its share of the streams and rate, its requests from
     `counter` (the run's shared one, or its fixed share for requests all sent at once). It says it is ready
     (imports done) and starts when every process is."""
@@ -333,12 +337,14 @@ def _worker(client: _Client, model: str, prompts: list, counter, max_tokens: int
     out.put("ready")
     go.wait()
     t0 = time.perf_counter()          # CLOCK_MONOTONIC: comparable between the processes
-    results = asyncio.run(_send_all(client, model, prompts, counter, max_tokens, concurrency, request_rate, seed))
+    results = event_loop.run(_send_all(client, model, prompts, counter, max_tokens, concurrency, request_rate, seed),
+                             loop)
     out.put((t0, time.perf_counter(), results))
 
 
 def _send_in_processes(client: _Client, model: str, prompts: list, num_requests: int, max_tokens: int,
-                       concurrency: int | None, request_rate: float, seed: int, workers: int) -> tuple[list, float]:
+                       concurrency: int | None, request_rate: float, seed: int, workers: int,
+                       loop: str) -> tuple[list, float]:
     """The requests over `workers` processes (each its own event loop), the streams and the arrival rate split
     evenly, the requests claimed in turn from one counter (all sent at once: every N-th in each process). The
     processes start together once all have started up, so the run does not time one process's start-up while
@@ -346,8 +352,8 @@ def _send_in_processes(client: _Client, model: str, prompts: list, num_requests:
     if workers == 1:
         _freeze_heap()
         t0 = time.perf_counter()
-        results = asyncio.run(_send_all(client, model, prompts, _Counter(num_requests), max_tokens, concurrency,
-                                        request_rate, seed))
+        results = event_loop.run(_send_all(client, model, prompts, _Counter(num_requests), max_tokens, concurrency,
+                                           request_rate, seed), loop)
         return results, time.perf_counter() - t0
     import multiprocessing as mp
 
@@ -360,7 +366,7 @@ def _send_in_processes(client: _Client, model: str, prompts: list, num_requests:
         share = None if concurrency is None else concurrency // workers + (w < concurrency % workers)
         counter = _Counter(num_requests, w, workers) if all_at_once else shared
         procs.append(ctx.Process(target=_worker, daemon=True, args=(
-            client, model, prompts, counter, max_tokens, share, request_rate / workers, seed + w, go, out)))
+            client, model, prompts, counter, max_tokens, share, request_rate / workers, seed + w, loop, go, out)))
     for p in procs:
         p.start()
 
@@ -388,10 +394,11 @@ def _send_in_processes(client: _Client, model: str, prompts: list, num_requests:
 
 def run_bench(url: str, input_path: str | None, concurrency: int | None, num_requests: int, max_tokens: int,
               model: str | None, api_key: str | None, request_rate: float = float("inf"), seed: int = 0,
-              workers: int = 1) -> dict:
+              workers: int = 1, loop: str = "asyncio") -> dict:
     """Send num_requests requests as `vllm bench serve` does: arrivals a Poisson process of
     `request_rate` per second (inf: all at once), at most `concurrency` in flight (None: no limit),
-    from `workers` processes (more than one when a single load generator would be the bottleneck)."""
+    from `workers` processes (more than one when a single load generator would be the bottleneck), each on the
+    event loop `loop` (server/event_loop.py's names: asyncio, uvloop, or auto, uvloop where installed)."""
     if concurrency is not None and workers > concurrency:
         raise BenchError(f"--num-workers {workers} is more than --max-concurrency {concurrency}: each worker "
                          f"needs at least one stream")
@@ -411,7 +418,7 @@ def run_bench(url: str, input_path: str | None, concurrency: int | None, num_req
     prompts = _prompts(input_path)
     before = _server_counters(client)
     results, duration = _send_in_processes(client, model, prompts, num_requests, max_tokens, concurrency,
-                                           request_rate, seed, workers)
+                                           request_rate, seed, workers, loop)
     after = _server_counters(client)
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["output_tokens"] for r in ok)
@@ -420,7 +427,7 @@ def run_bench(url: str, input_path: str | None, concurrency: int | None, num_req
             if r["ttft"] is not None and r["output_tokens"] > 1]
     res = {
         "url": url, "model": model, "max_concurrency": concurrency, "request_rate": request_rate,
-        "num_workers": workers,
+        "num_workers": workers, "event_loop": event_loop.resolve(loop),
         "num_prompts": num_requests, "max_tokens": max_tokens,
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
         "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,

@@ -288,6 +288,9 @@ def bench_serve(
     num_workers: int = typer.Option(1, "--num-workers", min=1,
                                     help="Load-generating processes (the streams and the rate split between them): "
                                          "more than one when one process's event loop cannot keep up."),
+    loop: str = typer.Option("asyncio", "--event-loop",
+                             help="The load generator's event loop: asyncio (as vLLM's), uvloop, or auto (uvloop where "
+                                  "installed)."),
     save_result: bool = typer.Option(False, "--save-result", help="Write the results as JSON (see --result-filename)."),
     result_filename: Optional[Path] = typer.Option(None, "--result-filename", "--json",
                                                    help="Where --save-result writes (implies it); default: "
@@ -301,6 +304,12 @@ def bench_serve(
         fail_usage("--request-rate must be > 0 (inf: all at once)")
     if dataset_path is not None and not dataset_path.is_file():
         fail_usage(f"dataset file not found: {dataset_path}")
+    from .server import event_loop
+
+    if loop not in ("auto", "asyncio", "uvloop"):
+        fail_usage(f"--event-loop must be auto, asyncio or uvloop, not {loop!r}")
+    if loop == "uvloop" and not event_loop.installed():
+        fail_usage("--event-loop uvloop: uvloop is not installed (pip install uvloop, or --event-loop auto)")
     if result_filename is not None:
         save_result = True
         if not result_filename.expanduser().resolve().parent.is_dir():
@@ -309,7 +318,7 @@ def bench_serve(
 
     try:
         res = run_bench(base_url, str(dataset_path) if dataset_path else None, max_concurrency, num_prompts,
-                        max_tokens, model, api_key, request_rate, seed, num_workers)
+                        max_tokens, model, api_key, request_rate, seed, num_workers, loop)
     except BenchError as e:
         stderr.print("[bold red]bench failed[/]: ", end="")
         stderr.print(str(e), markup=False)

@@ -561,9 +561,12 @@ def test_bench_serve(server, tmp_path):
     old = tmp_path / "old.json"          # and two load-generating processes, their requests and times merged
     res = CliRunner().invoke(app, ["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "2",
                                    "--num-requests", "3", "--max-tokens", "4", "--api-key", KEY, "--json", str(old),
-                                   "--num-workers", "2"])
+                                   "--num-workers", "2", "--event-loop", "uvloop"])
     data = json.load(open(old))
     assert res.exit_code == 0 and data["completed"] == 3 and data["num_workers"] == 2 and data["duration_s"] > 0
+    assert data["event_loop"] == "uvloop" and json.load(open(out))["event_loop"] == "asyncio"     # the default
+    res = CliRunner().invoke(app, ["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--event-loop", "trio"])
+    assert res.exit_code == 2 and "--event-loop must be auto, asyncio or uvloop, not 'trio'" in res.output
     res = CliRunner().invoke(app, ["bench", "serve", "--url", f"http://127.0.0.1:{server.port}", "--concurrency", "2",
                                    "--num-workers", "3", "--api-key", KEY])
     assert res.exit_code == 1 and "--num-workers 3 is more than --max-concurrency 2" in res.output
