@@ -12,7 +12,8 @@ rank offered, the CPU the frontend process spent per token and the chunks per to
 Usage: python benchmarks/frontend_bench.py [--tokenizer DIR] [--streams 32] [--requests 256]
        [--max-tokens 128] [--step-ms 0] [--tokens-per-step 1] [--host-ms 0] [--rank-cpu N] [--prefix N]
        [--client-workers N] [--profile OUT.prof] [--profile-rank OUT.prof] [--rank-switch-ms MS]
-       [--event-loop auto|asyncio|uvloop] [--client-event-loop auto|asyncio|uvloop] [--long-prompts N [--long-rate R] [--encode-on-loop]] [--json OUT.json]
+       [--event-loop auto|asyncio|uvloop] [--client-event-loop asyncio|uvloop|auto]
+       [--long-prompts N [--long-rate R] [--encode-on-loop]] [--json OUT.json]
 """
 import argparse
 import asyncio
