@@ -192,6 +192,8 @@ class GCTime:
 
 
 def main() -> None:
+    from specdp_cli.server import event_loop
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", default=os.path.join(ROOT, "demo", "pair", "target"))
     ap.add_argument("--streams", type=int, default=32)
@@ -220,9 +222,9 @@ def main() -> None:
     ap.add_argument("--profile-rank", help="write cProfile's statistics of the rank's serving loop here")
     ap.add_argument("--rank-switch-ms", type=float,
                     help="the rank process's GIL switch interval (sys.setswitchinterval; Python's default is 5 ms)")
-    ap.add_argument("--event-loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+    ap.add_argument("--event-loop", default="auto", choices=event_loop.KINDS,
                     help="the frontend's event loop (server.event_loop)")
-    ap.add_argument("--client-event-loop", default="asyncio", choices=["auto", "asyncio", "uvloop"],
+    ap.add_argument("--client-event-loop", default="asyncio", choices=event_loop.KINDS,
                     help="the load generator's (specdp bench serve --event-loop)")
     ap.add_argument("--long-prompts", type=int, default=0,
                     help="beside the load, a second load generator sends text prompts of about this many tokens "
@@ -240,7 +242,6 @@ def main() -> None:
     from specdp_cli.config import SamplingConfig
     from specdp_cli.modeldir import load_tokenizer
     from specdp_cli.prompts import PromptEncoder
-    from specdp_cli.server import event_loop
     from specdp_cli.server.app import build_app
     from specdp_cli.server.frontend import Frontend
     from specdp_cli.server.link import RankLink, new_link_spec

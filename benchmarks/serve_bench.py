@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 from specdp_cli.bench_serve import run_bench  # noqa: E402
 from specdp_cli.methods import METHODS  # noqa: E402
+from specdp_cli.server import event_loop  # noqa: E402
 
 from workloads import cut_prompt_ids, heldout  # noqa: E402
 
@@ -416,7 +417,7 @@ def main() -> None:
                     "to 2x apart on the same machine")
     ap.add_argument("--client-workers", default="1",
                     help="load-generating processes of `bench serve`, a list: each count measured on the same server")
-    ap.add_argument("--client-event-loop", default="asyncio", choices=["auto", "asyncio", "uvloop"],
+    ap.add_argument("--client-event-loop", default="asyncio", choices=event_loop.KINDS,
                     help="the load generator's event loop (`specdp bench serve --event-loop`)")
     ap.add_argument("--no-offline", action="store_true")
     ap.add_argument("--interleave", action="store_true",

@@ -306,8 +306,8 @@ def bench_serve(
         fail_usage(f"dataset file not found: {dataset_path}")
     from .server import event_loop
 
-    if loop not in ("auto", "asyncio", "uvloop"):
-        fail_usage(f"--event-loop must be auto, asyncio or uvloop, not {loop!r}")
+    if loop not in event_loop.KINDS:
+        fail_usage(f"--event-loop must be {', '.join(event_loop.KINDS[:-1])} or {event_loop.KINDS[-1]}, not {loop!r}")
     if loop == "uvloop" and not event_loop.installed():
         fail_usage("--event-loop uvloop: uvloop is not installed (pip install uvloop, or --event-loop auto)")
     if result_filename is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 
+KINDS = ("auto", "asyncio", "uvloop")        # server.event_loop's values, and `bench serve --event-loop`'s
 MISSING = "server.event_loop is uvloop but uvloop is not installed: pip install uvloop, or set server.event_loop: auto"
 
 
