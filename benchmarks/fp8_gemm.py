@@ -9,8 +9,8 @@ stages on cold weights (`sweep_stages`). With --sweep-rows 48,80 (alone), the 8B
 (a verification step: batch x (k + 1)) over BLOCK_M x BLOCK_N x split K x warps, cold weights, against
 bf16 and cuBLAS's block-scaled GEMM (`sweep_rows`).
 
-Usage: python benchmarks/fp8_gemm.py [--rows 1,16,64,256,2048] [--sweep | --sweep-stages | --sweep-rows 48,80]
-       --json OUT.json
+Usage: python benchmarks/fp8_gemm.py [--rows 1,16,64,256,2048] [--sweep | --sweep-stages | --sweep-rows 48,80
+       [--swap] [--shapes 8b.qkv,...]] --json OUT.json
 """
 from __future__ import annotations
 
@@ -67,11 +67,15 @@ def main() -> None:
                     help="only the decode GEMM's tiles with their pipeline depth, cold weights (sweep_stages)")
     ap.add_argument("--sweep-rows", default="",
                     help="only the GEMM's tiles at these row counts against bf16 and cuBLAS, cold weights (sweep_rows)")
+    ap.add_argument("--swap", action="store_true",
+                    help="with --sweep-rows: the shipped tile against tiles computing the product transposed (SWAP)")
+    ap.add_argument("--shapes", default="8b.qkv,8b.o,8b.gate_up,8b.down", help="with --sweep-rows: " + ",".join(SHAPES))
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
     if a.sweep_stages or a.sweep_rows:
-        sweep = sweep_stages(dev) if a.sweep_stages else sweep_rows(dev, [int(m) for m in a.sweep_rows.split(",")])
+        sweep = sweep_stages(dev) if a.sweep_stages else sweep_rows(dev, [int(m) for m in a.sweep_rows.split(",")],
+                                                                    a.shapes.split(","), a.swap)
         with open(a.json, "w") as fh:
             json.dump({"meta": {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                 "triton": triton.__version__, "argv": sys.argv[1:]}, "sweep": sweep}, fh, indent=1)
@@ -197,14 +201,16 @@ def sweep_stages(dev) -> list[dict]:
     return out
 
 
-def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
-    """The 8B's projections at `row_counts` rows (activations quantized before the GEMM, as the norm kernels hand
-    them over) over BLOCK_M x BLOCK_N x split K x warps, GROUP_M 8 (a column block's row blocks run side by side
-    and share its weight tile in L2), each against bf16 F.linear and cuBLAS's block-scaled GEMM on cold weights."""
+def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool) -> list[dict]:
+    """The projections `shapes` at `row_counts` rows (activations quantized before the GEMM, as the norm kernels
+    hand them over) over BLOCK_M x BLOCK_N x split K x warps, GROUP_M 8 (a column block's row blocks run side by side
+    and share its weight tile in L2), each against bf16 F.linear and cuBLAS's block-scaled GEMM on cold weights.
+    With `swap`: the shipped tile, then the transposed product's (SWAP: 64 or 128 weight rows a program, the rows in
+    one block of BLOCK_M, split K x pipeline stages), its `fk.tiles` choice first."""
     out = []
     cublas = fk.cublas_supported(dev)
     print(f"{'shape':<12}{'M':>4}{'bf16 us':>9}{'cublas us':>10}{'default us':>11}{'best us':>9}  best tile")
-    for name in ("8b.qkv", "8b.o", "8b.gate_up", "8b.down"):
+    for name in shapes:
         N, K = SHAPES[name]
         copies = cold_copies(N, K)
         w16 = [torch.randn(N, K, device=dev, dtype=torch.bfloat16) / 30 for _ in range(copies)]
@@ -219,7 +225,19 @@ def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
                     "cublas_us": cold(lambda i: fk.cublas_block_fp8_gemm(xp, w8[i][0], wcs[i]), copies) * 1e3
                     if cublas else None}
             tried = [dict(fk.tiles(M, N, K, fk._num_sms(dev)), label="default")]
-            for bm in (16, 64, 128):
+            if swap:
+                was, fk.SWAP_TILES = fk.SWAP_TILES, "all"
+                tried.append(dict(fk.tiles(M, N, K, fk._num_sms(dev)), label="swap"))
+                fk.SWAP_TILES = was
+                bm = max(16, triton.next_power_of_2(M))
+                for split in (1, 2, 4, 8):        # (session 36's first sweep also had 128-wide blocks, 3 and 6 stages)
+                    tried.append(dict(BLOCK_M=bm, BLOCK_N=64, SPLIT=split, warps=4, stages=4, GROUP_M=1, SWAP=True))
+                for bn, warps in ((64, 4), (128, 8)):       # W8A16, each weight tile dequantized before its product
+                    for split in (1, 2, 4, 8):
+                        for stages in (3, 4):
+                            tried.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=warps, stages=stages,
+                                              GROUP_M=1, SWAP=True, PRESCALE=True))
+            for bm in () if swap else (16, 64, 128):
                 if bm > max(16, triton.next_power_of_2(M)):
                     continue
                 for bn in (32, 64, 128):
@@ -229,8 +247,12 @@ def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
             found = []
             for t in tried:
                 try:
-                    us = cold(lambda i: fk.block_fp8_gemm(x_q, w8[i][0], w8[i][1], 128, x_scale=x_s, tile=t,
-                                                          out_dtype=torch.bfloat16), copies) * 1e3
+                    if t.get("PRESCALE"):        # bf16 activations as they are
+                        us = cold(lambda i: fk.block_fp8_gemm(x, w8[i][0], w8[i][1], 128, tile=t, mode="weight_only"),
+                                  copies) * 1e3
+                    else:
+                        us = cold(lambda i: fk.block_fp8_gemm(x_q, w8[i][0], w8[i][1], 128, x_scale=x_s, tile=t,
+                                                              out_dtype=torch.bfloat16), copies) * 1e3
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
                     print(f"skip {t}: {type(e).__name__}")
                     continue
@@ -239,8 +261,12 @@ def sweep_rows(dev, row_counts: list[int]) -> list[dict]:
             best = min(found, key=lambda r: r["us"])
             cb = f"{base['cublas_us']:.1f}" if base["cublas_us"] is not None else "-"
             print(f"{name:<12}{M:>4}{base['bf16_us']:>9.1f}{cb:>10}{found[0]['us']:>11.1f}{best['us']:>9.1f}  "
-                  f"BLOCK_M {best['BLOCK_M']} BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} warps {best['warps']}",
-                  flush=True)
+                  f"BLOCK_M {best['BLOCK_M']} BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} warps {best['warps']} "
+                  f"stages {best['stages']}{' swap' if best.get('SWAP') else ''}{' w8a16' if best.get('PRESCALE') else ''}"
+                  + (f"  (swap's default {found[1]['us']:.1f})" if swap and len(found) > 1 and found[1].get('label')
+                     == 'swap' else "")
+                  + (f"  (best w8a16 {min(r['us'] for r in found if r.get('PRESCALE')):.1f})"
+                     if any(r.get('PRESCALE') for r in found) else ""), flush=True)
         w16 = w8 = wcs = None
         torch.cuda.empty_cache()
     return out

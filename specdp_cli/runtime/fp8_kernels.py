@@ -127,8 +127,12 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
                  stride_ym, prefetch_bytes, B_ROWS: tl.constexpr, A_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, TICKET: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr):
-    # program -> (row block, column block), grouped so that GROUP_M row blocks share the weights in L2
+                 PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr, SWAP: tl.constexpr,
+                 PRESCALE: tl.constexpr):
+    # program -> (row block, column block), grouped so that GROUP_M row blocks share the weights in L2.
+    # SWAP: the product is computed transposed, weight tile [BLOCK_N, BLOCK_K] times activations [BLOCK_K, BLOCK_M],
+    # so that the weight's columns fill the tensor cores' 64-row side and few activation rows their narrow side
+    # (Hopper's wgmma wants 64 rows a warp group; without the swap a few rows pad a 16- or 64-row block)
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -145,8 +149,16 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
     m_ok = m < M
     n_ok = n < N
     kb0 = split * k_blocks_per_split
-    a_ptrs = a_ptr + m.to(tl.int64)[:, None] * stride_am + (kb0 * BLOCK_K + k)[None, :]
-    b_ptrs = b_ptr + n.to(tl.int64)[None, :] * stride_bn + (kb0 * BLOCK_K + k)[:, None]
+    if SWAP:             # a [BLOCK_K, BLOCK_M], b [BLOCK_N, BLOCK_K]
+        a_ptrs = a_ptr + m.to(tl.int64)[None, :] * stride_am + (kb0 * BLOCK_K + k)[:, None]
+        b_ptrs = b_ptr + n.to(tl.int64)[:, None] * stride_bn + (kb0 * BLOCK_K + k)[None, :]
+        a_ok = m_ok[None, :]
+        b_ok = n_ok[:, None]
+    else:                # a [BLOCK_M, BLOCK_K], b [BLOCK_K, BLOCK_N]
+        a_ptrs = a_ptr + m.to(tl.int64)[:, None] * stride_am + (kb0 * BLOCK_K + k)[None, :]
+        b_ptrs = b_ptr + n.to(tl.int64)[None, :] * stride_bn + (kb0 * BLOCK_K + k)[:, None]
+        a_ok = m_ok[:, None]
+        b_ok = n_ok[None, :]
     bs_ptrs = bs_ptr + (n // B_ROWS) * stride_bsn
     if not LATE:
         pdl.launch_next(PDL)
@@ -154,30 +166,52 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
         pdl.prefetch_rows(b_ptr, pid_n * BLOCK_N, N, stride_bn, kb0 * BLOCK_K,
                           tl.minimum(prefetch_bytes, K - kb0 * BLOCK_K), BLOCK_N, LANES)
     pdl.wait_previous(PDL)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for kb in range(kb0, tl.minimum(kb0 + k_blocks_per_split, tl.cdiv(K, BLOCK_K))):
         if EVEN_K:
-            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
-            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            a = tl.load(a_ptrs, mask=a_ok, other=0.0)
+            b = tl.load(b_ptrs, mask=b_ok, other=0.0)
         else:
             k_ok = kb * BLOCK_K + k < K
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if SWAP:
+                a = tl.load(a_ptrs, mask=a_ok & k_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=b_ok & k_ok[None, :], other=0.0)
+            else:
+                a = tl.load(a_ptrs, mask=a_ok & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=b_ok & k_ok[:, None], other=0.0)
         b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
         if A_MODE == 2:    # weight-only: bf16/fp16 activations, the weights' exact fp8 values in that dtype
-            acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
+            if SWAP and PRESCALE:    # the weight tile dequantized in registers (wgmma's A operand may live there) and
+                # the product accumulated in place: no wait on each block's product before its scale
+                acc = tl.dot((b.to(tl.float32) * b_s[:, None]).to(a.dtype), a, acc)
+            elif SWAP:
+                acc += tl.dot(b.to(a.dtype), a) * b_s[:, None]
+            else:
+                acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
         else:
             if A_MODE == 1:    # this tile's per-row group scales and fp8 values, as _quant_kernel computes them
                 af = a.to(tl.float32)
-                a_s = tl.maximum(tl.max(tl.abs(af), 1) / 448.0, 1e-12)
-                a = tl.clamp(af / a_s[:, None], -448.0, 448.0).to(b_ptr.dtype.element_ty)
+                if SWAP:
+                    a_s = tl.maximum(tl.max(tl.abs(af), 0) / 448.0, 1e-12)
+                    a = tl.clamp(af / a_s[None, :], -448.0, 448.0).to(b_ptr.dtype.element_ty)
+                else:
+                    a_s = tl.maximum(tl.max(tl.abs(af), 1) / 448.0, 1e-12)
+                    a = tl.clamp(af / a_s[:, None], -448.0, 448.0).to(b_ptr.dtype.element_ty)
             else:
                 a_s = tl.load(as_ptr + m * stride_asm + kb * stride_asg, mask=m_ok, other=0.0)
-            acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
+            if SWAP:
+                acc += tl.dot(b, a) * (b_s[:, None] * a_s[None, :])
+            else:
+                acc += tl.dot(a, b) * (a_s[:, None] * b_s[None, :])
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if LATE:
         pdl.launch_next(PDL)
+    if SWAP:
+        acc = tl.trans(acc)
     ok = m_ok[:, None] & n_ok[None, :]
     out = c_ptr + split * stride_cs + m.to(tl.int64)[:, None] * stride_cm + n[None, :]
     if SPLIT:            # float32 partial sums; _splitk_sum_kernel adds the bias and casts, or (TICKET) the tile's last
@@ -308,6 +342,17 @@ def tiles(M: int, N: int, K: int, sms: int) -> dict:
     (benchmarks/fp8_gemm.py --sweep on an H200: 64 x split 4 was the fastest or within 2 % of it for the 8B's
     projections at 1 and 16 rows, 10-20 % faster than 32-wide blocks); prefill: 64 x 128 tiles."""
     k_blocks = triton.cdiv(K, GROUP)
+    if M <= VERIFY_MAX_M and (SWAP_TILES == "all" or (SWAP_TILES == "decode" and M <= 16)
+                              or (SWAP_TILES == "verify" and M > 16)):
+        # the product transposed (_gemm_kernel's SWAP): 64 weight rows a program, every activation row in one block
+        programs = triton.cdiv(N, 64)
+        split = 1
+        while 2 * programs * split < 3 * sms and k_blocks >= 8 * split:
+            split *= 2
+        while M <= 16 and k_blocks > 16 * split and 2 * programs * split <= 4 * sms:
+            split *= 2
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=64, SPLIT=split, warps=4, stages=4,
+                    GROUP_M=1, SWAP=True)
     if M <= 64 or (M <= VERIFY_MAX_M and triton.cdiv(N, 64) < 2 * sms):
         # 64 wide (before DECODE_TILES_29, decode rows ran 32 wide where 64 made two programs an SM: the 8B's
         # gate_up; verification rows never meet such a weight here, it goes to cuBLAS or the prefill tile)
@@ -379,7 +424,8 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
                        B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None, SPLIT=split > 1,
                        TICKET=tickets is not None, EVEN_K=K % GROUP == 0, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
                        BLOCK_K=GROUP, GROUP_M=t["GROUP_M"], PREFETCH=prefetch > 0, LANES=32 * t["warps"],
-                       num_warps=t["warps"], num_stages=t["stages"], **launch)
+                       SWAP=t.get("SWAP", False), PRESCALE=t.get("PRESCALE", False), num_warps=t["warps"],
+                       num_stages=t["stages"], **launch)
     if split > 1 and tickets is None:
         BLOCK = 1024
         _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](c, bias if bias is not None else c, out, M * N, N,
@@ -460,6 +506,27 @@ VERIFY_MAX_M = 127
 # faster than split 4). The 8B shape end to end: 1.44 -> 1.48x bf16 at batch 1, 1.39 -> 1.42x at batch 16. False:
 # session 28's tiles (benchmarks/fp8.py's "-s28tiles" rows).
 DECODE_TILES_29 = True
+# Which rows' GEMMs run transposed (_gemm_kernel's SWAP; `tiles`): "off", "decode" (1 .. 16 rows), "verify" (17 ..
+# VERIFY_MAX_M rows) or "all" (1 .. VERIFY_MAX_M). VERIFY_CUBLAS False: verification rows never go to cuBLAS (`verify_on_cublas`).
+SWAP_TILES = "off"
+VERIFY_CUBLAS = True
+# Rows (lo, hi) whose FP8 linears run W8A16 (bf16 activations, not quantized) on the swapped tile with each weight
+# tile dequantized before its product (`w8a16_tile`); (0, 0): none.
+W8A16_ROWS = (0, 0)
+
+
+def w8a16_rows(M: int) -> bool:
+    return W8A16_ROWS[0] <= M <= W8A16_ROWS[1]
+
+
+def w8a16_tile(M: int, N: int, K: int, sms: int) -> dict:
+    """The swapped, prescaled W8A16 tile: 64 weight rows a program, all M rows in one block, K split until there are
+    about 1.5 programs an SM."""
+    programs, split, k_blocks = triton.cdiv(N, 64), 1, triton.cdiv(K, GROUP)
+    while 2 * programs * split < 3 * sms and k_blocks >= 8 * split:
+        split *= 2
+    return dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=64, SPLIT=split, warps=4, stages=4, GROUP_M=1,
+                SWAP=True, PRESCALE=True)
 DECODE_MODE = "quantize"
 GEMV_MAX_WEIGHT = 32 << 20
 FUSE_DECODE_QUANT = True
@@ -474,7 +541,8 @@ def fused_quant_wanted(x: torch.Tensor, w) -> bool:
     kernels: the RMSNorm holds its row in one block of next_power_of_2(K) columns, silu_and_mul blocks of min(that,
     1024); the decode attention one group a head). Shapes, dtypes and these settings alone decide it, so a CUDA graph
     captures the same path it replays."""
-    if not (FUSE_DECODE_QUANT and DECODE_MODE == "quantize" and x.is_cuda) or isinstance(w, torch.Tensor):
+    if not (FUSE_DECODE_QUANT and DECODE_MODE == "quantize" and x.is_cuda) or isinstance(w, torch.Tensor) \
+            or w8a16_rows(x.shape[0]):
         return False
     weight = getattr(w, "weight", None)
     M, K = x.shape[0], w.shape[-1]
@@ -488,7 +556,8 @@ def verify_on_cublas(M: int, N: int, cublas_scale: torch.Tensor | None, device: 
     """Whether M verification rows (65 .. VERIFY_MAX_M) through an N-row weight run on cuBLAS's block-scaled GEMM:
     where it has the weight's scales (set at load only where cublas_supported) and cdiv(N, 128) column tiles fill
     every SM."""
-    return (cublas_scale is not None and CUBLAS_FROM_M is not None and 64 < M <= VERIFY_MAX_M
+    return (cublas_scale is not None and CUBLAS_FROM_M is not None and VERIFY_CUBLAS and 64 < M <= VERIFY_MAX_M
+            and not w8a16_rows(M)
             and triton.cdiv(N, 128) >= _num_sms(device))
 
 
@@ -508,6 +577,9 @@ def fp8_linear(x: torch.Tensor | FP8Activation, weight: torch.Tensor, scale: tor
         pad = -M % 8                      # cuBLAS's block-scaled GEMM wants M a multiple of 8
         xp = torch.nn.functional.pad(x2, (0, 0, 0, pad)) if pad else x2
         y = cublas_block_fp8_gemm(xp, weight, cublas_scale, bias)[:M]
+    elif w8a16_rows(M) and x2.dtype in (torch.bfloat16, torch.float16):
+        y = block_fp8_gemm(x2, weight, scale, rows, bias, mode="weight_only",
+                           tile=w8a16_tile(M, weight.shape[0], x2.shape[1], _num_sms(x2.device)))
     elif DECODE_MODE == "gemv" and M == 1 and weight.numel() <= GEMV_MAX_WEIGHT:
         y = block_fp8_gemv(x2, weight, scale, rows, bias)
     elif M <= 64 and DECODE_MODE in ("fused", "weight_only"):
