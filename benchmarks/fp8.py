@@ -57,12 +57,13 @@ def apply_mode(mode: str | None) -> None:
     "-attnquant": o's input quantized by the attention kernel, not by its own (fp8_kernels.FUSE_ATTENTION_QUANT;
     the default since session 29), "-noattnquant": by its own; "-s28tiles": the decode tiles before session 29
     (fp8_kernels.DECODE_TILES_29); "-swapdecode" / "-swapverify" / "-swapall" / "-noswap": the GEMM computed
-    transposed at 1-16 rows / 17-127 / 1-127 / none (fp8_kernels.SWAP_TILES), "-nocublas": verification rows never on cuBLAS (fp8_kernels.VERIFY_CUBLAS);
-    "-w8a16v" / "-w8a16all": 65-127 / 1-127 rows W8A16 on the swapped tile, each weight tile dequantized before its
-    product (fp8_kernels.W8A16_ROWS)."""
+    transposed at 1-16 rows (the default since session 36) / 17-127 / 1-127 / none (fp8_kernels.SWAP_TILES);
+    "-nocublas": verification rows never on cuBLAS (fp8_kernels.VERIFY_CUBLAS). Session 36 also measured "-w8a16v" /
+    "-w8a16all": W8A16 on the swapped tile, each weight tile dequantized before its product (commit 5fdec1b, not
+    kept: slower)."""
     from specdp_cli.runtime import fp8_kernels, pdl, triton_kernels
     for name in ("CUBLAS_FROM_M", "VERIFY_MAX_M", "FUSE_ATTENTION_QUANT", "DECODE_TILES_29", "SWAP_TILES",
-                 "VERIFY_CUBLAS", "W8A16_ROWS"):
+                 "VERIFY_CUBLAS"):
         DEFAULTS.setdefault(name, getattr(fp8_kernels, name))
     base, *off = (mode or "bf16").split("-")
     off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
@@ -82,8 +83,6 @@ def apply_mode(mode: str | None) -> None:
     fp8_kernels.SWAP_TILES = "all" if "swapall" in off else "verify" if "swapverify" in off \
         else "decode" if "swapdecode" in off else "off" if "noswap" in off else DEFAULTS["SWAP_TILES"]
     fp8_kernels.VERIFY_CUBLAS = DEFAULTS["VERIFY_CUBLAS"] and "nocublas" not in off
-    fp8_kernels.W8A16_ROWS = (1, 127) if "w8a16all" in off else (65, 127) if "w8a16v" in off \
-        else DEFAULTS["W8A16_ROWS"]
 
 
 def agreement(outs: list[list[int]], ref: list[list[int]]) -> dict:

@@ -230,13 +230,10 @@ def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool) -> lis
                 tried.append(dict(fk.tiles(M, N, K, fk._num_sms(dev)), label="swap"))
                 fk.SWAP_TILES = was
                 bm = max(16, triton.next_power_of_2(M))
-                for split in (1, 2, 4, 8):        # (session 36's first sweep also had 128-wide blocks, 3 and 6 stages)
+                # (session 36's first sweep also had 128-wide blocks and 3 and 6 stages, its second W8A16 tiles with each
+                # weight tile dequantized before its product: commit 5fdec1b)
+                for split in (1, 2, 4, 8):
                     tried.append(dict(BLOCK_M=bm, BLOCK_N=64, SPLIT=split, warps=4, stages=4, GROUP_M=1, SWAP=True))
-                for bn, warps in ((64, 4), (128, 8)):       # W8A16, each weight tile dequantized before its product
-                    for split in (1, 2, 4, 8):
-                        for stages in (3, 4):
-                            tried.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=warps, stages=stages,
-                                              GROUP_M=1, SWAP=True, PRESCALE=True))
             for bm in () if swap else (16, 64, 128):
                 if bm > max(16, triton.next_power_of_2(M)):
                     continue
@@ -247,12 +244,8 @@ def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool) -> lis
             found = []
             for t in tried:
                 try:
-                    if t.get("PRESCALE"):        # bf16 activations as they are
-                        us = cold(lambda i: fk.block_fp8_gemm(x, w8[i][0], w8[i][1], 128, tile=t, mode="weight_only"),
-                                  copies) * 1e3
-                    else:
-                        us = cold(lambda i: fk.block_fp8_gemm(x_q, w8[i][0], w8[i][1], 128, x_scale=x_s, tile=t,
-                                                              out_dtype=torch.bfloat16), copies) * 1e3
+                    us = cold(lambda i: fk.block_fp8_gemm(x_q, w8[i][0], w8[i][1], 128, x_scale=x_s, tile=t,
+                                                          out_dtype=torch.bfloat16), copies) * 1e3
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
                     print(f"skip {t}: {type(e).__name__}")
                     continue
@@ -262,11 +255,9 @@ def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool) -> lis
             cb = f"{base['cublas_us']:.1f}" if base["cublas_us"] is not None else "-"
             print(f"{name:<12}{M:>4}{base['bf16_us']:>9.1f}{cb:>10}{found[0]['us']:>11.1f}{best['us']:>9.1f}  "
                   f"BLOCK_M {best['BLOCK_M']} BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} warps {best['warps']} "
-                  f"stages {best['stages']}{' swap' if best.get('SWAP') else ''}{' w8a16' if best.get('PRESCALE') else ''}"
+                  f"stages {best['stages']}{' swap' if best.get('SWAP') else ''}"
                   + (f"  (swap's default {found[1]['us']:.1f})" if swap and len(found) > 1 and found[1].get('label')
-                     == 'swap' else "")
-                  + (f"  (best w8a16 {min(r['us'] for r in found if r.get('PRESCALE')):.1f})"
-                     if any(r.get('PRESCALE') for r in found) else ""), flush=True)
+                     == 'swap' else ""), flush=True)
         w16 = w8 = wcs = None
         torch.cuda.empty_cache()
     return out

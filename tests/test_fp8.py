@@ -404,17 +404,24 @@ def test_decode_tiles_of_the_8b_projections(monkeypatch):
     them: up to 16 rows 64-wide column blocks for all four (gate_up too) and K split 4 (qkv, o) or 8 (down, 112 K
     blocks), gate_up unsplit; verification rows (80) keep 64-row blocks with their own split (gate_up's run on cuBLAS
     where it has cuBLAS's scales, else on the prefill tile); DECODE_TILES_29 off gives session 28's tiles (gate_up 32
-    wide, down split 4)."""
+    wide, down split 4). Up to 16 rows the product is computed transposed (SWAP_TILES "decode", session 36), on the
+    same blocks and splits; at 80 rows it is not."""
     from specdp_cli.runtime import fp8_kernels as fk
 
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
-    def chosen(M):
-        return {name: (t["BLOCK_M"], t["BLOCK_N"], t["SPLIT"]) for name, (N, K) in shapes.items()
-                for t in [fk.tiles(M, N, K, 132)]}
+    def chosen(M, swap=False):
+        tiles = {name: fk.tiles(M, N, K, 132) for name, (N, K) in shapes.items()}
+        assert all(t.get("SWAP", False) == swap for t in tiles.values()), (M, tiles)
+        return {name: (t["BLOCK_M"], t["BLOCK_N"], t["SPLIT"]) for name, t in tiles.items()}
 
+    assert fk.SWAP_TILES == "decode"
+    for M in (1, 16):
+        assert chosen(M, swap=True) == {"qkv": (16, 64, 4), "o": (16, 64, 4), "gate_up": (16, 64, 1),
+                                        "down": (16, 64, 8)}, M
+    assert chosen(80) == {"qkv": (64, 64, 2), "o": (64, 64, 2), "gate_up": (64, 128, 1), "down": (64, 64, 2)}
+    monkeypatch.setattr(fk, "SWAP_TILES", "off")
     for M in (1, 16):
         assert chosen(M) == {"qkv": (16, 64, 4), "o": (16, 64, 4), "gate_up": (16, 64, 1), "down": (16, 64, 8)}, M
-    assert chosen(80) == {"qkv": (64, 64, 2), "o": (64, 64, 2), "gate_up": (64, 128, 1), "down": (64, 64, 2)}
     monkeypatch.setattr(fk, "DECODE_TILES_29", False)
     assert chosen(16) == {"qkv": (16, 64, 4), "o": (16, 64, 4), "gate_up": (16, 32, 1), "down": (16, 64, 4)}

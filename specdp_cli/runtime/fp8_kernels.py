@@ -127,8 +127,7 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
                  stride_ym, prefetch_bytes, B_ROWS: tl.constexpr, A_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, TICKET: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr, SWAP: tl.constexpr,
-                 PRESCALE: tl.constexpr):
+                 PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr, SWAP: tl.constexpr):
     # program -> (row block, column block), grouped so that GROUP_M row blocks share the weights in L2.
     # SWAP: the product is computed transposed, weight tile [BLOCK_N, BLOCK_K] times activations [BLOCK_K, BLOCK_M],
     # so that the weight's columns fill the tensor cores' 64-row side and few activation rows their narrow side
@@ -184,10 +183,7 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
                 b = tl.load(b_ptrs, mask=b_ok & k_ok[:, None], other=0.0)
         b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
         if A_MODE == 2:    # weight-only: bf16/fp16 activations, the weights' exact fp8 values in that dtype
-            if SWAP and PRESCALE:    # the weight tile dequantized in registers (wgmma's A operand may live there) and
-                # the product accumulated in place: no wait on each block's product before its scale
-                acc = tl.dot((b.to(tl.float32) * b_s[:, None]).to(a.dtype), a, acc)
-            elif SWAP:
+            if SWAP:
                 acc += tl.dot(b.to(a.dtype), a) * b_s[:, None]
             else:
                 acc += tl.dot(a, b.to(a.dtype)) * b_s[None, :]
@@ -424,8 +420,7 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
                        B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None, SPLIT=split > 1,
                        TICKET=tickets is not None, EVEN_K=K % GROUP == 0, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
                        BLOCK_K=GROUP, GROUP_M=t["GROUP_M"], PREFETCH=prefetch > 0, LANES=32 * t["warps"],
-                       SWAP=t.get("SWAP", False), PRESCALE=t.get("PRESCALE", False), num_warps=t["warps"],
-                       num_stages=t["stages"], **launch)
+                       SWAP=t.get("SWAP", False), num_warps=t["warps"], num_stages=t["stages"], **launch)
     if split > 1 and tickets is None:
         BLOCK = 1024
         _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](c, bias if bias is not None else c, out, M * N, N,
@@ -507,26 +502,12 @@ VERIFY_MAX_M = 127
 # session 28's tiles (benchmarks/fp8.py's "-s28tiles" rows).
 DECODE_TILES_29 = True
 # Which rows' GEMMs run transposed (_gemm_kernel's SWAP; `tiles`): "off", "decode" (1 .. 16 rows), "verify" (17 ..
-# VERIFY_MAX_M rows) or "all" (1 .. VERIFY_MAX_M). VERIFY_CUBLAS False: verification rows never go to cuBLAS (`verify_on_cublas`).
-SWAP_TILES = "off"
+# VERIFY_MAX_M rows) or "all" (1 .. VERIFY_MAX_M). "decode" (session 36, benchmarks/fp8_gemm.py --sweep-rows 1,16,80
+# --swap, cold weights, H200): 1-6 % faster on each of the 8B's projections at 1 and 16 rows (o 9.4 -> 9.1 µs, gate_up
+# 34.9 -> 33.5 at one row), 5-80 % slower at 80 (qkv 18.9 -> 26.6); the 8B shape end to end 2.80 -> 2.72 ms a step
+# at batch 1, 3.31 -> 3.23 at 16. VERIFY_CUBLAS False: verification rows never go to cuBLAS (`verify_on_cublas`).
+SWAP_TILES = "decode"
 VERIFY_CUBLAS = True
-# Rows (lo, hi) whose FP8 linears run W8A16 (bf16 activations, not quantized) on the swapped tile with each weight
-# tile dequantized before its product (`w8a16_tile`); (0, 0): none.
-W8A16_ROWS = (0, 0)
-
-
-def w8a16_rows(M: int) -> bool:
-    return W8A16_ROWS[0] <= M <= W8A16_ROWS[1]
-
-
-def w8a16_tile(M: int, N: int, K: int, sms: int) -> dict:
-    """The swapped, prescaled W8A16 tile: 64 weight rows a program, all M rows in one block, K split until there are
-    about 1.5 programs an SM."""
-    programs, split, k_blocks = triton.cdiv(N, 64), 1, triton.cdiv(K, GROUP)
-    while 2 * programs * split < 3 * sms and k_blocks >= 8 * split:
-        split *= 2
-    return dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=64, SPLIT=split, warps=4, stages=4, GROUP_M=1,
-                SWAP=True, PRESCALE=True)
 DECODE_MODE = "quantize"
 GEMV_MAX_WEIGHT = 32 << 20
 FUSE_DECODE_QUANT = True
@@ -541,8 +522,7 @@ def fused_quant_wanted(x: torch.Tensor, w) -> bool:
     kernels: the RMSNorm holds its row in one block of next_power_of_2(K) columns, silu_and_mul blocks of min(that,
     1024); the decode attention one group a head). Shapes, dtypes and these settings alone decide it, so a CUDA graph
     captures the same path it replays."""
-    if not (FUSE_DECODE_QUANT and DECODE_MODE == "quantize" and x.is_cuda) or isinstance(w, torch.Tensor) \
-            or w8a16_rows(x.shape[0]):
+    if not (FUSE_DECODE_QUANT and DECODE_MODE == "quantize" and x.is_cuda) or isinstance(w, torch.Tensor):
         return False
     weight = getattr(w, "weight", None)
     M, K = x.shape[0], w.shape[-1]
@@ -557,7 +537,6 @@ def verify_on_cublas(M: int, N: int, cublas_scale: torch.Tensor | None, device: 
     where it has the weight's scales (set at load only where cublas_supported) and cdiv(N, 128) column tiles fill
     every SM."""
     return (cublas_scale is not None and CUBLAS_FROM_M is not None and VERIFY_CUBLAS and 64 < M <= VERIFY_MAX_M
-            and not w8a16_rows(M)
             and triton.cdiv(N, 128) >= _num_sms(device))
 
 
@@ -577,9 +556,6 @@ def fp8_linear(x: torch.Tensor | FP8Activation, weight: torch.Tensor, scale: tor
         pad = -M % 8                      # cuBLAS's block-scaled GEMM wants M a multiple of 8
         xp = torch.nn.functional.pad(x2, (0, 0, 0, pad)) if pad else x2
         y = cublas_block_fp8_gemm(xp, weight, cublas_scale, bias)[:M]
-    elif w8a16_rows(M) and x2.dtype in (torch.bfloat16, torch.float16):
-        y = block_fp8_gemm(x2, weight, scale, rows, bias, mode="weight_only",
-                           tile=w8a16_tile(M, weight.shape[0], x2.shape[1], _num_sms(x2.device)))
     elif DECODE_MODE == "gemv" and M == 1 and weight.numel() <= GEMV_MAX_WEIGHT:
         y = block_fp8_gemv(x2, weight, scale, rows, bias)
     elif M <= 64 and DECODE_MODE in ("fused", "weight_only"):
