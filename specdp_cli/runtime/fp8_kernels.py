@@ -502,10 +502,12 @@ VERIFY_MAX_M = 127
 # session 28's tiles (benchmarks/fp8.py's "-s28tiles" rows).
 DECODE_TILES_29 = True
 # Which rows' GEMMs run transposed (_gemm_kernel's SWAP; `tiles`): "off", "decode" (1 .. 16 rows), "verify" (17 ..
-# VERIFY_MAX_M rows) or "all" (1 .. VERIFY_MAX_M). "decode" (session 36, benchmarks/fp8_gemm.py --sweep-rows 1,16,80
-# --swap, cold weights, H200): 1-6 % faster on each of the 8B's projections at 1 and 16 rows (o 9.4 -> 9.1 µs, gate_up
-# 34.9 -> 33.5 at one row), 5-80 % slower at 80 (qkv 18.9 -> 26.6); the 8B shape end to end 2.80 -> 2.72 ms a step
-# at batch 1, 3.31 -> 3.23 at 16. VERIFY_CUBLAS False: verification rows never go to cuBLAS (`verify_on_cublas`).
+# VERIFY_MAX_M rows) or "all" (1 .. VERIFY_MAX_M). Up to 16 rows Triton runs the plain tile's FP8 values through FP16
+# mma.sync, the transposed one through Hopper's FP8 wgmma (benchmarks/fp8_ptx.py). "decode" (session 36,
+# benchmarks/fp8_gemm.py --sweep-rows 1,16,80 --swap, cold weights, H200): 0-6 % faster on the 8B's projections at 1
+# and 16 rows (o 9.5 -> 9.1 µs, gate_up 33.9 -> 32.9 at one row), 5-42 % slower at 80 (qkv 18.8 -> 26.7); the 8B
+# shape end to end 2.79 -> 2.73 ms a step at batch 1, 3.32 -> 3.24 at 16 (benchmarks/fp8.py "-noswap" rows).
+# VERIFY_CUBLAS False: verification rows never go to cuBLAS (`verify_on_cublas`).
 SWAP_TILES = "decode"
 VERIFY_CUBLAS = True
 DECODE_MODE = "quantize"

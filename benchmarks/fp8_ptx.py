@@ -1,0 +1,72 @@
+"""What the block-scaled FP8 GEMM (runtime/fp8_kernels._gemm_kernel) compiles to on Hopper, without a GPU: each
+tile is compiled for sm_90 as the JIT would launch it (pointers, K and the row strides 16-byte aligned; split K with
+tickets; activations quantized before it) and its PTX instructions are counted: the tensor-core instruction
+(`wgmma` with FP8 operands, or `mma.sync` on FP8 values converted to FP16), the asynchronous copies that feed it,
+shared-memory traffic. Session 36: up to 16 rows the plain tile (BLOCK_M 16) converts the FP8 tiles to FP16 for
+`mma.sync`, the transposed one (SWAP) runs FP8 `wgmma` m64n16.
+
+Usage: python benchmarks/fp8_ptx.py [--json OUT.json]   (needs triton with its NVIDIA backend, no GPU)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from specdp_cli.runtime import fp8_kernels as fk  # noqa: E402
+
+POINTERS = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "bias_ptr": "*fp32",
+            "c_ptr": "*fp32", "y_ptr": "*bf16", "tickets_ptr": "*i32"}
+ALIGNED = set(POINTERS) | {"N", "K", "stride_am", "stride_bn", "stride_cs", "stride_cm", "stride_ym"}
+KINDS = ("wgmma.mma_async", "mma.sync", "ldmatrix", "cp.async.cg", "ld.global", "st.shared", "ld.shared", "cvt")
+# (label, BLOCK_M, BLOCK_N, SWAP, GROUP_M): the 8B's decode and verification tiles (fp8_kernels.tiles)
+TILES = (("16 rows, plain", 16, 64, False, 1), ("16 rows, swapped (decode default)", 16, 64, True, 1),
+         ("80 rows, 64-row blocks (verification default)", 64, 64, False, 2), ("80 rows, swapped", 128, 64, True, 1))
+
+
+def compile_tile(block_m: int, block_n: int, swap: bool, group_m: int, warps: int = 4, stages: int = 4):
+    const = dict(B_ROWS=128, A_MODE=0, HAS_BIAS=False, SPLIT=True, TICKET=True, EVEN_K=True, BLOCK_M=block_m,
+                 BLOCK_N=block_n, BLOCK_K=fk.GROUP, GROUP_M=group_m, PDL=False, PREFETCH=False, LANES=32 * warps,
+                 LATE=False, SWAP=swap)
+    names = fk._gemm_kernel.arg_names
+    sig = {n: POINTERS.get(n, "constexpr" if n in const else "i32") for n in names}
+    src = ASTSource(fn=fk._gemm_kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
+
+
+def instructions(ptx: str) -> dict[str, int]:
+    """PTX instructions (predicated ones too) by full name, those of KINDS only."""
+    counts: dict[str, int] = {}
+    for op in re.findall(r"^\s*(?:@!?%p\d+\s+)?([a-z][\w.:]*)", ptx, re.M):
+        if op.startswith(KINDS):
+            counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    rows = []
+    for label, bm, bn, swap, group_m in TILES:
+        counts = instructions(compile_tile(bm, bn, swap, group_m).asm["ptx"])
+        rows.append({"tile": label, "BLOCK_M": bm, "BLOCK_N": bn, "SWAP": swap, "instructions": counts})
+        mma = ", ".join(f"{k} x{v}" for k, v in counts.items() if "mma" in k)
+        print(f"{label:<48} {mma}")
+        print(f"{'':<48} " + ", ".join(f"{k} x{v}" for k, v in counts.items() if "mma" not in k))
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump({"triton": triton.__version__, "target": "sm_90", "rows": rows}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
