@@ -335,12 +335,14 @@ class Ranks:
                 lines.append(f"{self.who(s.rank)} exited with status {rec['code']} during {s.where} ({rec['message']})")
             elif rec["kind"] in ("error", "graph-capture"):
                 lines.append(f"{self.who(s.rank)} failed during {s.where}: {rec['message']}")
-        culprits = bool(lines)
+        # where the ranks ended by the launcher were: the culprits' partners, or those a rank that lost its peers
+        # waited for ("no step sync from rank 0": rank 0 was still in a forward's collective)
+        told = bool(lines) or any(rec.get("kind") == "peer-lost" for rec in recs.values())
         for s in states:
             rec = s.exit
             if rec and rec["kind"] == "peer-lost":
                 lines.append(f"{self.who(s.rank)} stopped: {rec['message']}")
-            elif rec and rec["kind"] == "terminated" and culprits:
+            elif rec and rec["kind"] == "terminated" and told:
                 lines.append(f"{self.who(s.rank)} was stopped at {s.where}")
         if not lines:
             lines.append("the launcher failed before the ranks reported anything")

@@ -227,10 +227,13 @@ def test_without_the_guard_the_fault_cannot_finish(mtp_jobs, launches, fault):
     """The MTP layer's forwards are real collectives: with the step sync's comparison switched off (test-only
     `no-guard`), rank 1 runs fewer of them — its first, which learns the verified positions, runs every step;
     the fault cuts the rest — while rank 0 waits in its second forward's MoE all-gather, and the job dies of
-    the collective timeout (or the backend's error once rank 1 is gone) instead of producing output."""
+    the collective timeout (or the backend's error once rank 1 is gone) instead of producing output. Which rank
+    gives up first is a race: rank 0 in its all-gather, or rank 1 waiting for rank 0's next step sync; either way
+    the report says rank 0 was in its second drafter forward."""
     r, _ = launches.result(fault + ",no-guard")
     assert r.returncode == 1, r.stdout + r.stderr
-    assert "out of step" not in r.stderr and "rank 0 stopped:" in r.stderr, r.stderr
+    assert "out of step" not in r.stderr, r.stderr
+    assert "rank 0 stopped:" in r.stderr or "rank 1 stopped:" in r.stderr, r.stderr
     assert "drafter forward 2/3" in r.stderr, r.stderr
     assert not (mtp_jobs[fault + ",no-guard"][0] / "out.jsonl").exists()
 

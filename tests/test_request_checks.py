@@ -137,6 +137,22 @@ def test_a_stopped_rank_is_reported_unresponsive(tmp_path):
     assert "died during step 7" in ranks.failure_message()      # once the process is gone, it died
 
 
+def test_a_lost_peer_report_says_where_the_rank_it_waited_for_was(tmp_path):
+    """Rank 1 gave up on rank 0's step sync while rank 0 was inside a drafter forward's collective; the launcher then
+    ended rank 0. The report names both: why rank 1 stopped, and where rank 0 was."""
+    from specdp_cli.config import validate
+
+    run_dir = RunDir(str(tmp_path))
+    stuck = StatusBoard(run_dir.path, 0)
+    stuck.set(4, "drafter forward 2/3")
+    stuck.exit("terminated", "stopped by signal 15", 143)
+    StatusBoard(run_dir.path, 1).exit("peer-lost", "a collective failed at step 4, step sync: no step sync from rank 0",
+                                       1)
+    msg = Ranks(validate({"model": "x", "parallel": {"data_parallel_size": 2}}), run_dir).failure_message()
+    assert "rank 1 stopped: a collective failed at step 4" in msg, msg
+    assert "rank 0 was stopped at step 4, drafter forward 2/3" in msg, msg
+
+
 def test_prompts_are_tokenized_as_the_tokenizer_tokenizes_them(models):
     """Prompts go straight to the Rust tokenizer where the transformers call would pass them to it unchanged
     (prompts._direct_backend): the same ids as the call, with a BOS added by its post-processor, special tokens
