@@ -2,8 +2,10 @@
 tile is compiled for sm_90 as the JIT would launch it (pointers, K and the row strides 16-byte aligned; split K with
 tickets; activations quantized before it) and its PTX instructions are counted: the tensor-core instruction
 (`wgmma` with FP8 operands, or `mma.sync` on FP8 values converted to FP16), the asynchronous copies that feed it,
-shared-memory traffic. Session 36: up to 16 rows the plain tile (BLOCK_M 16) converts the FP8 tiles to FP16 for
-`mma.sync`, the transposed one (SWAP) runs FP8 `wgmma` m64n16.
+shared-memory traffic. Then moe_kernels' routed-expert kernels at 16-row blocks, weight-only and W8A8 transposed.
+Session 36: up to 16 rows the plain tile (BLOCK_M 16) converts the FP8 tiles to FP16 for `mma.sync`, the
+transposed one (SWAP) runs FP8 `wgmma` m64n16; the weight-only expert kernels convert the FP8 weights for a bf16
+`mma.sync`, the W8A8 transposed ones run FP8 `wgmma` m64n16.
 
 Usage: python benchmarks/fp8_ptx.py [--json OUT.json]   (needs triton with its NVIDIA backend, no GPU)
 """
@@ -22,6 +24,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specdp_cli.runtime import fp8_kernels as fk  # noqa: E402
+from specdp_cli.runtime import moe_kernels as mk  # noqa: E402
 
 POINTERS = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "bias_ptr": "*fp32",
             "c_ptr": "*fp32", "y_ptr": "*bf16", "tickets_ptr": "*i32"}
@@ -43,6 +46,30 @@ def compile_tile(block_m: int, block_n: int, swap: bool, group_m: int, warps: in
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
+def compile_experts(kernel: str, w8a8t: bool, stages: int = 4):
+    """moe_kernels' routed-expert kernel ("up" or "down") on FP8 experts at 16-row blocks (a decode step's pairs),
+    weight-only (32-wide gate/up blocks, as `tiles` picked before session 36) or W8A8 transposed (64-wide)."""
+    common = dict(BLOCK_M=16, BLOCK_K=fk.GROUP, HAS_BIAS=False, PREC="tf32", W_FP8=True, W_ROWS=128, PDL=False,
+                  W8A8T=w8a8t)
+    if kernel == "up":
+        fn, const = mk._up_kernel, dict(common, BLOCK_N=64 if w8a8t else 32, ACT=0)
+        pointers = {"x_ptr": "*bf16", "act_ptr": "*bf16"}
+        aligned = {"stride_x", "stride_a", "H", "I"}
+    else:
+        fn, const = mk._down_kernel, dict(common, BLOCK_N=64, ROUND_W=True)
+        pointers = {"a_ptr": "*bf16", "y_ptr": "*bf16", "rw_ptr": "*fp32"}
+        aligned = {"stride_a", "stride_y", "H", "I"}
+    pointers.update({"w_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "pairs_ptr": "*i32", "block_expert_ptr": "*i32",
+                     "ws_ptr": "*fp32"})
+    aligned |= set(pointers) | {"stride_we", "stride_wn"}
+    names = fn.arg_names
+    sig = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n in ("alpha", "limit") else "i32")
+           for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned if n in names})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4, num_stages=stages))
+
+
 def instructions(ptx: str) -> dict[str, int]:
     """PTX instructions (predicated ones too) by full name, those of KINDS only."""
     counts: dict[str, int] = {}
@@ -57,9 +84,13 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     rows = []
-    for label, bm, bn, swap, group_m in TILES:
-        counts = instructions(compile_tile(bm, bn, swap, group_m).asm["ptx"])
-        rows.append({"tile": label, "BLOCK_M": bm, "BLOCK_N": bn, "SWAP": swap, "instructions": counts})
+    compiled = [(label, dict(BLOCK_M=bm, BLOCK_N=bn, SWAP=swap), lambda bm=bm, bn=bn, swap=swap, g=group_m:
+                 compile_tile(bm, bn, swap, g)) for label, bm, bn, swap, group_m in TILES]
+    compiled += [(f"experts' {k}, 16-row blocks, {'W8A8 transposed' if t else 'weight-only'}", {"W8A8T": t},
+                  lambda k=k, t=t: compile_experts(k, t)) for k in ("up", "down") for t in (False, True)]
+    for label, tile, build in compiled:
+        counts = instructions(build().asm["ptx"])
+        rows.append({"tile": label, **tile, "instructions": counts})
         mma = ", ".join(f"{k} x{v}" for k, v in counts.items() if "mma" in k)
         print(f"{label:<48} {mma}")
         print(f"{'':<48} " + ", ".join(f"{k} x{v}" for k, v in counts.items() if "mma" not in k))

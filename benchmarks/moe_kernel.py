@@ -54,6 +54,10 @@ SWEEP = [dict(BLOCK_M=bm, UP_N=un, DOWN_N=dn, BLOCK_K=bk, warps=w, stages=s)
 SWEEP_FP8 = [dict(BLOCK_M=16, UP_N=un, DOWN_N=dn, BLOCK_K=128, warps=4, stages=s)
              for un, dn, s in [(32, 64, 3), (32, 64, 6), (32, 64, 8), (16, 32, 4), (16, 32, 6), (16, 64, 6),
                                (64, 64, 6), (32, 32, 6)]]
+# ... and W8A8 with the product transposed (moe_kernels' W8A8T: the activations quantized in the kernels, FP8 wgmma
+# on Hopper; session 36), 64 or 128 weight rows a program
+SWEEP_FP8 += [dict(BLOCK_M=16, UP_N=un, DOWN_N=dn, BLOCK_K=128, warps=w, stages=s, W8A8T=True)
+              for un, dn, w, s in [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 8), (128, 128, 8, 4), (64, 128, 4, 4)]]
 # matrix-vector kernels (one program per pair for gate/up, one per token summing its experts' down projections;
 # no grouping): the alternative for few pairs that the engine does not use (it lost to the grouped kernels)
 GEMV = [dict(UP_N=un, DOWN_N=dn, BLOCK_K=bk, warps=w)
@@ -277,7 +281,7 @@ def main() -> None:
                     print(f"{shape} N={N} {name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
                 row = {"shape": shape, "tokens": N, "variant": name, "tile": t if isinstance(t, (dict, tuple)) else
-                       (tiles(N * K, E, I, H, dtype) if t is None else None), "us": us, "experts_used": used,
+                       (tiles(N * K, E, I, H, dtype, a.fp8) if t is None else None), "us": us, "experts_used": used,
                        "bytes": read, "GBps": read / us / 1e3, "pct_copy": read / (us * 1e-6) / bw * 100,
                        "rel_err_vs_grouped_mm": err}
                 rows.append(row)

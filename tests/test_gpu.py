@@ -761,9 +761,10 @@ def test_fp8_joined_weight_goes_to_cublas_from_its_rows():
 
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (16, 64, 4), (300, 8, 2)])
 def test_fp8_routed_expert_kernels_match_reference(tokens, experts, top_k):
-    """The grouped expert kernels reading FP8 experts (weight-only: bf16 activations) equal the bf16 kernels on the
-    dequantized experts to bf16 rounding."""
-    from specdp_cli.runtime.moe_kernels import routed_experts
+    """The grouped expert kernels reading FP8 experts equal the bf16 kernels on the dequantized experts: weight-only
+    (bf16 activations) to bf16 rounding; W8A8 transposed (the tile's W8A8T, the default for 16-row blocks:
+    activations quantized per row and 128 columns too) to FP8 activations' error."""
+    from specdp_cli.runtime.moe_kernels import routed_experts, tiles
     from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks
     g = torch.Generator(device="cuda").manual_seed(tokens)
     H, I = 512, 384
@@ -773,9 +774,17 @@ def test_fp8_routed_expert_kernels_match_reference(tokens, experts, top_k):
     x = torch.randn(tokens, H, device="cuda", generator=g).bfloat16()
     w = torch.rand(tokens, top_k, device="cuda", generator=g)
     idx = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:top_k] for _ in range(tokens)])
-    got = routed_experts(x, w, idx, gate_up, down)
     ref = routed_experts(x, w, idx, gate_up.dequantize(torch.bfloat16), down.dequantize(torch.bfloat16))
+    t = tiles(tokens * top_k, experts, I, H, torch.bfloat16, fp8=True)
+    assert t.get("W8A8T", False) == (tokens * top_k / experts <= 32)        # 16-row blocks
+    got = routed_experts(x, w, idx, gate_up, down, tile=dict(t, W8A8T=False))
     assert rel(got, ref) < 1e-2, rel(got, ref)
+    got = routed_experts(x, w, idx, gate_up, down)                           # the default tile
+    assert rel(got, ref) < (5e-2 if t.get("W8A8T") else 1e-2), rel(got, ref)
+    if t.get("W8A8T"):
+        for stages in (3, 8):
+            got = routed_experts(x, w, idx, gate_up, down, tile=dict(t, stages=stages))
+            assert rel(got, ref) < 5e-2, ("w8a8t", stages, rel(got, ref))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])

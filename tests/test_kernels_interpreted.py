@@ -53,6 +53,7 @@ def interpreted_checks() -> None:
         out = routed_experts(x, w, idx, gate_up, down)
         assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (N, (out - ref).abs().max())
         assert torch.allclose(out, moe.routed_reference(x, w, idx), rtol=1e-5, atol=1e-5), N
+    fp8_expert_checks(g)
     routing_checks(g)
     one_row_checks(g)
     fused_sum_checks(g)
@@ -61,6 +62,41 @@ def interpreted_checks() -> None:
     attention_checks(g)
     attention_quant_checks(g)
     print("interpreted kernels: ok")
+
+
+def fp8_expert_checks(g: torch.Generator) -> None:
+    """FP8 routed experts (models/quant.FP8Weight) in both kernels' modes: weight-only (the plain tile) against the
+    dequantized weights, and W8A8 transposed (the tile's W8A8T: activations quantized per row and 128 columns in the
+    kernels) against the dequantized weights times quantize_activations' values; an intermediate size with a partial
+    last group (192) and one below a group (64), experts held elsewhere."""
+    from specdp_cli.runtime import fp8_kernels as fk
+    from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks
+    from specdp_cli.runtime.moe_kernels import routed_pairs
+
+    def quantized(a):
+        q, s = fk.quantize_activations(a)
+        return q.float() * s.repeat_interleave(128, 1)[:, :a.shape[1]]
+
+    for E, H, inter, N, K in ((4, 256, 192, 3, 2), (3, 128, 64, 2, 2)):
+        gate_up = FP8Weight(*quantize_blocks(torch.randn(E, 2 * inter, H, generator=g) * H ** -0.5), 128,
+                            torch.float32)
+        down = FP8Weight(*quantize_blocks(torch.randn(E, H, inter, generator=g) * inter ** -0.5), 128, torch.float32)
+        x = torch.randn(N, H, generator=g)
+        w = torch.rand(N, K, generator=g)
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+        idx[1, 0] = E + 1                                       # held on another rank: its row is not written
+        gu, dn = gate_up.dequantize(torch.float32), down.dequantize(torch.float32)
+        tile = dict(BLOCK_M=16, UP_N=64, DOWN_N=64, BLOCK_K=128, warps=4, stages=2)
+        for w8a8t, quant in ((False, lambda a: a), (True, quantized)):
+            y = routed_pairs(x, w, idx, gate_up, down, tile=dict(tile, W8A8T=w8a8t))
+            for p in range(N * K):
+                t, e = p // K, int(idx[p // K, p % K])
+                if e >= E:
+                    continue
+                h = quant(x[t:t + 1]) @ gu[e].T
+                want = w[t, p % K] * (quant(torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]) @ dn[e].T)[0]
+                assert torch.allclose(y[p], want, rtol=1e-4, atol=1e-5), (w8a8t, E, H, inter, p,
+                                                                           (y[p] - want).abs().max())
 
 
 def attention_checks(g: torch.Generator) -> None:

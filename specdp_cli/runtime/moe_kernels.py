@@ -139,11 +139,33 @@ def align(idx: torch.Tensor, E: int, block_m: int, small: bool | None = None) ->
 
 
 @triton.jit
+def _quantize_columns(a):
+    """a [BLOCK_K, BLOCK_M] (one 128-column group of BLOCK_M activation rows, transposed) -> its FP8 values and
+    each row's scale, as fp8_kernels.quantize_activations computes them."""
+    af = a.to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(af), 0) / 448.0, 1e-12)
+    return tl.clamp(af / s[None, :], -448.0, 448.0).to(tl.float8e4nv), s
+
+
+@triton.jit
+def _w8a8t_step(a, w1, w2, s1_ptrs, s2_ptrs, n_ok, acc1, acc2):
+    """One 128-column block of two FP8 weights' products, transposed: w [BLOCK_N, 128] times the activations a
+    [128, BLOCK_M] quantized here (W8A8, per row and 128 columns), each scaled by its weight rows' and activation
+    rows' block scales. Hopper runs FP8 wgmma for this shape; weight-only, Triton converts the FP8 weights for a
+    bf16 mma.sync (benchmarks/fp8_ptx.py). w2 None: one weight (acc2 passed through)."""
+    aq, a_s = _quantize_columns(a)
+    acc1 += tl.dot(w1, aq) * (tl.load(s1_ptrs, mask=n_ok, other=0.0)[:, None] * a_s[None, :])
+    if w2 is not None:
+        acc2 += tl.dot(w2, aq) * (tl.load(s2_ptrs, mask=n_ok, other=0.0)[:, None] * a_s[None, :])
+    return acc1, acc2
+
+
+@triton.jit
 def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr, P, TOPK, I, H,
                stride_x, stride_we, stride_wn, stride_be, stride_a, stride_wse, stride_wsn, stride_wsk, alpha, limit,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
                HAS_BIAS: tl.constexpr, PREC: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr,
-               PDL: tl.constexpr):
+               PDL: tl.constexpr, W8A8T: tl.constexpr):
     pdl.begin(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
@@ -156,29 +178,48 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     k = tl.arange(0, BLOCK_K)
-    xp = x_ptr + tok[:, None] * stride_x + k[None, :]
-    wg = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + k[:, None]    # [BLOCK_K, BLOCK_N] of gate
-    wu = wg + I * stride_wn                                                           # ... and of up
     # FP8 weights (W_FP8): their rows' block scales, one per 128 columns (BLOCK_K divides 128)
     sg = ws_ptr + e.to(tl.int64) * stride_wse + (n // W_ROWS) * stride_wsn
     su = ws_ptr + e.to(tl.int64) * stride_wse + ((I + n) // W_ROWS) * stride_wsn
-    acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k_ok = k0 + k < H
-        a = tl.load(xp, mask=ok[:, None] & k_ok[None, :], other=0.0)
-        g = tl.load(wg, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        u = tl.load(wu, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if W_FP8:       # weight-only FP8: exact fp8 -> bf16/fp16 values, the block's scale on the partial product
-            kb = k0 // 128
-            acc_g += tl.dot(a, g.to(a.dtype)) * tl.load(sg + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-            acc_u += tl.dot(a, u.to(a.dtype)) * tl.load(su + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-        else:
-            acc_g = tl.dot(a, g, acc_g, input_precision=PREC)
-            acc_u = tl.dot(a, u, acc_u, input_precision=PREC)
-        xp += BLOCK_K
-        wg += BLOCK_K
-        wu += BLOCK_K
+    if W8A8T:   # FP8 weights, the product transposed (`_w8a8t_step`): weight rows on the tensor cores' wide side
+        xp = x_ptr + tok[None, :] * stride_x + k[:, None]                                # [BLOCK_K, BLOCK_M]
+        wg = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn + k[None, :]    # [BLOCK_N, BLOCK_K] of gate
+        wu = wg + I * stride_wn
+        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = k0 + k < H
+            a = tl.load(xp, mask=k_ok[:, None] & ok[None, :], other=0.0)
+            g = tl.load(wg, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            u = tl.load(wu, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_g, acc_u = _w8a8t_step(a, g, u, sg + (k0 // 128) * stride_wsk, su + (k0 // 128) * stride_wsk, n_ok,
+                                       acc_g, acc_u)
+            xp += BLOCK_K
+            wg += BLOCK_K
+            wu += BLOCK_K
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
+    else:
+        xp = x_ptr + tok[:, None] * stride_x + k[None, :]
+        wg = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + k[:, None]    # [BLOCK_K, BLOCK_N] of gate
+        wu = wg + I * stride_wn                                                           # ... and of up
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_ok = k0 + k < H
+            a = tl.load(xp, mask=ok[:, None] & k_ok[None, :], other=0.0)
+            g = tl.load(wg, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            u = tl.load(wu, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if W_FP8:       # weight-only FP8: exact fp8 -> bf16/fp16 values, the block's scale on the partial product
+                kb = k0 // 128
+                acc_g += tl.dot(a, g.to(a.dtype)) * tl.load(sg + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+                acc_u += tl.dot(a, u.to(a.dtype)) * tl.load(su + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            else:
+                acc_g = tl.dot(a, g, acc_g, input_precision=PREC)
+                acc_u = tl.dot(a, u, acc_u, input_precision=PREC)
+            xp += BLOCK_K
+            wg += BLOCK_K
+            wu += BLOCK_K
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + e * stride_be + I + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -199,7 +240,7 @@ def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, pairs_ptr, block_expert_ptr, y_ptr
                  stride_a, stride_we, stride_wn, stride_be, stride_y, stride_wse, stride_wsn, stride_wsk,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  PREC: tl.constexpr, ROUND_W: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, W8A8T: tl.constexpr):
     pdl.begin(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
@@ -212,20 +253,33 @@ def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, pairs_ptr, block_expert_ptr, y_ptr
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
     k = tl.arange(0, BLOCK_K)
-    ap = a_ptr + row[:, None] * stride_a + k[None, :]
-    wp = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + k[:, None]
     sp = ws_ptr + e.to(tl.int64) * stride_wse + (n // W_ROWS) * stride_wsn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k_ok = k0 + k < I
-        a = tl.load(ap, mask=ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(wp, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if W_FP8:
-            acc += tl.dot(a, w.to(a.dtype)) * tl.load(sp + (k0 // 128) * stride_wsk, mask=n_ok, other=0.0)[None, :]
-        else:
-            acc = tl.dot(a, w, acc, input_precision=PREC)
-        ap += BLOCK_K
-        wp += BLOCK_K
+    if W8A8T:      # as _up_kernel's
+        ap = a_ptr + row[None, :] * stride_a + k[:, None]                                # [BLOCK_K, BLOCK_M]
+        wp = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn + k[None, :]    # [BLOCK_N, BLOCK_K]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k_ok = k0 + k < I
+            a = tl.load(ap, mask=k_ok[:, None] & ok[None, :], other=0.0)
+            w = tl.load(wp, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc, _ = _w8a8t_step(a, w, None, sp + (k0 // 128) * stride_wsk, sp, n_ok, acc, acc)
+            ap += BLOCK_K
+            wp += BLOCK_K
+        acc = tl.trans(acc)
+    else:
+        ap = a_ptr + row[:, None] * stride_a + k[None, :]
+        wp = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + k[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k_ok = k0 + k < I
+            a = tl.load(ap, mask=ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(wp, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if W_FP8:
+                acc += tl.dot(a, w.to(a.dtype)) * tl.load(sp + (k0 // 128) * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PREC)
+            ap += BLOCK_K
+            wp += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     dt = y_ptr.dtype.element_ty
@@ -300,7 +354,19 @@ def tiles(P: int, E: int, I: int, H: int, dtype: torch.dtype, fp8: bool = False)
         t = dict(BLOCK_M=64, UP_N=64, DOWN_N=128, BLOCK_K=64, warps=8, stages=3)
     if dtype == torch.float32:       # a float32 tile holds twice the bytes: halve K (shared memory)
         t.update(BLOCK_K=32, stages=2)
+    elif fp8 and EXPERTS_W8A8T and t["BLOCK_M"] == 16:
+        # W8A8, transposed (`_w8a8t_step`): 64 weight rows a program (the tensor cores' 64-row side), whole
+        # 128-column groups a K step (the activations are quantized by group)
+        t.update(UP_N=64, DOWN_N=64, stages=4, W8A8T=True)
     return t
+
+
+# FP8 experts of few pairs an expert (16-row blocks, bf16 / fp16 activations): W8A8 with the product transposed
+# (`tiles`' W8A8T) instead of weight-only FP8, whose FP8 weights Triton converts for a bf16 mma.sync there. Session 36
+# on an H200 (benchmarks/moe_kernel.py --shapes qwen3_30b_a3b --tokens 1 --fp8 --sweep): one token's 8 experts in
+# 26.7 µs against 31.3 (4 stages; 27.6 with 3, 30.5 with 8); the Qwen3-30B-A3B shape (8 layers) 1.01-1.02x -> 1.05-1.06x
+# bf16 at batch 1 (benchmarks/fp8.py "-noexpertsw8a8t" rows).
+EXPERTS_W8A8T = True
 
 
 def routed_pairs(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
@@ -313,7 +379,8 @@ def routed_pairs(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, 
     experts (outside [0, E'): held elsewhere, skipped); gate_up [E', 2I, hidden] (gate rows, then up rows), down
     [E', hidden, I]; optional biases [E', 2I], [E', hidden]; act "silu" (SiLU-and-mul) or "swiglu_oai" (GPT-OSS's
     clamped SwiGLU with alpha and limit). gate_up and down may be FP8 (models/quant.FP8Weight: float8 weights with
-    their 128-column block scales, read as weight-only FP8: the activations stay in x's dtype)."""
+    their 128-column block scales, read as weight-only FP8: the activations stay in x's dtype; or, with the tile's
+    W8A8T, W8A8: the activations quantized per row and 128 columns inside the kernels)."""
     fp8 = not isinstance(gate_up, torch.Tensor)
     if fp8:
         gu_s, gu_rows, gate_up = gate_up.scale, gate_up.rows, gate_up.weight
@@ -344,19 +411,21 @@ def routed_pairs(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, 
     pairs, block_expert = align(idx, E, BM)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     gss = gu_s.stride() if fp8 else (0, 0, 0)
+    # W8A8 transposed: FP8 weights, whole 128-column groups a K step (the down kernel's K block is I's where I < 128)
+    w8a8t = bool(t.get("W8A8T")) and fp8 and t["BLOCK_K"] == 128
     launch = pdl.expert_options(dev)
     _up_kernel[(max_blocks, triton.cdiv(I, t["UP_N"]))](
         x, gate_up, gub, pairs, block_expert, act_out, gu_s, P, K, I, H,
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gub_stride, act_out.stride(0), *gss, float(alpha),
         float(limit), BLOCK_M=BM, BLOCK_N=t["UP_N"], BLOCK_K=t["BLOCK_K"], ACT=ACT, HAS_BIAS=gate_up_bias is not None,
-        PREC=prec, W_FP8=fp8, W_ROWS=gu_rows, num_warps=t["warps"], num_stages=t["stages"], **launch)
+        PREC=prec, W_FP8=fp8, W_ROWS=gu_rows, W8A8T=w8a8t, num_warps=t["warps"], num_stages=t["stages"], **launch)
     dss = d_s.stride() if fp8 else (0, 0, 0)
     _down_kernel[(max_blocks, triton.cdiv(H, t["DOWN_N"]))](
         act_out, down, db, rw, pairs, block_expert, y, d_s, P, H, I,
         act_out.stride(0), down.stride(0), down.stride(1), db_stride, y.stride(0), *dss,
         BLOCK_M=BM, BLOCK_N=t["DOWN_N"], BLOCK_K=min(t["BLOCK_K"], _pow2(I)), HAS_BIAS=down_bias is not None,
-        PREC=prec, ROUND_W=round_weights, W_FP8=fp8, W_ROWS=d_rows, num_warps=t["warps"], num_stages=t["stages"],
-        **launch)
+        PREC=prec, ROUND_W=round_weights, W_FP8=fp8, W_ROWS=d_rows, W8A8T=w8a8t, num_warps=t["warps"],
+        num_stages=t["stages"], **launch)
     return y
 
 
