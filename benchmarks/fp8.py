@@ -60,7 +60,8 @@ def apply_mode(mode: str | None) -> None:
     transposed at 1-16 rows (the default since session 36) / 17-127 / 1-127 / none (fp8_kernels.SWAP_TILES);
     "-nocublas": verification rows never on cuBLAS (fp8_kernels.VERIFY_CUBLAS); "-expertsw8a8t" /
     "-noexpertsw8a8t": FP8 routed experts of few pairs W8A8 with the product transposed, or weight-only
-    (moe_kernels.EXPERTS_W8A8T). Session 36 also measured "-w8a16v" /
+    (moe_kernels.EXPERTS_W8A8T); "-ahead" / "-noahead": the FP8 GEMM's scales loaded one K block ahead, or in their
+    block (fp8_kernels.SCALES_AHEAD). Session 36 also measured "-w8a16v" /
     "-w8a16all": W8A16 on the swapped tile, each weight tile dequantized before its product (commit 5fdec1b, not
     kept: slower)."""
     from specdp_cli.runtime import fp8_kernels, moe_kernels, pdl, triton_kernels
@@ -68,11 +69,13 @@ def apply_mode(mode: str | None) -> None:
                  "VERIFY_CUBLAS"):
         DEFAULTS.setdefault(name, getattr(fp8_kernels, name))
     DEFAULTS.setdefault("EXPERTS_W8A8T", moe_kernels.EXPERTS_W8A8T)
+    DEFAULTS.setdefault("SCALES_AHEAD", fp8_kernels.SCALES_AHEAD)
     base, *off = (mode or "bf16").split("-")
     off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
     pdl.ENABLED = "nopdl" not in off
     pdl.PREFETCH = "noprefetch" not in off
     pdl.EXPERTS_PLAIN = "expertsplain" in off
+    fp8_kernels.SCALES_AHEAD = "ahead" in off or (DEFAULTS["SCALES_AHEAD"] and "noahead" not in off)
     moe_kernels.EXPERTS_W8A8T = "expertsw8a8t" in off or (DEFAULTS["EXPERTS_W8A8T"] and "noexpertsw8a8t" not in off)
     if base != "bf16":
         fp8_kernels.DECODE_MODE = base

@@ -69,13 +69,16 @@ def main() -> None:
                     help="only the GEMM's tiles at these row counts against bf16 and cuBLAS, cold weights (sweep_rows)")
     ap.add_argument("--swap", action="store_true",
                     help="with --sweep-rows: the shipped tile against tiles computing the product transposed (SWAP)")
+    ap.add_argument("--ahead", action="store_true",
+                    help="with --sweep-rows: the shipped tile and its neighbours with each K block's scales loaded "
+                    "one block ahead (AHEAD), against the same without")
     ap.add_argument("--shapes", default="8b.qkv,8b.o,8b.gate_up,8b.down", help="with --sweep-rows: " + ",".join(SHAPES))
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
     if a.sweep_stages or a.sweep_rows:
         sweep = sweep_stages(dev) if a.sweep_stages else sweep_rows(dev, [int(m) for m in a.sweep_rows.split(",")],
-                                                                    a.shapes.split(","), a.swap)
+                                                                    a.shapes.split(","), a.swap, a.ahead)
         with open(a.json, "w") as fh:
             json.dump({"meta": {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                 "triton": triton.__version__, "argv": sys.argv[1:]}, "sweep": sweep}, fh, indent=1)
@@ -201,7 +204,7 @@ def sweep_stages(dev) -> list[dict]:
     return out
 
 
-def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool) -> list[dict]:
+def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool, ahead: bool = False) -> list[dict]:
     """The projections `shapes` at `row_counts` rows (activations quantized before the GEMM, as the norm kernels
     hand them over) over BLOCK_M x BLOCK_N x split K x warps, GROUP_M 8 (a column block's row blocks run side by side
     and share its weight tile in L2), each against bf16 F.linear and cuBLAS's block-scaled GEMM on cold weights.
@@ -234,7 +237,12 @@ def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool) -> lis
                 # weight tile dequantized before its product: commit 5fdec1b)
                 for split in (1, 2, 4, 8):
                     tried.append(dict(BLOCK_M=bm, BLOCK_N=64, SPLIT=split, warps=4, stages=4, GROUP_M=1, SWAP=True))
-            for bm in () if swap else (16, 64, 128):
+            if ahead:          # the shipped tile and its split neighbours, each without and with AHEAD
+                d = tried[0]
+                for split in sorted({d["SPLIT"], max(1, d["SPLIT"] // 2), 2 * d["SPLIT"]}):
+                    for on in (False, True):
+                        tried.append(dict(d, label=f"split {split}{' ahead' if on else ''}", SPLIT=split, AHEAD=on))
+            for bm in () if swap or ahead else (16, 64, 128):
                 if bm > max(16, triton.next_power_of_2(M)):
                     continue
                 for bn in (32, 64, 128):
@@ -255,9 +263,11 @@ def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool) -> lis
             cb = f"{base['cublas_us']:.1f}" if base["cublas_us"] is not None else "-"
             print(f"{name:<12}{M:>4}{base['bf16_us']:>9.1f}{cb:>10}{found[0]['us']:>11.1f}{best['us']:>9.1f}  "
                   f"BLOCK_M {best['BLOCK_M']} BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} warps {best['warps']} "
-                  f"stages {best['stages']}{' swap' if best.get('SWAP') else ''}"
+                  f"stages {best['stages']}{' swap' if best.get('SWAP') else ''}{' ahead' if best.get('AHEAD') else ''}"
                   + (f"  (swap's default {found[1]['us']:.1f})" if swap and len(found) > 1 and found[1].get('label')
-                     == 'swap' else ""), flush=True)
+                     == 'swap' else "")
+                  + "".join(f"  (shipped tile, ahead: {r['us']:.1f})" for r in found if ahead and r.get("AHEAD")
+                            and r["SPLIT"] == found[0]["SPLIT"]), flush=True)
         w16 = w8 = wcs = None
         torch.cuda.empty_cache()
     return out

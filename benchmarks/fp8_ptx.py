@@ -5,7 +5,8 @@ tickets; activations quantized before it) and its PTX instructions are counted: 
 shared-memory traffic. Then moe_kernels' routed-expert kernels at 16-row blocks, weight-only and W8A8 transposed.
 Session 36: up to 16 rows the plain tile (BLOCK_M 16) converts the FP8 tiles to FP16 for `mma.sync`, the
 transposed one (SWAP) runs FP8 `wgmma` m64n16; the weight-only expert kernels convert the FP8 weights for a bf16
-`mma.sync`, the W8A8 transposed ones run FP8 `wgmma` m64n16.
+`mma.sync`, the W8A8 transposed ones run FP8 `wgmma` m64n16. Each main loop's order shows where the block scales'
+global loads sit: after the wait for the block's tiles, or (AHEAD) a block ahead, before it.
 
 Usage: python benchmarks/fp8_ptx.py [--json OUT.json]   (needs triton with its NVIDIA backend, no GPU)
 """
@@ -30,15 +31,21 @@ POINTERS = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr
             "c_ptr": "*fp32", "y_ptr": "*bf16", "tickets_ptr": "*i32"}
 ALIGNED = set(POINTERS) | {"N", "K", "stride_am", "stride_bn", "stride_cs", "stride_cm", "stride_ym"}
 KINDS = ("wgmma.mma_async", "mma.sync", "ldmatrix", "cp.async.cg", "ld.global", "st.shared", "ld.shared", "cvt")
-# (label, BLOCK_M, BLOCK_N, SWAP, GROUP_M): the 8B's decode and verification tiles (fp8_kernels.tiles)
-TILES = (("16 rows, plain", 16, 64, False, 1), ("16 rows, swapped (decode default)", 16, 64, True, 1),
-         ("80 rows, 64-row blocks (verification default)", 64, 64, False, 2), ("80 rows, swapped", 128, 64, True, 1))
+# (label, BLOCK_M, BLOCK_N, SWAP, GROUP_M, AHEAD): the 8B's decode and verification tiles (fp8_kernels.tiles)
+TILES = (("16 rows, plain", 16, 64, False, 1, False), ("16 rows, swapped (decode default)", 16, 64, True, 1, False),
+         ("16 rows, swapped, scales a block ahead", 16, 64, True, 1, True),
+         ("80 rows, 64-row blocks (verification default)", 64, 64, False, 2, False),
+         ("80 rows, 64-row blocks, scales a block ahead", 64, 64, False, 2, True),
+         ("80 rows, swapped", 128, 64, True, 1, False))
+# what the main loop's order shows: where the scales' global loads sit against the wait for the block's tiles
+ORDER = ("ld.global", "cp.async.wait_group", "wgmma.mma_async", "wgmma.wait_group", "mma.sync", "fma.rn", "cp.async.cg")
 
 
-def compile_tile(block_m: int, block_n: int, swap: bool, group_m: int, warps: int = 4, stages: int = 4):
+def compile_tile(block_m: int, block_n: int, swap: bool, group_m: int, ahead: bool = False, warps: int = 4,
+                 stages: int = 4):
     const = dict(B_ROWS=128, A_MODE=0, HAS_BIAS=False, SPLIT=True, TICKET=True, EVEN_K=True, BLOCK_M=block_m,
                  BLOCK_N=block_n, BLOCK_K=fk.GROUP, GROUP_M=group_m, PDL=False, PREFETCH=False, LANES=32 * warps,
-                 LATE=False, SWAP=swap)
+                 LATE=False, SWAP=swap, AHEAD=ahead)
     names = fk._gemm_kernel.arg_names
     sig = {n: POINTERS.get(n, "constexpr" if n in const else "i32") for n in names}
     src = ASTSource(fn=fk._gemm_kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
@@ -79,21 +86,43 @@ def instructions(ptx: str) -> dict[str, int]:
     return counts
 
 
+def loop_order(ptx: str) -> list[str]:
+    """The first inner loop's instructions of ORDER's kinds, in order, repeats counted ("ld.global x18")."""
+    lines = ptx.splitlines()
+    start = next((i for i, line in enumerate(lines) if "Inner Loop Header" in line), None)
+    if start is None:
+        return []
+    seq: list[list] = []
+    for line in lines[start + 1:]:
+        if re.match(r"\s*\$L__BB", line):            # the next block: the loop's body ends at its back branch
+            break
+        kind = next((k for k in ORDER if k in line), None)
+        if kind:
+            if seq and seq[-1][0] == kind:
+                seq[-1][1] += 1
+            else:
+                seq.append([kind, 1])
+    return [f"{k} x{n}" for k, n in seq]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     a = ap.parse_args()
     rows = []
-    compiled = [(label, dict(BLOCK_M=bm, BLOCK_N=bn, SWAP=swap), lambda bm=bm, bn=bn, swap=swap, g=group_m:
-                 compile_tile(bm, bn, swap, g)) for label, bm, bn, swap, group_m in TILES]
+    compiled = [(label, dict(BLOCK_M=bm, BLOCK_N=bn, SWAP=swap, AHEAD=ahead),
+                 lambda bm=bm, bn=bn, swap=swap, g=group_m, ahead=ahead: compile_tile(bm, bn, swap, g, ahead))
+                for label, bm, bn, swap, group_m, ahead in TILES]
     compiled += [(f"experts' {k}, 16-row blocks, {'W8A8 transposed' if t else 'weight-only'}", {"W8A8T": t},
                   lambda k=k, t=t: compile_experts(k, t)) for k in ("up", "down") for t in (False, True)]
     for label, tile, build in compiled:
-        counts = instructions(build().asm["ptx"])
-        rows.append({"tile": label, **tile, "instructions": counts})
+        ptx = build().asm["ptx"]
+        counts, order = instructions(ptx), loop_order(ptx)
+        rows.append({"tile": label, **tile, "instructions": counts, "loop_order": order})
         mma = ", ".join(f"{k} x{v}" for k, v in counts.items() if "mma" in k)
         print(f"{label:<48} {mma}")
         print(f"{'':<48} " + ", ".join(f"{k} x{v}" for k, v in counts.items() if "mma" not in k))
+        print(f"{'':<48} main loop: " + " -> ".join(order))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"triton": triton.__version__, "target": "sm_90", "rows": rows}, fh, indent=1)

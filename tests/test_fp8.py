@@ -235,14 +235,16 @@ def interpreted_kernel_checks() -> None:
             assert torch.equal(ys[0], ys[1])
             if split > 1:                                # every tile's ticket counter is back at zero
                 assert not fk._TICKETS[None].any()
-            # the product computed transposed (weight tile on the tensor cores' wide side)
+            # the product computed transposed (weight tile on the tensor cores' wide side); the scales loaded one K
+            # block ahead, plain and transposed
             swapped = {**tile, "SWAP": True, "BLOCK_M": max(16, min(128, 1 << (M - 1).bit_length())), "GROUP_M": 1}
-            y = fk.block_fp8_gemm(xin, wq, ws, rows, b, x_scale=xs, out_dtype=torch.float32, tile=swapped)
-            err = ((y.double() - ref).norm() / ref.norm()).item()
-            assert err < 1e-6, ("swap", M, N, K, rows, split, xs is None, err)
-            if split > 1:
-                assert not fk._TICKETS[None].any()
-        for t in (tile, {**tile, "SWAP": True}):
+            for t in (swapped, {**tile, "AHEAD": True}, {**swapped, "AHEAD": True}):
+                y = fk.block_fp8_gemm(xin, wq, ws, rows, b, x_scale=xs, out_dtype=torch.float32, tile=t)
+                err = ((y.double() - ref).norm() / ref.norm()).item()
+                assert err < 1e-6, (t, M, N, K, rows, split, xs is None, err)
+                if split > 1:
+                    assert not fk._TICKETS[None].any()
+        for t in (tile, {**tile, "SWAP": True}, {**tile, "AHEAD": True}):
             y = fk.block_fp8_gemm(x, wq, ws, rows, b, out_dtype=torch.float32, tile=t, mode="weight_only")
             assert ((y.double() - ref).norm() / ref.norm()).item() < 1e-6, ("weight_only", t)
     fk.VERIFY_MAX_M = 127

@@ -696,9 +696,10 @@ def test_fp8_gemm_matches_reference(M):
                 assert rel(y, ref) < 5e-3, ("verify tile", bm, M, N, K, rows, rel(y, ref))
         if M < 128:                          # the product computed transposed (SWAP), 64 and 128 weight rows a program
             base = dict(BLOCK_M=max(16, 1 << (M - 1).bit_length()), SPLIT=4, stages=4, GROUP_M=1, SWAP=True)
-            for t in (dict(base, BLOCK_N=64, warps=4), dict(base, BLOCK_N=128, warps=8, SPLIT=1)):
+            for t in (dict(base, BLOCK_N=64, warps=4), dict(base, BLOCK_N=128, warps=8, SPLIT=1),
+                      dict(base, BLOCK_N=64, warps=4, AHEAD=True), dict(fk.tiles(M, N, K, 132), AHEAD=True)):
                 y = fk.block_fp8_gemm(q2, wq, ws, rows, b, x_scale=s2, out_dtype=torch.bfloat16, tile=t)
-                assert rel(y, ref) < 5e-3, ("swap tile", t, M, N, K, rows, rel(y, ref))
+                assert rel(y, ref) < 5e-3, ("swap / ahead tile", t, M, N, K, rows, rel(y, ref))
             y = fk.block_fp8_gemm(x, wq, ws, rows, b, out_dtype=torch.bfloat16, tile=dict(base, BLOCK_N=64, warps=4))
             assert rel(y, ref) < 5e-3, ("swap tile, quantized inside", M, N, K, rows, rel(y, ref))
         from specdp_cli.runtime.models.quant import dequantize

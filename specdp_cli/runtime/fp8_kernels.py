@@ -127,11 +127,14 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
                  stride_ym, prefetch_bytes, B_ROWS: tl.constexpr, A_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, TICKET: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr, SWAP: tl.constexpr):
+                 PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr, SWAP: tl.constexpr,
+                 AHEAD: tl.constexpr):
     # program -> (row block, column block), grouped so that GROUP_M row blocks share the weights in L2.
     # SWAP: the product is computed transposed, weight tile [BLOCK_N, BLOCK_K] times activations [BLOCK_K, BLOCK_M],
     # so that the weight's columns fill the tensor cores' 64-row side and few activation rows their narrow side
-    # (Hopper's wgmma wants 64 rows a warp group; without the swap a few rows pad a 16- or 64-row block)
+    # (Hopper's wgmma wants 64 rows a warp group; without the swap a few rows pad a 16- or 64-row block).
+    # AHEAD: each K block's scales are loaded one block ahead. Loaded in their own block they are plain global loads
+    # that Triton issues after the block's tiles have arrived and the product waits on them (benchmarks/fp8_ptx.py).
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -169,7 +172,21 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in range(kb0, tl.minimum(kb0 + k_blocks_per_split, tl.cdiv(K, BLOCK_K))):
+    kb_end = tl.minimum(kb0 + k_blocks_per_split, tl.cdiv(K, BLOCK_K))
+    if AHEAD:
+        b_s_next = tl.load(bs_ptrs + kb0 * stride_bsk, mask=n_ok, other=0.0)
+        if A_MODE == 0:
+            a_s_next = tl.load(as_ptr + m * stride_asm + kb0 * stride_asg, mask=m_ok, other=0.0)
+    for kb in range(kb0, kb_end):
+        if AHEAD:           # this block's scales, loaded in the block before; the next block's on their way (the
+            kb_next = tl.minimum(kb + 1, kb_end - 1)        # last block loads its own again: no load past the end)
+            b_s = b_s_next
+            b_s_next = tl.load(bs_ptrs + kb_next * stride_bsk, mask=n_ok, other=0.0)
+            if A_MODE == 0:
+                a_s_ahead = a_s_next
+                a_s_next = tl.load(as_ptr + m * stride_asm + kb_next * stride_asg, mask=m_ok, other=0.0)
+        else:
+            b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
         if EVEN_K:
             a = tl.load(a_ptrs, mask=a_ok, other=0.0)
             b = tl.load(b_ptrs, mask=b_ok, other=0.0)
@@ -181,7 +198,6 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
             else:
                 a = tl.load(a_ptrs, mask=a_ok & k_ok[None, :], other=0.0)
                 b = tl.load(b_ptrs, mask=b_ok & k_ok[:, None], other=0.0)
-        b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
         if A_MODE == 2:    # weight-only: bf16/fp16 activations, the weights' exact fp8 values in that dtype
             if SWAP:
                 acc += tl.dot(b.to(a.dtype), a) * b_s[:, None]
@@ -196,6 +212,8 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
                 else:
                     a_s = tl.maximum(tl.max(tl.abs(af), 1) / 448.0, 1e-12)
                     a = tl.clamp(af / a_s[:, None], -448.0, 448.0).to(b_ptr.dtype.element_ty)
+            elif AHEAD:
+                a_s = a_s_ahead
             else:
                 a_s = tl.load(as_ptr + m * stride_asm + kb * stride_asg, mask=m_ok, other=0.0)
             if SWAP:
@@ -420,7 +438,8 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
                        B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None, SPLIT=split > 1,
                        TICKET=tickets is not None, EVEN_K=K % GROUP == 0, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
                        BLOCK_K=GROUP, GROUP_M=t["GROUP_M"], PREFETCH=prefetch > 0, LANES=32 * t["warps"],
-                       SWAP=t.get("SWAP", False), num_warps=t["warps"], num_stages=t["stages"], **launch)
+                       SWAP=t.get("SWAP", False), AHEAD=t.get("AHEAD", SCALES_AHEAD), num_warps=t["warps"],
+                       num_stages=t["stages"], **launch)
     if split > 1 and tickets is None:
         BLOCK = 1024
         _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](c, bias if bias is not None else c, out, M * N, N,
@@ -510,6 +529,9 @@ DECODE_TILES_29 = True
 # VERIFY_CUBLAS False: verification rows never go to cuBLAS (`verify_on_cublas`).
 SWAP_TILES = "decode"
 VERIFY_CUBLAS = True
+# Each K block's scales loaded one block ahead (_gemm_kernel's AHEAD) where a tile does not say: not yet measured on
+# a GPU (session 36 found the in-block loads with benchmarks/fp8_ptx.py after its device time was spent), so off.
+SCALES_AHEAD = False
 DECODE_MODE = "quantize"
 GEMV_MAX_WEIGHT = 32 << 20
 FUSE_DECODE_QUANT = True
