@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36|s37 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36 OUT_DIR
 #   (s31contention with KINDS=spin,frontend OTHERS=0,4: the offline engine beside a real serving load, session 32)
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
@@ -855,13 +855,15 @@ s29c)
     > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
   ;;
 s36)
-  # session 36 (issue 30): the GEMM computed transposed (fp8_kernels' SWAP: the weight tile on the tensor cores' wide
-  # side) against the shipped tiles at decode and verification rows (SWEEP_S; ROWS, SHAPES), then the 8B shape's
-  # none / draft_model rows (FP8_S; BATCHES, MODES: -swapverify / -swapall / -nocublas), then the GEMM's GPU test
+  # session 36 (issue 30): the FP8 GEMM's shipped tiles against a variant at decode and verification rows (SWEEP_S;
+  # SWEEP_OPT: --swap, the product transposed, fp8_kernels' SWAP; --ahead, each K block's scales loaded a block
+  # ahead, AHEAD; ROWS, SHAPES), then the 8B shape's none / draft_model rows (FP8_S; BATCHES, MODES: -swapdecode /
+  # -swapverify / -swapall / -noswap / -nocublas / -ahead), then the GEMM's GPU test (GPU_TEST_S; GPU_TESTS_K)
   end=$((SECONDS + ${LIMIT:-570}))
-  [ "${SWEEP_S:-230}" != 0 ] && { timeout ${SWEEP_S:-230} python3 benchmarks/fp8_gemm.py --sweep-rows ${ROWS:-1,16,80} --swap \
-    --shapes ${SHAPES:-8b.qkv,8b.o,8b.gate_up,8b.down} --json "$out/fp8_sweep_swap.json" > "$out/fp8_sweep_swap.log" 2>&1 \
-    || tail -5 "$out/fp8_sweep_swap.log"; grep -v -E '^skip|[Ww]arn' "$out/fp8_sweep_swap.log"; }
+  opt=${SWEEP_OPT:---swap}
+  [ "${SWEEP_S:-230}" != 0 ] && { timeout ${SWEEP_S:-230} python3 benchmarks/fp8_gemm.py --sweep-rows ${ROWS:-1,16,80} $opt \
+    --shapes ${SHAPES:-8b.qkv,8b.o,8b.gate_up,8b.down} --json "$out/fp8_sweep_${opt#--}.json" > "$out/fp8_sweep_${opt#--}.log" 2>&1 \
+    || tail -5 "$out/fp8_sweep_${opt#--}.log"; grep -v -E '^skip|[Ww]arn' "$out/fp8_sweep_${opt#--}.log"; }
   widen || exit 1
   [ "${FP8_S:-250}" != 0 ] && { timeout $(( $(left) < ${FP8_S:-250} ? $(left) : ${FP8_S:-250} )) python3 benchmarks/fp8.py \
     --pair $P --target $W/target --label 8b-shape --methods ${METHODS:-none,draft_model} --prompts 16 --batch1-prompts 8 \
@@ -870,22 +872,6 @@ s36)
   [ "${GPU_TEST_S:-60}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-60} ? $(left) : ${GPU_TEST_S:-60} )) python3 -m pytest \
     -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_gemm_matches_reference}" \
     > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
-  ;;
-s37)
-  # next (issue 30): each K block's scales loaded one block ahead (fp8_kernels' AHEAD, off by default, not yet run on
-  # a GPU): the GEMM's GPU test first (GPU_TEST_S), then the shipped tiles without and with it at decode and
-  # verification rows (SWEEP_S; ROWS, SHAPES), then the 8B shape end to end (FP8_S; BATCHES, MODES)
-  end=$((SECONDS + ${LIMIT:-570}))
-  [ "${GPU_TEST_S:-60}" != 0 ] && { timeout ${GPU_TEST_S:-60} python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider \
-    -k "${GPU_TESTS_K:-fp8_gemm_matches_reference}" > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
-  [ "${SWEEP_S:-150}" != 0 ] && { timeout ${SWEEP_S:-150} python3 benchmarks/fp8_gemm.py --sweep-rows ${ROWS:-1,16,80} --ahead \
-    --shapes ${SHAPES:-8b.qkv,8b.o,8b.gate_up,8b.down} --json "$out/fp8_sweep_ahead.json" > "$out/fp8_sweep_ahead.log" 2>&1 \
-    || tail -5 "$out/fp8_sweep_ahead.log"; grep -v -E '^skip|[Ww]arn' "$out/fp8_sweep_ahead.log"; }
-  widen || exit 1
-  [ "${FP8_S:-300}" != 0 ] && { timeout $(( $(left) < ${FP8_S:-300} ? $(left) : ${FP8_S:-300} )) python3 benchmarks/fp8.py \
-    --pair $P --target $W/target --label 8b-shape --methods ${METHODS:-none,draft_model} --prompts 16 --batch1-prompts 8 \
-    --batches ${BATCHES:-1,16} --repeats 3 --decode-modes ${MODES:-quantize,quantize-ahead} \
-    --json "$out/fp8_8b.json" > "$out/fp8_8b.log" 2>&1 || tail -20 "$out/fp8_8b.log"; sed -n '/^method /,$p' "$out/fp8_8b.log"; }
   ;;
 s33link)
   # session 33: the rank's serving loop before (OLD_ROOT: a package as `git archive 8a007fd specdp_cli benchmarks | tar

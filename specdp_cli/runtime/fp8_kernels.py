@@ -151,16 +151,15 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
     m_ok = m < M
     n_ok = n < N
     kb0 = split * k_blocks_per_split
+    # each tile's rows, columns (K) and valid rows in its orientation
     if SWAP:             # a [BLOCK_K, BLOCK_M], b [BLOCK_N, BLOCK_K]
-        a_ptrs = a_ptr + m.to(tl.int64)[None, :] * stride_am + (kb0 * BLOCK_K + k)[:, None]
-        b_ptrs = b_ptr + n.to(tl.int64)[:, None] * stride_bn + (kb0 * BLOCK_K + k)[None, :]
-        a_ok = m_ok[None, :]
-        b_ok = n_ok[:, None]
+        a_rows, a_k, a_ok = m.to(tl.int64)[None, :], k[:, None], m_ok[None, :]
+        b_rows, b_k, b_ok = n.to(tl.int64)[:, None], k[None, :], n_ok[:, None]
     else:                # a [BLOCK_M, BLOCK_K], b [BLOCK_K, BLOCK_N]
-        a_ptrs = a_ptr + m.to(tl.int64)[:, None] * stride_am + (kb0 * BLOCK_K + k)[None, :]
-        b_ptrs = b_ptr + n.to(tl.int64)[None, :] * stride_bn + (kb0 * BLOCK_K + k)[:, None]
-        a_ok = m_ok[:, None]
-        b_ok = n_ok[None, :]
+        a_rows, a_k, a_ok = m.to(tl.int64)[:, None], k[None, :], m_ok[:, None]
+        b_rows, b_k, b_ok = n.to(tl.int64)[None, :], k[:, None], n_ok[None, :]
+    a_ptrs = a_ptr + a_rows * stride_am + kb0 * BLOCK_K + a_k
+    b_ptrs = b_ptr + b_rows * stride_bn + kb0 * BLOCK_K + b_k
     bs_ptrs = bs_ptr + (n // B_ROWS) * stride_bsn
     if not LATE:
         pdl.launch_next(PDL)
@@ -191,13 +190,8 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
             a = tl.load(a_ptrs, mask=a_ok, other=0.0)
             b = tl.load(b_ptrs, mask=b_ok, other=0.0)
         else:
-            k_ok = kb * BLOCK_K + k < K
-            if SWAP:
-                a = tl.load(a_ptrs, mask=a_ok & k_ok[:, None], other=0.0)
-                b = tl.load(b_ptrs, mask=b_ok & k_ok[None, :], other=0.0)
-            else:
-                a = tl.load(a_ptrs, mask=a_ok & k_ok[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=b_ok & k_ok[:, None], other=0.0)
+            a = tl.load(a_ptrs, mask=a_ok & (kb * BLOCK_K + a_k < K), other=0.0)
+            b = tl.load(b_ptrs, mask=b_ok & (kb * BLOCK_K + b_k < K), other=0.0)
         if A_MODE == 2:    # weight-only: bf16/fp16 activations, the weights' exact fp8 values in that dtype
             if SWAP:
                 acc += tl.dot(b.to(a.dtype), a) * b_s[:, None]
@@ -359,14 +353,9 @@ def tiles(M: int, N: int, K: int, sms: int) -> dict:
     if M <= VERIFY_MAX_M and (SWAP_TILES == "all" or (SWAP_TILES == "decode" and M <= 16)
                               or (SWAP_TILES == "verify" and M > 16)):
         # the product transposed (_gemm_kernel's SWAP): 64 weight rows a program, every activation row in one block
-        programs = triton.cdiv(N, 64)
-        split = 1
-        while 2 * programs * split < 3 * sms and k_blocks >= 8 * split:
-            split *= 2
-        while M <= 16 and k_blocks > 16 * split and 2 * programs * split <= 4 * sms:
-            split *= 2
-        return dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=64, SPLIT=split, warps=4, stages=4,
-                    GROUP_M=1, SWAP=True)
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=64,
+                    SPLIT=_k_split(triton.cdiv(N, 64), k_blocks, M, sms, True), warps=4, stages=4, GROUP_M=1,
+                    SWAP=True)
     if M <= 64 or (M <= VERIFY_MAX_M and triton.cdiv(N, 64) < 2 * sms):
         # 64 wide (before DECODE_TILES_29, decode rows ran 32 wide where 64 made two programs an SM: the 8B's
         # gate_up; verification rows never meet such a weight here, it goes to cuBLAS or the prefill tile)
@@ -374,19 +363,26 @@ def tiles(M: int, N: int, K: int, sms: int) -> dict:
         bn = 16 if N < 512 else 32 if narrow else 64
         bm = 16 if M <= 16 else 32 if M <= 32 else 64
         programs = triton.cdiv(M, 16 if M <= 64 else 64) * triton.cdiv(N, bn)
-        split = 1
-        while 2 * programs * split < 3 * sms and k_blocks >= 8 * split:
-            split *= 2
-        # up to 16 rows (one row block): a long K split further while each split keeps more than 16 K blocks and the
-        # programs stay within 4 an SM (DECODE_TILES_29: the 8B's down, 112 K blocks over 64 programs, split 8, was 4)
-        while DECODE_TILES_29 and M <= 16 and k_blocks > 16 * split and 2 * programs * split <= 4 * sms:
-            split *= 2
+        split = _k_split(programs, k_blocks, M, sms, DECODE_TILES_29)
         # verification rows (65 .. VERIFY_MAX_M): 64-row blocks, a column block's side by side to share its weight
         # tile in L2 (benchmarks/fp8_gemm.py --sweep-rows: at 80 rows 64 x 64 tiles were the best or within 3 % of
         # it on the 8B's qkv, o and down, 1.2-1.9x faster than the prefill tile)
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=4, stages=4, GROUP_M=triton.cdiv(M, 64))
     return dict(BLOCK_M=64 if M <= 128 else 128, BLOCK_N=128, SPLIT=1, warps=8 if M > 128 else 4, stages=3,
                 GROUP_M=8)
+
+
+def _k_split(programs: int, k_blocks: int, M: int, sms: int, deep: bool) -> int:
+    """K split for a decode tile of `programs` programs: doubled until there are about 1.5 programs an SM while each
+    split keeps 8 K blocks; with `deep`, up to 16 rows (one row block) a long K split further while each split keeps
+    more than 16 K blocks and the programs stay within 4 an SM (DECODE_TILES_29: the 8B's down, 112 K blocks over 64
+    programs, split 8, was 4)."""
+    split = 1
+    while 2 * programs * split < 3 * sms and k_blocks >= 8 * split:
+        split *= 2
+    while deep and M <= 16 and k_blocks > 16 * split and 2 * programs * split <= 4 * sms:
+        split *= 2
+    return split
 
 
 # Where the GEMMs take part in PDL (pdl.GEMM_TRIGGER not "off"; not the default, measured slower) each program

@@ -181,45 +181,42 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr
     # FP8 weights (W_FP8): their rows' block scales, one per 128 columns (BLOCK_K divides 128)
     sg = ws_ptr + e.to(tl.int64) * stride_wse + (n // W_ROWS) * stride_wsn
     su = ws_ptr + e.to(tl.int64) * stride_wse + ((I + n) // W_ROWS) * stride_wsn
-    if W8A8T:   # FP8 weights, the product transposed (`_w8a8t_step`): weight rows on the tensor cores' wide side
-        xp = x_ptr + tok[None, :] * stride_x + k[:, None]                                # [BLOCK_K, BLOCK_M]
-        wg = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn + k[None, :]    # [BLOCK_N, BLOCK_K] of gate
-        wu = wg + I * stride_wn
+    # each tile's rows, columns (K) and valid rows in its orientation: W8A8T (FP8 weights, the product transposed,
+    # `_w8a8t_step`: weight rows on the tensor cores' wide side) x [BLOCK_K, BLOCK_M] and w [BLOCK_N, BLOCK_K], else
+    # x [BLOCK_M, BLOCK_K] and w [BLOCK_K, BLOCK_N]
+    if W8A8T:
+        x_rows, x_k, x_ok = tok[None, :], k[:, None], ok[None, :]
+        w_rows, w_k, w_ok = n[:, None], k[None, :], n_ok[:, None]
         acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k_ok = k0 + k < H
-            a = tl.load(xp, mask=k_ok[:, None] & ok[None, :], other=0.0)
-            g = tl.load(wg, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            u = tl.load(wu, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc_g, acc_u = _w8a8t_step(a, g, u, sg + (k0 // 128) * stride_wsk, su + (k0 // 128) * stride_wsk, n_ok,
-                                       acc_g, acc_u)
-            xp += BLOCK_K
-            wg += BLOCK_K
-            wu += BLOCK_K
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
     else:
-        xp = x_ptr + tok[:, None] * stride_x + k[None, :]
-        wg = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + k[:, None]    # [BLOCK_K, BLOCK_N] of gate
-        wu = wg + I * stride_wn                                                           # ... and of up
+        x_rows, x_k, x_ok = tok[:, None], k[None, :], ok[:, None]
+        w_rows, w_k, w_ok = n[None, :], k[:, None], n_ok[None, :]
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            k_ok = k0 + k < H
-            a = tl.load(xp, mask=ok[:, None] & k_ok[None, :], other=0.0)
-            g = tl.load(wg, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            u = tl.load(wu, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if W_FP8:       # weight-only FP8: exact fp8 -> bf16/fp16 values, the block's scale on the partial product
-                kb = k0 // 128
-                acc_g += tl.dot(a, g.to(a.dtype)) * tl.load(sg + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-                acc_u += tl.dot(a, u.to(a.dtype)) * tl.load(su + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-            else:
-                acc_g = tl.dot(a, g, acc_g, input_precision=PREC)
-                acc_u = tl.dot(a, u, acc_u, input_precision=PREC)
-            xp += BLOCK_K
-            wg += BLOCK_K
-            wu += BLOCK_K
+    xp = x_ptr + x_rows * stride_x + x_k
+    wg = w_ptr + e.to(tl.int64) * stride_we + w_rows * stride_wn + w_k               # gate's rows
+    wu = wg + I * stride_wn                                                           # ... and up's
+    for k0 in range(0, H, BLOCK_K):
+        a = tl.load(xp, mask=x_ok & (k0 + x_k < H), other=0.0)
+        g = tl.load(wg, mask=w_ok & (k0 + w_k < H), other=0.0)
+        u = tl.load(wu, mask=w_ok & (k0 + w_k < H), other=0.0)
+        if W8A8T:
+            acc_g, acc_u = _w8a8t_step(a, g, u, sg + (k0 // 128) * stride_wsk, su + (k0 // 128) * stride_wsk, n_ok,
+                                       acc_g, acc_u)
+        elif W_FP8:     # weight-only FP8: exact fp8 -> bf16/fp16 values, the block's scale on the partial product
+            kb = k0 // 128
+            acc_g += tl.dot(a, g.to(a.dtype)) * tl.load(sg + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            acc_u += tl.dot(a, u.to(a.dtype)) * tl.load(su + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+        else:
+            acc_g = tl.dot(a, g, acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, u, acc_u, input_precision=PREC)
+        xp += BLOCK_K
+        wg += BLOCK_K
+        wu += BLOCK_K
+    if W8A8T:
+        acc_g = tl.trans(acc_g)
+        acc_u = tl.trans(acc_u)
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + e * stride_be + I + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -255,31 +252,28 @@ def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, pairs_ptr, block_expert_ptr, y_ptr
     k = tl.arange(0, BLOCK_K)
     sp = ws_ptr + e.to(tl.int64) * stride_wse + (n // W_ROWS) * stride_wsn
     if W8A8T:      # as _up_kernel's
-        ap = a_ptr + row[None, :] * stride_a + k[:, None]                                # [BLOCK_K, BLOCK_M]
-        wp = w_ptr + e.to(tl.int64) * stride_we + n[:, None] * stride_wn + k[None, :]    # [BLOCK_N, BLOCK_K]
+        a_rows, a_k, a_ok = row[None, :], k[:, None], ok[None, :]
+        w_rows, w_k, w_ok = n[:, None], k[None, :], n_ok[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k_ok = k0 + k < I
-            a = tl.load(ap, mask=k_ok[:, None] & ok[None, :], other=0.0)
-            w = tl.load(wp, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc, _ = _w8a8t_step(a, w, None, sp + (k0 // 128) * stride_wsk, sp, n_ok, acc, acc)
-            ap += BLOCK_K
-            wp += BLOCK_K
-        acc = tl.trans(acc)
     else:
-        ap = a_ptr + row[:, None] * stride_a + k[None, :]
-        wp = w_ptr + e.to(tl.int64) * stride_we + n[None, :] * stride_wn + k[:, None]
+        a_rows, a_k, a_ok = row[:, None], k[None, :], ok[:, None]
+        w_rows, w_k, w_ok = n[None, :], k[:, None], n_ok[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k_ok = k0 + k < I
-            a = tl.load(ap, mask=ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(wp, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if W_FP8:
-                acc += tl.dot(a, w.to(a.dtype)) * tl.load(sp + (k0 // 128) * stride_wsk, mask=n_ok, other=0.0)[None, :]
-            else:
-                acc = tl.dot(a, w, acc, input_precision=PREC)
-            ap += BLOCK_K
-            wp += BLOCK_K
+    ap = a_ptr + a_rows * stride_a + a_k
+    wp = w_ptr + e.to(tl.int64) * stride_we + w_rows * stride_wn + w_k
+    for k0 in range(0, I, BLOCK_K):
+        a = tl.load(ap, mask=a_ok & (k0 + a_k < I), other=0.0)
+        w = tl.load(wp, mask=w_ok & (k0 + w_k < I), other=0.0)
+        if W8A8T:
+            acc, _ = _w8a8t_step(a, w, None, sp + (k0 // 128) * stride_wsk, sp, n_ok, acc, acc)
+        elif W_FP8:
+            acc += tl.dot(a, w.to(a.dtype)) * tl.load(sp + (k0 // 128) * stride_wsk, mask=n_ok, other=0.0)[None, :]
+        else:
+            acc = tl.dot(a, w, acc, input_precision=PREC)
+        ap += BLOCK_K
+        wp += BLOCK_K
+    if W8A8T:
+        acc = tl.trans(acc)
     if HAS_BIAS:
         acc += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     dt = y_ptr.dtype.element_ty
