@@ -55,7 +55,8 @@ def compile_tile(block_m: int, block_n: int, swap: bool, group_m: int, ahead: bo
 
 def compile_experts(kernel: str, w8a8t: bool, stages: int = 4):
     """moe_kernels' routed-expert kernel ("up" or "down") on FP8 experts at 16-row blocks (a decode step's pairs),
-    weight-only (32-wide gate/up blocks, as `tiles` picked before session 36) or W8A8 transposed (64-wide)."""
+    weight-only (32-wide gate/up blocks, as `tiles` picked before session 36) or W8A8 transposed (64-wide; gate's and
+    up's rows stacked in one 128-row tile since session 37)."""
     common = dict(BLOCK_M=16, BLOCK_K=fk.GROUP, HAS_BIAS=False, PREC="tf32", W_FP8=True, W_ROWS=128, PDL=False,
                   W8A8T=w8a8t)
     if kernel == "up":

@@ -55,9 +55,10 @@ SWEEP_FP8 = [dict(BLOCK_M=16, UP_N=un, DOWN_N=dn, BLOCK_K=128, warps=4, stages=s
              for un, dn, s in [(32, 64, 3), (32, 64, 6), (32, 64, 8), (16, 32, 4), (16, 32, 6), (16, 64, 6),
                                (64, 64, 6), (32, 32, 6)]]
 # ... and W8A8 with the product transposed (moe_kernels' W8A8T: the activations quantized in the kernels, FP8 wgmma
-# on Hopper; session 36), 64 or 128 weight rows a program
-SWEEP_FP8 += [dict(BLOCK_M=16, UP_N=un, DOWN_N=dn, BLOCK_K=128, warps=w, stages=s, W8A8T=True)
-              for un, dn, w, s in [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 8), (128, 128, 8, 4), (64, 128, 4, 4)]]
+# on Hopper; session 36; since session 37 gate's and up's UP_N rows stacked in one tile: 128 or 64 weight rows a
+# program), 3-6 stages (session 37 also loaded the block scales a K block ahead: no faster, commit history)
+SWEEP_FP8 += [dict(BLOCK_M=16, UP_N=un, DOWN_N=dn, BLOCK_K=128, warps=4, stages=s, W8A8T=True)
+              for un, dn, s in [(64, 64, 4), (64, 64, 3), (64, 64, 6), (32, 64, 4), (32, 64, 3), (32, 64, 6)]]
 # matrix-vector kernels (one program per pair for gate/up, one per token summing its experts' down projections;
 # no grouping): the alternative for few pairs that the engine does not use (it lost to the grouped kernels)
 GEMV = [dict(UP_N=un, DOWN_N=dn, BLOCK_K=bk, warps=w)

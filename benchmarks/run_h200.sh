@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36|s37 OUT_DIR
 #   (s31contention with KINDS=spin,frontend OTHERS=0,4: the offline engine beside a real serving load, session 32)
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
@@ -871,6 +871,32 @@ s36)
     --json "$out/fp8_8b.json" > "$out/fp8_8b.log" 2>&1 || tail -20 "$out/fp8_8b.log"; sed -n '/^method /,$p' "$out/fp8_8b.log"; }
   [ "${GPU_TEST_S:-60}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-60} ? $(left) : ${GPU_TEST_S:-60} )) python3 -m pytest \
     -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_gemm_matches_reference}" \
+    > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
+  ;;
+s37)
+  # session 37 (issue 30): the FP8 routed experts with gate's and up's rows stacked in one W8A8 tile and the block
+  # scales a K block ahead. OLD_ROOT (a package as `git archive 7185569 specdp_cli benchmarks | tar -x -C .bench/old`
+  # makes it) is the code before: one token's experts, its default tile (KERNEL_S), then this tree's default and
+  # sweep (--tokens TOKENS); then the Qwen3-30B-A3B shape (8 layers) at batch 1, before (OLD_S, its default) and now
+  # (MOE_S; MOE_MODES: -expertsahead / -up32 / ...), median of 3; then GPU tests (GPU_TEST_S; GPU_TESTS_K)
+  end=$((SECONDS + ${LIMIT:-570}))
+  old=${OLD_ROOT:-.bench/old}
+  [ "${KERNEL_S:-150}" != 0 ] && {
+    timeout 60 python3 $old/benchmarks/moe_kernel.py --shapes qwen3_30b_a3b --tokens ${TOKENS:-1,4} --fp8 \
+      --all-experts-max-e 0 --json "$out/moe_kernel_old.json" > "$out/moe_kernel_old.log" 2>&1
+    grep -E '^qwen3' "$out/moe_kernel_old.log" | grep -v '{' | sed 's/^/old /'
+    timeout $(( ${KERNEL_S:-150} - 60 )) python3 benchmarks/moe_kernel.py --shapes qwen3_30b_a3b --tokens ${TOKENS:-1,4} \
+      --fp8 --sweep --all-experts-max-e 0 --json "$out/moe_kernel_new.json" > "$out/moe_kernel_new.log" 2>&1
+    grep -E '^qwen3' "$out/moe_kernel_new.log" | grep -v '{' | sed 's/^/new /'; }
+  moe() {   # ROOT NAME MODES SECONDS
+    timeout $(( $(left) < $4 ? $(left) : $4 )) python3 $1/benchmarks/fp8.py --pair $P --moe-shape qwen3_30b_a3b \
+      --work /tmp/moe_shapes --prompts 4 --prompt-len 32 --batches 1 --repeats 3 --decode-modes $3 \
+      --json "$out/fp8_moe_$2.json" > "$out/fp8_moe_$2.log" 2>&1 || tail -20 "$out/fp8_moe_$2.log"
+    sed -n '/^method /,$p' "$out/fp8_moe_$2.log" | sed "s/^/$2 /"; }
+  [ "${MOE_S:-220}" != 0 ] && moe . new ${MOE_MODES:-quantize,quantize-expertsahead,quantize-up32,quantize-expertsahead-up32} ${MOE_S:-220}
+  [ "${OLD_S:-120}" != 0 ] && moe $old old quantize ${OLD_S:-120}
+  [ "${GPU_TEST_S:-60}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-60} ? $(left) : ${GPU_TEST_S:-60} )) python3 -m pytest \
+    -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_routed_expert}" \
     > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
   ;;
 s33link)

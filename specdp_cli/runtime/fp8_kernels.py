@@ -525,9 +525,11 @@ DECODE_TILES_29 = True
 # VERIFY_CUBLAS False: verification rows never go to cuBLAS (`verify_on_cublas`).
 SWAP_TILES = "decode"
 VERIFY_CUBLAS = True
-# Each K block's scales loaded one block ahead (_gemm_kernel's AHEAD) where a tile does not say: not yet measured on
-# a GPU (session 36 found the in-block loads with benchmarks/fp8_ptx.py after its device time was spent), so off.
-SCALES_AHEAD = False
+# Each K block's scales loaded one block ahead (_gemm_kernel's AHEAD) where a tile does not say. Session 37 on an H200
+# (benchmarks/fp8_gemm.py --sweep-rows 1,16 --ahead, cold weights): the shipped decode tiles 0.4-1.0 µs faster on the
+# 8B's qkv, o and down (qkv 11.5 -> 11.0 µs, o 9.3 -> 8.8, down 21.4 -> 20.8 at one row), gate_up the same; the 8B
+# shape end to end 2.75 -> 2.69 ms a step at batch 1 (benchmarks/fp8.py "-noahead" rows).
+SCALES_AHEAD = True
 DECODE_MODE = "quantize"
 GEMV_MAX_WEIGHT = 32 << 20
 FUSE_DECODE_QUANT = True

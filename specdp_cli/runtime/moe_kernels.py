@@ -148,16 +148,13 @@ def _quantize_columns(a):
 
 
 @triton.jit
-def _w8a8t_step(a, w1, w2, s1_ptrs, s2_ptrs, n_ok, acc1, acc2):
-    """One 128-column block of two FP8 weights' products, transposed: w [BLOCK_N, 128] times the activations a
-    [128, BLOCK_M] quantized here (W8A8, per row and 128 columns), each scaled by its weight rows' and activation
-    rows' block scales. Hopper runs FP8 wgmma for this shape; weight-only, Triton converts the FP8 weights for a
-    bf16 mma.sync (benchmarks/fp8_ptx.py). w2 None: one weight (acc2 passed through)."""
+def _w8a8t_step(a, w, s_w, acc):
+    """One 128-column block of an FP8 weight's product, transposed: w [ROWS, 128] times the activations a
+    [128, BLOCK_M] quantized here (W8A8, per row and 128 columns), scaled by the weight rows' block scales s_w [ROWS]
+    and the activation rows' scales. Hopper runs FP8 wgmma for this shape; weight-only, Triton converts the FP8
+    weights for a bf16 mma.sync (benchmarks/fp8_ptx.py)."""
     aq, a_s = _quantize_columns(a)
-    acc1 += tl.dot(w1, aq) * (tl.load(s1_ptrs, mask=n_ok, other=0.0)[:, None] * a_s[None, :])
-    if w2 is not None:
-        acc2 += tl.dot(w2, aq) * (tl.load(s2_ptrs, mask=n_ok, other=0.0)[:, None] * a_s[None, :])
-    return acc1, acc2
+    return acc + tl.dot(w, aq) * (s_w[:, None] * a_s[None, :])
 
 
 @triton.jit
@@ -178,45 +175,52 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     k = tl.arange(0, BLOCK_K)
-    # FP8 weights (W_FP8): their rows' block scales, one per 128 columns (BLOCK_K divides 128)
-    sg = ws_ptr + e.to(tl.int64) * stride_wse + (n // W_ROWS) * stride_wsn
-    su = ws_ptr + e.to(tl.int64) * stride_wse + ((I + n) // W_ROWS) * stride_wsn
-    # each tile's rows, columns (K) and valid rows in its orientation: W8A8T (FP8 weights, the product transposed,
-    # `_w8a8t_step`: weight rows on the tensor cores' wide side) x [BLOCK_K, BLOCK_M] and w [BLOCK_N, BLOCK_K], else
-    # x [BLOCK_M, BLOCK_K] and w [BLOCK_K, BLOCK_N]
+    e64 = e.to(tl.int64)
     if W8A8T:
-        x_rows, x_k, x_ok = tok[None, :], k[:, None], ok[None, :]
-        w_rows, w_k, w_ok = n[:, None], k[None, :], n_ok[:, None]
-        acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        # FP8 weights, the product transposed (`_w8a8t_step`: weight rows on the tensor cores' wide side), gate's and
+        # up's BLOCK_N rows stacked in one tile [2 * BLOCK_N, BLOCK_K]: one product a K step, not two each waited for
+        r = tl.arange(0, 2 * BLOCK_N)
+        col = tl.program_id(1) * BLOCK_N + r % BLOCK_N
+        gu = (r // BLOCK_N) * I + col                          # rows of gate_up: gate's, then up's
+        gu_ok = col < I
+        s_gu = ws_ptr + e64 * stride_wse + (gu // W_ROWS) * stride_wsn
+        xp = x_ptr + tok[None, :] * stride_x + k[:, None]       # x [BLOCK_K, BLOCK_M]
+        wp = w_ptr + e64 * stride_we + gu[:, None] * stride_wn + k[None, :]
+        acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            # the block's weight scales, loaded before its tiles: their latency overlaps the wait for the tiles
+            s = tl.load(s_gu + (k0 // 128) * stride_wsk, mask=gu_ok, other=0.0)
+            a = tl.load(xp, mask=ok[None, :] & (k0 + k[:, None] < H), other=0.0)
+            w = tl.load(wp, mask=gu_ok[:, None] & (k0 + k[None, :] < H), other=0.0)
+            acc = _w8a8t_step(a, w, s, acc)
+            xp += BLOCK_K
+            wp += BLOCK_K
+        # [2 * BLOCK_N, BLOCK_M] -> gate's and up's [BLOCK_M, BLOCK_N]
+        acc_g, acc_u = tl.split(tl.permute(tl.reshape(tl.trans(acc), [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
     else:
-        x_rows, x_k, x_ok = tok[:, None], k[None, :], ok[:, None]
-        w_rows, w_k, w_ok = n[None, :], k[:, None], n_ok[None, :]
+        # x [BLOCK_M, BLOCK_K], gate's and up's tiles w [BLOCK_K, BLOCK_N]; FP8 weights (W_FP8, weight-only): their
+        # rows' block scales, one per 128 columns (BLOCK_K divides 128)
+        sg = ws_ptr + e64 * stride_wse + (n // W_ROWS) * stride_wsn
+        su = ws_ptr + e64 * stride_wse + ((I + n) // W_ROWS) * stride_wsn
+        xp = x_ptr + tok[:, None] * stride_x + k[None, :]
+        wg = w_ptr + e64 * stride_we + n[None, :] * stride_wn + k[:, None]               # gate's rows
+        wu = wg + I * stride_wn                                                           # ... and up's
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    xp = x_ptr + x_rows * stride_x + x_k
-    wg = w_ptr + e.to(tl.int64) * stride_we + w_rows * stride_wn + w_k               # gate's rows
-    wu = wg + I * stride_wn                                                           # ... and up's
-    for k0 in range(0, H, BLOCK_K):
-        a = tl.load(xp, mask=x_ok & (k0 + x_k < H), other=0.0)
-        g = tl.load(wg, mask=w_ok & (k0 + w_k < H), other=0.0)
-        u = tl.load(wu, mask=w_ok & (k0 + w_k < H), other=0.0)
-        if W8A8T:
-            acc_g, acc_u = _w8a8t_step(a, g, u, sg + (k0 // 128) * stride_wsk, su + (k0 // 128) * stride_wsk, n_ok,
-                                       acc_g, acc_u)
-        elif W_FP8:     # weight-only FP8: exact fp8 -> bf16/fp16 values, the block's scale on the partial product
-            kb = k0 // 128
-            acc_g += tl.dot(a, g.to(a.dtype)) * tl.load(sg + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-            acc_u += tl.dot(a, u.to(a.dtype)) * tl.load(su + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
-        else:
-            acc_g = tl.dot(a, g, acc_g, input_precision=PREC)
-            acc_u = tl.dot(a, u, acc_u, input_precision=PREC)
-        xp += BLOCK_K
-        wg += BLOCK_K
-        wu += BLOCK_K
-    if W8A8T:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
+        for k0 in range(0, H, BLOCK_K):
+            a = tl.load(xp, mask=ok[:, None] & (k0 + k[None, :] < H), other=0.0)
+            g = tl.load(wg, mask=n_ok[None, :] & (k0 + k[:, None] < H), other=0.0)
+            u = tl.load(wu, mask=n_ok[None, :] & (k0 + k[:, None] < H), other=0.0)
+            if W_FP8:   # weight-only FP8: exact fp8 -> bf16/fp16 values, the block's scale on the partial product
+                kb = k0 // 128
+                acc_g += tl.dot(a, g.to(a.dtype)) * tl.load(sg + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+                acc_u += tl.dot(a, u.to(a.dtype)) * tl.load(su + kb * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            else:
+                acc_g = tl.dot(a, g, acc_g, input_precision=PREC)
+                acc_u = tl.dot(a, u, acc_u, input_precision=PREC)
+            xp += BLOCK_K
+            wg += BLOCK_K
+            wu += BLOCK_K
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + e * stride_be + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + e * stride_be + I + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
@@ -251,7 +255,7 @@ def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, pairs_ptr, block_expert_ptr, y_ptr
     n_ok = n < H
     k = tl.arange(0, BLOCK_K)
     sp = ws_ptr + e.to(tl.int64) * stride_wse + (n // W_ROWS) * stride_wsn
-    if W8A8T:      # as _up_kernel's
+    if W8A8T:      # the product transposed (`_w8a8t_step`): a [BLOCK_K, BLOCK_M], w [BLOCK_N, BLOCK_K]
         a_rows, a_k, a_ok = row[None, :], k[:, None], ok[None, :]
         w_rows, w_k, w_ok = n[:, None], k[None, :], n_ok[:, None]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -262,12 +266,14 @@ def _down_kernel(a_ptr, w_ptr, b_ptr, rw_ptr, pairs_ptr, block_expert_ptr, y_ptr
     ap = a_ptr + a_rows * stride_a + a_k
     wp = w_ptr + e.to(tl.int64) * stride_we + w_rows * stride_wn + w_k
     for k0 in range(0, I, BLOCK_K):
+        if W_FP8:          # the block's weight scales, loaded before its tiles (as _up_kernel's)
+            s_w = tl.load(sp + (k0 // 128) * stride_wsk, mask=n_ok, other=0.0)
         a = tl.load(ap, mask=a_ok & (k0 + a_k < I), other=0.0)
         w = tl.load(wp, mask=w_ok & (k0 + w_k < I), other=0.0)
         if W8A8T:
-            acc, _ = _w8a8t_step(a, w, None, sp + (k0 // 128) * stride_wsk, sp, n_ok, acc, acc)
+            acc = _w8a8t_step(a, w, s_w, acc)
         elif W_FP8:
-            acc += tl.dot(a, w.to(a.dtype)) * tl.load(sp + (k0 // 128) * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            acc += tl.dot(a, w.to(a.dtype)) * s_w[None, :]
         else:
             acc = tl.dot(a, w, acc, input_precision=PREC)
         ap += BLOCK_K
@@ -359,7 +365,10 @@ def tiles(P: int, E: int, I: int, H: int, dtype: torch.dtype, fp8: bool = False)
 # (`tiles`' W8A8T) instead of weight-only FP8, whose FP8 weights Triton converts for a bf16 mma.sync there. Session 36
 # on an H200 (benchmarks/moe_kernel.py --shapes qwen3_30b_a3b --tokens 1 --fp8 --sweep): one token's 8 experts in
 # 26.7 µs against 31.3 (4 stages; 27.6 with 3, 30.5 with 8); the Qwen3-30B-A3B shape (8 layers) 1.01-1.02x -> 1.05-1.06x
-# bf16 at batch 1 (benchmarks/fp8.py "-noexpertsw8a8t" rows).
+# bf16 at batch 1 (benchmarks/fp8.py "-noexpertsw8a8t" rows). Session 37: gate's and up's rows stacked in one tile
+# (one product and one wait a K step, not two), each block's weight scales loaded before its tiles: 28.0 -> 25.3-26.7
+# µs (the same command, the code before and after in one call); 32 columns a program (a 64-row tile, twice the
+# programs) 28.4, the scales loaded a K block ahead 25.4 (neither kept).
 EXPERTS_W8A8T = True
 
 
