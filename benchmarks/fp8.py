@@ -61,13 +61,12 @@ def apply_mode(mode: str | None) -> None:
     "-nocublas": verification rows never on cuBLAS (fp8_kernels.VERIFY_CUBLAS); "-expertsw8a8t" /
     "-noexpertsw8a8t": FP8 routed experts of few pairs W8A8 with the product transposed, or weight-only
     (moe_kernels.EXPERTS_W8A8T); "-ahead" / "-noahead": the FP8 GEMM's scales loaded one K block ahead, or in their
-    block (fp8_kernels.SCALES_AHEAD; the default since session 37); "-attncombine": split attention's parts combined
-    by the combine kernel, not by each (row, KV head)'s last part (triton_kernels.ATTENTION_TICKETS; bf16 rows take it
-    too: "bf16-attncombine"). Session 37 also measured "-expertsahead" (the
-    same in the FP8 routed experts) and "-up32" (their W8A8 gate/up kernel 32 columns a program): not kept, slower or
-    the same. Session 36 also measured "-w8a16v" /
-    "-w8a16all": W8A16 on the swapped tile, each weight tile dequantized before its product (commit 5fdec1b, not
-    kept: slower)."""
+    block (fp8_kernels.SCALES_AHEAD; the default for the transposed decode tiles since session 37). Not kept (slower
+    or the same): session 37's split attention combined by each (row, KV head)'s last part to finish instead of the
+    combine kernel (commit d799f2f, whose "-attncombine" rows have the combine kernel), "-expertsahead" (the scales
+    a K block ahead in the FP8 routed experts) and "-up32" (their W8A8 gate/up kernel 32 columns a program); session
+    36's "-w8a16v" / "-w8a16all" (W8A16 on the swapped tile, each weight tile dequantized before its product; commit
+    5fdec1b)."""
     from specdp_cli.runtime import fp8_kernels, moe_kernels, pdl, triton_kernels
     for name in ("CUBLAS_FROM_M", "VERIFY_MAX_M", "FUSE_ATTENTION_QUANT", "DECODE_TILES_29", "SWAP_TILES",
                  "VERIFY_CUBLAS"):
@@ -88,7 +87,6 @@ def apply_mode(mode: str | None) -> None:
         and "noattnquant" not in off
     fp8_kernels.SPLITK_TICKETS = "sumkernel" not in off
     triton_kernels.MAX_SPLITS = 1 if "nosplit" in off else 16
-    triton_kernels.ATTENTION_TICKETS = "attncombine" not in off
     fp8_kernels.CUBLAS_FROM_M = 65 if "cublas" in off else DEFAULTS["CUBLAS_FROM_M"]
     fp8_kernels.VERIFY_MAX_M = 64 if "noverify" in off else DEFAULTS["VERIFY_MAX_M"]
     fp8_kernels.DECODE_TILES_29 = DEFAULTS["DECODE_TILES_29"] and "s28tiles" not in off

@@ -71,7 +71,7 @@ def test_triton_kernels_match_reference(dtype):
 
     # small batch: each row's keys split over several programs and combined (attention_splits' automatic choice),
     # R = 1 over 1500 keys and R = 2 (one row short: most of its parts empty), T 1 and 4, a window, sinks; the
-    # explicit single pass and splits agree with it, combined by the last part to finish or by the combine kernel
+    # explicit single pass and splits agree with it
     from specdp_cli.runtime import triton_kernels as tk
     H, KV, D, DV = 32, 8, 128, 128
     kc, vc = rnd(300, BS, KV, D).cuda(), rnd(300, BS, KV, DV).cuda()
@@ -86,24 +86,10 @@ def test_triton_kernels_match_reference(dtype):
             for window, sk in ((None, None), (100, None), (None, sinks)):
                 ref = ops._attention_reference(q, kc, vc, m, 0.1, window, sk)
                 assert rel(ops.paged_attention(q, kc, vc, m, 0.1, window, sk), ref) < tol, ("split", R, T, window)
-                for S, tickets in ((1, True), (3, True), (3, False), (16, True), (16, False)):
+                for S in (1, 3, 16):
                     out = torch.empty_like(q)
-                    tk.ATTENTION_TICKETS = tickets        # the last part combines, or the combine kernel
-                    try:
-                        tk.paged_attention(q, kc, vc, out, p, bt[:R], T, 0.1, window, sk, splits=S)
-                    finally:
-                        tk.ATTENTION_TICKETS = True
-                    assert rel(out, ref) < tol, ("splits", S, tickets, R, T, window)
-    # the combining part's counters reset: a CUDA graph's replays give the eager output each time
-    out, want = torch.empty_like(q), torch.empty_like(q)
-    tk.paged_attention(q, kc, vc, want, p, bt[:R], T, 0.1, None, None, splits=16)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        tk.paged_attention(q, kc, vc, out, p, bt[:R], T, 0.1, None, None, splits=16)
-    for _ in range(3):
-        out.zero_()
-        graph.replay()
-        assert torch.equal(out, want)
+                    tk.paged_attention(q, kc, vc, out, p, bt[:R], T, 0.1, window, sk, splits=S)
+                    assert rel(out, ref) < tol, ("splits", S, R, T, window)
 
     # a partial rotary factor (Phi-4-mini: 0.75): the leading 3/4 of each head rotate (`rotate_` on CUDA), the rest not
     D, rot = 64, 48

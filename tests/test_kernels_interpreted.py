@@ -101,8 +101,7 @@ def fp8_expert_checks(g: torch.Generator) -> None:
 
 def attention_checks(g: torch.Generator) -> None:
     """`triton_kernels.paged_attention` against the torch reference, the single pass (splits=1) and the keys split
-    over 2, 3 and 5 programs a (row, KV head), combined by the combine kernel or by each (row, KV head)'s last part
-    to finish (ATTENTION_TICKETS): rows of 133, 7 and 84 keys (BLOCK_N 64: the
+    over 2, 3 and 5 programs a (row, KV head) with the combine kernel: rows of 133, 7 and 84 keys (BLOCK_N 64: the
     7-key row leaves every part but the first empty, the others some), GQA (4 query heads on 2 KV heads), T 1 and
     3, values narrower than keys, a sliding window (the first key rounded down to BLOCK_N), sink logits (counted
     once, in the combine). `attention_splits`' choice at a few sizes."""
@@ -119,15 +118,10 @@ def attention_checks(g: torch.Generator) -> None:
         q = torch.randn(3 * T, 2 * H, D, generator=g)[:, ::2]          # strided heads
         meta = ops.AttnMeta(p, None, bt, T)
         ref = ops._attention_reference(q, kc, vc, meta, 0.1, window, sinks)
-        for S, tickets in ((1, False), (2, False), (2, True), (3, True), (5, False), (5, True)):
+        for S in (1, 2, 3, 5):
             out = torch.full((3 * T, H, 2 * DV), float("nan"))[..., :DV]    # strided out
-            tk.ATTENTION_TICKETS = tickets
-            try:
-                tk.paged_attention(q, kc, vc, out, p, bt, T, 0.1, window, sinks, splits=S)
-            finally:
-                tk.ATTENTION_TICKETS = True
+            tk.paged_attention(q, kc, vc, out, p, bt, T, 0.1, window, sinks, splits=S)
             assert torch.allclose(out, ref, rtol=1e-5, atol=1e-5), (DV, T, window, S, (out - ref).abs().max())
-    assert not tk._ATTN_TICKETS[("cpu", None)].any()            # the combining programs left their counters at 0
     # batch 1 of an 8B model on 132 SMs: 16 parts; a short table or a window caps them; a full GPU: one pass
     assert tk.attention_splits(1, 8, 1, 32, 128, 8192, 64, 132) == 16
     assert tk.attention_splits(4, 8, 4, 32, 128, 8192, 64, 132) == 5
@@ -139,15 +133,13 @@ def attention_checks(g: torch.Generator) -> None:
 def attention_quant_checks(g: torch.Generator) -> None:
     """Paged attention writing its output quantized for an FP8 o (`quantized`, 128-wide values: one group a head)
     gives exactly quantize_activations' fp8 values and scales of its plain output viewed [N, H * DV]: the single pass
-    (the attention kernel writes them) and the keys split (the combining part or the combine kernel does), T 1 and 3,
-    a zero head (scale 1e-12), bf16 and float32 (kernel against kernel)."""
+    (the attention kernel writes them) and the keys split (the combine kernel does), T 1 and 3, a zero head (scale
+    1e-12), bf16 and float32 (kernel against kernel)."""
     from specdp_cli.runtime import fp8_kernels as fk, triton_kernels as tk
 
     H, KV, D, DV, BS = 4, 2, 32, 128, 16
     bt = torch.tensor([[3, 1, 4, 0], [2, 5, 0, 0]], dtype=torch.int32)
-    for dtype, T, S, tickets in ((torch.bfloat16, 1, 1, True), (torch.bfloat16, 3, 2, True), (torch.float32, 3, 2, True),
-                                 (torch.bfloat16, 3, 2, False)):
-        tk.ATTENTION_TICKETS = tickets
+    for dtype, T, S in ((torch.bfloat16, 1, 1), (torch.bfloat16, 3, 2), (torch.float32, 3, 2)):
         kc = torch.randn(6, BS, KV, D, generator=g).to(dtype)
         vc = (torch.randn(6, BS, KV, DV, generator=g) * 3).to(dtype)
         vc[..., 1, :] = 0                                   # KV head 1's values: its query heads' outputs are 0
@@ -160,7 +152,6 @@ def attention_quant_checks(g: torch.Generator) -> None:
         want_q, want_s = fk.quantize_activations(out.reshape(2 * T, H * DV))
         assert torch.equal(values.float(), want_q.float()) and torch.equal(scales, want_s), (dtype, T, S)
         assert (scales[:, 2:] == 1e-12).all()
-    tk.ATTENTION_TICKETS = True
 
 
 def fused_quant_checks(g: torch.Generator) -> None:

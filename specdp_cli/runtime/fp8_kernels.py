@@ -434,7 +434,7 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
                        B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None, SPLIT=split > 1,
                        TICKET=tickets is not None, EVEN_K=K % GROUP == 0, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
                        BLOCK_K=GROUP, GROUP_M=t["GROUP_M"], PREFETCH=prefetch > 0, LANES=32 * t["warps"],
-                       SWAP=t.get("SWAP", False), AHEAD=t.get("AHEAD", SCALES_AHEAD), num_warps=t["warps"],
+                       SWAP=t.get("SWAP", False), AHEAD=t.get("AHEAD", SCALES_AHEAD and t.get("SWAP", False)), num_warps=t["warps"],
                        num_stages=t["stages"], **launch)
     if split > 1 and tickets is None:
         BLOCK = 1024
@@ -525,10 +525,11 @@ DECODE_TILES_29 = True
 # VERIFY_CUBLAS False: verification rows never go to cuBLAS (`verify_on_cublas`).
 SWAP_TILES = "decode"
 VERIFY_CUBLAS = True
-# Each K block's scales loaded one block ahead (_gemm_kernel's AHEAD) where a tile does not say. Session 37 on an H200
-# (benchmarks/fp8_gemm.py --sweep-rows 1,16 --ahead, cold weights): the shipped decode tiles 0.4-1.0 µs faster on the
-# 8B's qkv, o and down (qkv 11.5 -> 11.0 µs, o 9.3 -> 8.8, down 21.4 -> 20.8 at one row), gate_up the same; the 8B
-# shape end to end 2.75 -> 2.69 ms a step at batch 1 (benchmarks/fp8.py "-noahead" rows).
+# Each K block's scales loaded one block ahead (_gemm_kernel's AHEAD) in the transposed decode tiles (SWAP) where a
+# tile does not say. Session 37 on an H200 (benchmarks/fp8_gemm.py --sweep-rows 1,16 --ahead, cold weights): 0.4-1.0
+# µs faster on the 8B's qkv, o and down (qkv 11.5 -> 11.0 µs, o 9.3 -> 8.8, down 21.4 -> 20.8 at one row), gate_up
+# the same; the 8B shape end to end 2.75 -> 2.69 ms a step at batch 1 (benchmarks/fp8.py "-noahead" rows). At 80
+# rows (the plain 64-row tiles) no faster: qkv 18.8 -> 19.2 µs, o, gate_up and down the same.
 SCALES_AHEAD = True
 DECODE_MODE = "quantize"
 GEMV_MAX_WEIGHT = 32 << 20

@@ -43,14 +43,14 @@ def _pow2(n: int) -> int:
 
 @triton.jit
 def _paged_attention_kernel(
-        q_ptr, k_cache, v_cache, out_ptr, pos_ptr, bt_ptr, sinks_ptr, part_acc, part_ml, oq_ptr, os_ptr, tickets_ptr,
+        q_ptr, k_cache, v_cache, out_ptr, pos_ptr, bt_ptr, sinks_ptr, part_acc, part_ml, oq_ptr, os_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_oq, stride_os,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         qn, scale, window, NT, H,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
         BS: tl.constexpr, PREC: tl.constexpr, HAS_SINKS: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
-        TICKET: tl.constexpr, PDL: tl.constexpr):
+        PDL: tl.constexpr):
     pdl.begin(PDL)
     row = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -108,55 +108,20 @@ def _paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     if SPLIT:           # the part's unnormalised sum and its softmax state (float32), for `_attention_combine_kernel`
-        parts = tl.num_programs(2)
         i = (tl.program_id(2) * NT + tok) * H + head
         tl.store(part_acc + i[:, None] * DV + dv[None, :], acc, mask=m_ok[:, None] & (dv[None, :] < DV))
         tl.store(part_ml + i, m_i, mask=m_ok)
-        tl.store(part_ml + parts * NT * H + i, l_i, mask=m_ok)
-        if TICKET:      # ... or the (row, KV head)'s last part to finish combines them: one launch less a layer
-            tl.debug_barrier()              # every thread's part is stored before the ticket is taken
-            counter = tickets_ptr + row * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == parts - 1:
-                m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-                for s in range(0, parts):
-                    j = (s * NT + tok) * H + head
-                    m_i = tl.maximum(m_i, tl.load(part_ml + j, mask=m_ok, other=-1.0e30, cache_modifier=".cg"))
-                if HAS_SINKS:   # counted once, here (as the combine kernel does)
-                    sink = tl.load(sinks_ptr + head, mask=m_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-                    m_i = tl.maximum(m_i, sink)
-                l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-                acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-                for s in range(0, parts):       # an empty part: m = -1e30, l = 0, acc = 0
-                    j = (s * NT + tok) * H + head
-                    w = tl.exp2(tl.load(part_ml + j, mask=m_ok, other=-1.0e30, cache_modifier=".cg") - m_i)
-                    l_i += w * tl.load(part_ml + parts * NT * H + j, mask=m_ok, other=0.0, cache_modifier=".cg")
-                    acc += w[:, None] * tl.load(part_acc + j[:, None] * DV + dv[None, :],
-                                                mask=m_ok[:, None] & (dv[None, :] < DV), other=0.0,
-                                                cache_modifier=".cg")
-                if HAS_SINKS:
-                    l_i += tl.exp2(sink - m_i)
-                _attention_out(acc, l_i, out_ptr, oq_ptr, os_ptr, tok, head, dv, m_ok, stride_ot, stride_oh,
-                               stride_oq, stride_os, DV, QUANT)
-                tl.atomic_xchg(counter, 0)          # ready for the next launch (a graph's next replay)
+        tl.store(part_ml + tl.num_programs(2) * NT * H + i, l_i, mask=m_ok)
     else:
-        _attention_out(acc, l_i, out_ptr, oq_ptr, os_ptr, tok, head, dv, m_ok, stride_ot, stride_oh, stride_oq,
-                       stride_os, DV, QUANT)
-
-
-@triton.jit
-def _attention_out(acc, l_i, out_ptr, oq_ptr, os_ptr, tok, head, dv, m_ok, stride_ot, stride_oh, stride_oq,
-                   stride_os, DV: tl.constexpr, QUANT: tl.constexpr):
-    """Rows (token, head) of the attention's output: acc [BLOCK_M, BLOCK_DV] over its softmax denominators l_i,
-    written to out or, QUANT, quantized for an FP8 o."""
-    acc = acc / tl.maximum(l_i, 1e-30)[:, None]
-    if QUANT:       # DV = 128: a (token, head)'s output is one 128-column group of o's input, quantized for it
-        q8, s8 = quantize_groups(acc.to(out_ptr.dtype.element_ty).to(tl.float32))
-        tl.store(oq_ptr + tok[:, None] * stride_oq + head[:, None] * DV + dv[None, :],
-                 q8.to(oq_ptr.dtype.element_ty), mask=m_ok[:, None])
-        tl.store(os_ptr + tok * stride_os + head, s8, mask=m_ok)
-    else:
-        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < DV))
+        acc = acc / tl.maximum(l_i, 1e-30)[:, None]
+        if QUANT:       # DV = 128: a (token, head)'s output is one 128-column group of o's input, quantized for it
+            q8, s8 = quantize_groups(acc.to(out_ptr.dtype.element_ty).to(tl.float32))
+            tl.store(oq_ptr + tok[:, None] * stride_oq + head[:, None] * DV + dv[None, :],
+                     q8.to(oq_ptr.dtype.element_ty), mask=m_ok[:, None])
+            tl.store(os_ptr + tok * stride_os + head, s8, mask=m_ok)
+        else:
+            tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dv[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (dv[None, :] < DV))
 
 
 @triton.jit
@@ -207,21 +172,6 @@ def _sm_count(device: torch.device) -> int:
 
 MAX_SPLITS = 16
 SPLIT_SCRATCH = 1 << 24         # at most this many float32 elements of partial sums (64 MiB)
-# Split keys: the last part of a (row, KV head) to finish combines the parts (a ticket counter each, as the FP8
-# GEMM's split K), not `_attention_combine_kernel`. The counters are zero between launches (the combining program
-# resets its own); they are allocated outside graph capture (else the combine kernel is used).
-ATTENTION_TICKETS = True
-_ATTN_TICKETS: dict = {}
-
-
-def _attention_tickets(device: torch.device, n: int) -> torch.Tensor | None:
-    key = (device.type, device.index)
-    buf = _ATTN_TICKETS.get(key)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = _ATTN_TICKETS[key] = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
-    return buf
 
 
 def attention_splits(R: int, KV: int, T: int, H: int, DV: int, max_keys: int, block_n: int, sms: int) -> int:
@@ -271,20 +221,18 @@ def paged_attention(q, k_cache, v_cache, out, positions, block_table, T: int, sc
     if quantized is not None:
         assert DV == 128, DV            # one 128-column group a head
     oq, os_ = quantized if quantized is not None else (out, out)
-    tickets = _attention_tickets(q.device, R * KV) if splits > 1 and ATTENTION_TICKETS else None
     launch = pdl.options(q.device)
     _paged_attention_kernel[(R, KV, splits)](
         q, k_cache, v_cache, out, positions, block_table, sinks if has_sinks else positions, part_acc, part_ml,
-        oq, os_, tickets if tickets is not None else positions, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1), oq.stride(0), os_.stride(0),
+        oq, os_, q.stride(0), q.stride(1), out.stride(0), out.stride(1), oq.stride(0), os_.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_table.stride(0),
         T, scale, window or 0, NT, H,
         G=G, G_PAD=G_PAD, D=D, DV=DV, BLOCK_D=_pow2(D), BLOCK_DV=_pow2(DV),
         BLOCK_Q=max(_pow2(T), 16 // min(G_PAD, 16)), BLOCK_N=BLOCK_N, BS=BS,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", HAS_SINKS=has_sinks, SPLIT=splits > 1,
-        QUANT=quantized is not None, TICKET=tickets is not None, num_warps=4, **launch)
-    if splits > 1 and tickets is None:
+        QUANT=quantized is not None, num_warps=4, **launch)
+    if splits > 1:
         _attention_combine_kernel[(NT, H)](
             part_acc, part_ml, sinks if has_sinks else part_ml, out, oq, os_, out.stride(0), out.stride(1),
             oq.stride(0), os_.stride(0), NT, H, splits, DV=DV, BLOCK_DV=_pow2(DV), S_PAD=_pow2(splits),
