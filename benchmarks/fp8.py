@@ -61,7 +61,9 @@ def apply_mode(mode: str | None) -> None:
     "-nocublas": verification rows never on cuBLAS (fp8_kernels.VERIFY_CUBLAS); "-expertsw8a8t" /
     "-noexpertsw8a8t": FP8 routed experts of few pairs W8A8 with the product transposed, or weight-only
     (moe_kernels.EXPERTS_W8A8T); "-ahead" / "-noahead": the FP8 GEMM's scales loaded one K block ahead, or in their
-    block (fp8_kernels.SCALES_AHEAD; the default for the transposed decode tiles since session 37). Not kept (slower
+    block (fp8_kernels.SCALES_AHEAD; the default for the transposed decode tiles since session 37); "-noaddnorm":
+    o and down's output joined to the residual stream and normed by the RMSNorm kernel, not by the GEMMs
+    (fp8_kernels.FUSE_ADD_NORM; the default since session 37). Not kept (slower
     or the same): session 37's split attention combined by each (row, KV head)'s last part to finish instead of the
     combine kernel (commit d799f2f, whose "-attncombine" rows have the combine kernel), "-expertsahead" (the scales
     a K block ahead in the FP8 routed experts) and "-up32" (their W8A8 gate/up kernel 32 columns a program); session
@@ -73,11 +75,13 @@ def apply_mode(mode: str | None) -> None:
         DEFAULTS.setdefault(name, getattr(fp8_kernels, name))
     DEFAULTS.setdefault("EXPERTS_W8A8T", moe_kernels.EXPERTS_W8A8T)
     DEFAULTS.setdefault("SCALES_AHEAD", fp8_kernels.SCALES_AHEAD)
+    DEFAULTS.setdefault("FUSE_ADD_NORM", fp8_kernels.FUSE_ADD_NORM)
     base, *off = (mode or "bf16").split("-")
     off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
     pdl.ENABLED = "nopdl" not in off
     pdl.PREFETCH = "noprefetch" not in off
     pdl.EXPERTS_PLAIN = "expertsplain" in off
+    fp8_kernels.FUSE_ADD_NORM = "addnorm" in off or (DEFAULTS["FUSE_ADD_NORM"] and "noaddnorm" not in off)
     fp8_kernels.SCALES_AHEAD = "ahead" in off or (DEFAULTS["SCALES_AHEAD"] and "noahead" not in off)
     moe_kernels.EXPERTS_W8A8T = "expertsw8a8t" in off or (DEFAULTS["EXPERTS_W8A8T"] and "noexpertsw8a8t" not in off)
     if base != "bf16":

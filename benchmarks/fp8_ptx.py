@@ -28,12 +28,17 @@ from specdp_cli.runtime import fp8_kernels as fk  # noqa: E402
 from specdp_cli.runtime import moe_kernels as mk  # noqa: E402
 
 POINTERS = {"a_ptr": "*fp8e4nv", "as_ptr": "*fp32", "b_ptr": "*fp8e4nv", "bs_ptr": "*fp32", "bias_ptr": "*fp32",
-            "c_ptr": "*fp32", "y_ptr": "*bf16", "tickets_ptr": "*i32"}
+            "c_ptr": "*fp32", "y_ptr": "*bf16", "tickets_ptr": "*i32", "ss_ptr": "*fp32", "res_ptr": "*bf16",
+            "nw_ptr": "*bf16", "qo_ptr": "*fp8e4nv", "so_ptr": "*fp32"}
 ALIGNED = set(POINTERS) | {"N", "K", "stride_am", "stride_bn", "stride_cs", "stride_cm", "stride_ym"}
 KINDS = ("wgmma.mma_async", "mma.sync", "ldmatrix", "cp.async.cg", "ld.global", "st.shared", "ld.shared", "cvt")
-# (label, BLOCK_M, BLOCK_N, SWAP, GROUP_M, AHEAD): the 8B's decode and verification tiles (fp8_kernels.tiles)
-TILES = (("16 rows, plain", 16, 64, False, 1, False), ("16 rows, swapped (decode default)", 16, 64, True, 1, False),
-         ("16 rows, swapped, scales a block ahead", 16, 64, True, 1, True),
+# (label, BLOCK_M, BLOCK_N, SWAP, GROUP_M, AHEAD[, kind]): the 8B's decode and verification tiles (fp8_kernels.tiles);
+# kind "rstd": the activations an RMSNorm's input, each row scaled by its 1 / rms; "add_norm": the output joins the
+# residual stream and the next linear's norm input is written (fp8_kernels.fp8_linear_add_norm, 8 warps)
+TILES = (("16 rows, plain", 16, 64, False, 1, False), ("16 rows, swapped", 16, 64, True, 1, False),
+         ("16 rows, swapped, scales a block ahead (decode default)", 16, 64, True, 1, True),
+         ("16 rows, swapped, ahead, rows scaled by 1 / rms", 16, 64, True, 1, True, "rstd"),
+         ("16 rows, swapped 128 wide, ahead, joins the residual", 16, 128, True, 1, True, "add_norm"),
          ("80 rows, 64-row blocks (verification default)", 64, 64, False, 2, False),
          ("80 rows, 64-row blocks, scales a block ahead", 64, 64, False, 2, True),
          ("80 rows, swapped", 128, 64, True, 1, False))
@@ -41,13 +46,14 @@ TILES = (("16 rows, plain", 16, 64, False, 1, False), ("16 rows, swapped (decode
 ORDER = ("ld.global", "cp.async.wait_group", "wgmma.mma_async", "wgmma.wait_group", "mma.sync", "fma.rn", "cp.async.cg")
 
 
-def compile_tile(block_m: int, block_n: int, swap: bool, group_m: int, ahead: bool = False, warps: int = 4,
+def compile_tile(block_m: int, block_n: int, swap: bool, group_m: int, ahead: bool = False, kind: str = "",
                  stages: int = 4):
+    warps = 8 if kind == "add_norm" else 4
     const = dict(B_ROWS=128, A_MODE=0, HAS_BIAS=False, SPLIT=True, TICKET=True, EVEN_K=True, BLOCK_M=block_m,
                  BLOCK_N=block_n, BLOCK_K=fk.GROUP, GROUP_M=group_m, PDL=False, PREFETCH=False, LANES=32 * warps,
-                 LATE=False, SWAP=swap, AHEAD=ahead)
+                 LATE=False, SWAP=swap, AHEAD=ahead, RSTD=kind == "rstd", SS_PAD=32, ADD_NORM=kind == "add_norm")
     names = fk._gemm_kernel.arg_names
-    sig = {n: POINTERS.get(n, "constexpr" if n in const else "i32") for n in names}
+    sig = {n: POINTERS.get(n, "constexpr" if n in const else "fp32" if n == "eps" else "i32") for n in names}
     src = ASTSource(fn=fk._gemm_kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
@@ -111,9 +117,10 @@ def main() -> None:
     ap.add_argument("--json")
     a = ap.parse_args()
     rows = []
-    compiled = [(label, dict(BLOCK_M=bm, BLOCK_N=bn, SWAP=swap, AHEAD=ahead),
-                 lambda bm=bm, bn=bn, swap=swap, g=group_m, ahead=ahead: compile_tile(bm, bn, swap, g, ahead))
-                for label, bm, bn, swap, group_m, ahead in TILES]
+    compiled = [(label, dict(BLOCK_M=bm, BLOCK_N=bn, SWAP=swap, AHEAD=ahead, kind=(kind or [""])[0]),
+                 lambda bm=bm, bn=bn, swap=swap, g=group_m, ahead=ahead, kind=(kind or [""])[0]:
+                 compile_tile(bm, bn, swap, g, ahead, kind))
+                for label, bm, bn, swap, group_m, ahead, *kind in TILES]
     compiled += [(f"experts' {k}, 16-row blocks, {'W8A8 transposed' if t else 'weight-only'}", {"W8A8T": t},
                   lambda k=k, t=t: compile_experts(k, t)) for k in ("up", "down") for t in (False, True)]
     for label, tile, build in compiled:

@@ -349,6 +349,40 @@ def test_quantization_fp8_preflight(tmp_path, models, fp8, monkeypatch):
     assert r8.plan.memory["weight_bytes"] - r16.plan.memory["weight_bytes"] == expected - md.weight_bytes("bfloat16")
 
 
+def test_add_norm_wanted_decides_by_shapes_and_settings(monkeypatch):
+    """Where o / down join the residual stream in their GEMM and hand the next FP8 linear its norm
+    (fp8_kernels.add_norm_wanted): activations already quantized (not a norm's output already), 16-bit, on CUDA, 1-16
+    rows, the GEMM's output columns a multiple of 128 and the next linear's input, that linear reading quantized input
+    (fused_quant_wanted), FUSE_ADD_NORM on; never for a plain tensor or a plain weight (ops.add_norm_wanted)."""
+    from specdp_cli.runtime import fp8_kernels as fk, ops
+    from specdp_cli.runtime.models.quant import FP8Weight
+
+    class Q:                                      # stands for CUDA float8 values: what the decision reads of them
+        def __init__(self, M, cuda=True):
+            self.shape, self.is_cuda, self.device = (M, 256), cuda, torch.device("cpu")
+
+    def fp8(N, K):
+        return FP8Weight(torch.zeros(N, K).to(torch.float8_e4m3fn), torch.ones(-(-N // 128), -(-K // 128)), 128,
+                         torch.bfloat16)
+
+    def act(M, dtype=torch.bfloat16, sumsq=None, cuda=True):
+        return fk.FP8Activation(Q(M, cuda), None, dtype, sumsq)
+
+    o, gate_up = fp8(512, 256), fp8(1024, 512)
+    assert ops.add_norm_wanted(act(1), o, gate_up) and ops.add_norm_wanted(act(16), o, gate_up)
+    assert ops.add_norm_wanted(act(5, torch.float16), o, gate_up)
+    assert not ops.add_norm_wanted(act(17), o, gate_up)                          # verification rows
+    assert not ops.add_norm_wanted(act(1, torch.float32), o, gate_up)
+    assert not ops.add_norm_wanted(act(1, sumsq=torch.ones(1, 2)), o, gate_up)   # a norm's output already
+    assert not ops.add_norm_wanted(act(1, cuda=False), o, gate_up)
+    assert not ops.add_norm_wanted(act(1), o, None) and not ops.add_norm_wanted(act(1), o, fp8(1024, 384))
+    assert not ops.add_norm_wanted(act(1), fp8(320, 256), fp8(1024, 320))        # columns not whole groups
+    assert not ops.add_norm_wanted(act(1), o, torch.zeros(1024, 512))            # a plain next weight
+    assert not ops.add_norm_wanted(torch.zeros(1, 256), o, gate_up)              # not quantized
+    monkeypatch.setattr(fk, "FUSE_ADD_NORM", False)
+    assert not ops.add_norm_wanted(act(1), o, gate_up)
+
+
 def test_fused_quant_wanted_decides_by_shapes_and_settings(monkeypatch):
     """Where a norm / activation kernel hands an FP8 linear its output quantized (fp8_kernels.fused_quant_wanted):
     CUDA activations at decode rows (M <= 64) and verification rows (up to VERIFY_MAX_M, unless the weight is wide

@@ -760,6 +760,40 @@ def test_fp8_joined_weight_goes_to_cublas_from_its_rows():
     assert rel(y[:, 512:640], ops.linear(x, parts[1])) < 5e-3
 
 
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_fp8_add_norm_matches_the_norm_kernel(M):
+    """o / down joining the residual stream inside the FP8 GEMM and the next FP8 linear applying the RMSNorm's
+    1 / rms (ops.linear_add_norm, fp8_kernels' ADD_NORM and RSTD) against the unfused path (the GEMM's output,
+    rms_norm with the residual add writing it quantized, the next GEMM) on the 8B's o -> gate_up shapes: the same
+    residual to a bf16 rounding, the next linear's output to the norm's rounding; a CUDA graph's replays equal the
+    eager result (split K's counters reset)."""
+    from specdp_cli.runtime import ops
+    from specdp_cli.runtime import fp8_kernels as fk
+    from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks
+    g = torch.Generator(device="cuda").manual_seed(M)
+    K, N, N2, eps = 4096, 4096, 2048, 1e-5
+    w1 = FP8Weight(*quantize_blocks(torch.randn(N, K, device="cuda", generator=g) / 60), 128, torch.bfloat16)
+    w2 = FP8Weight(*quantize_blocks(torch.randn(N2, N, device="cuda", generator=g) / 60), 128, torch.bfloat16)
+    norm = (torch.rand(N, device="cuda", generator=g) + 0.5).bfloat16()
+    x = fk.FP8Activation(*fk.quantize_activations(torch.randn(M, K, device="cuda", generator=g).bfloat16()),
+                         torch.bfloat16)
+    residual = (torch.randn(M, N, device="cuda", generator=g) * 3).bfloat16()
+    assert ops.add_norm_wanted(x, w1, w2) and not ops.add_norm_wanted(x, w1, None)
+    r_plain, r_fused = residual.clone(), residual.clone()
+    want = ops.linear(ops.rms_norm(ops.linear(x, w1), norm, eps, r_plain, quantize=True), w2)
+    got = ops.linear(ops.linear_add_norm(x, w1, None, r_fused, norm, eps), w2)
+    assert rel(r_fused, r_plain) < 1e-2 and rel(got, want) < 2e-2, (rel(r_fused, r_plain), rel(got, want))
+    r, out = residual.clone(), torch.empty_like(got)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        r.copy_(residual)
+        out.copy_(ops.linear(ops.linear_add_norm(x, w1, None, r, norm, eps), w2))
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, got) and torch.equal(r, r_fused)
+
+
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (16, 64, 4), (300, 8, 2)])
 def test_fp8_routed_expert_kernels_match_reference(tokens, experts, top_k):
     """The grouped expert kernels reading FP8 experts equal the bf16 kernels on the dequantized experts: weight-only

@@ -58,6 +58,7 @@ def interpreted_checks() -> None:
     one_row_checks(g)
     fused_sum_checks(g)
     fused_quant_checks(g)
+    add_norm_checks(g)
     step_trim_checks(g)
     attention_checks(g)
     attention_quant_checks(g)
@@ -192,6 +193,54 @@ def fused_quant_checks(g: torch.Generator) -> None:
             want = fk.fp8_linear(plain, wq, ws, 128)
             got = ops.linear(fused, weight)
             assert got.dtype == dtype and torch.equal(got, want), ("linear", dtype, M, n)
+
+
+def add_norm_checks(g: torch.Generator) -> None:
+    """An FP8 GEMM joining its output to the residual stream and handing the next FP8 linear the stream's RMSNorm
+    (fp8_kernels.fp8_linear_add_norm, `add_norm`), then that linear applying each row's 1 / rms (RSTD): the residual
+    equals `residual + y` of the plain GEMM's output, the handed values are quantize_activations' of norm * residual,
+    the squares' partial sums the residual's, and the next linear's output the plain GEMM on the dequantized
+    activations scaled by 1 / rms; split K summed by the tile's last program and by torch (no ticket counters:
+    graph capture), with a bias; float32 (the interpreter's float8 on both sides). M 1 and 5."""
+    from specdp_cli.runtime import fp8_kernels as fk
+    from specdp_cli.runtime.models.quant import quantize_blocks
+
+    K, N, N2, eps = 256, 256, 384, 1e-5
+    w1q, w1s = quantize_blocks(torch.randn(N, K, generator=g) / 16)
+    w2q, w2s = quantize_blocks(torch.randn(N2, N, generator=g) / 16)
+    bias = torch.randn(N, generator=g)
+    norm = torch.rand(N, generator=g) + 0.5
+    for M in (1, 5):
+        x_q, x_s = fk.quantize_activations(torch.randn(M, K, generator=g))
+        residual = torch.randn(M, N, generator=g) * 3
+        y = fk.block_fp8_gemm(x_q, w1q, w1s, 128, bias, x_scale=x_s, out_dtype=torch.float32)
+        res = residual.clone()
+        act = fk.fp8_linear_add_norm(fk.FP8Activation(x_q, x_s, torch.float32), w1q, w1s, 128, bias, res, norm, eps)
+        assert torch.allclose(res, residual + y, rtol=1e-5, atol=1e-5), (M, (res - residual - y).abs().max())
+        q, s = fk.quantize_activations(res * norm)
+        assert torch.equal(act.q.float(), q.float()) and torch.equal(act.scale, s), M
+        assert torch.allclose(act.sumsq, (res * res).view(M, -1, 128).sum(-1), rtol=1e-5), M
+        rstd = torch.rsqrt((res * res).mean(1, keepdim=True) + eps)
+        assert torch.allclose(act.dequantize(), (q.float() * s.repeat_interleave(128, 1)) * rstd, rtol=1e-5), M
+        want = fk.block_fp8_gemm(q, w2q, w2s, 128, x_scale=s, out_dtype=torch.float32) * rstd
+        got = fk.fp8_linear(act, w2q, w2s, 128)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (M, (got - want).abs().max())
+        # split K: the tile's last program sums (ticket counters), or torch does (none: graph capture)
+        tile = dict(BLOCK_M=16, BLOCK_N=128, SPLIT=2, warps=4, stages=2, GROUP_M=1, SWAP=True)
+        outs = []
+        for tickets in (True, False):
+            fk.SPLITK_TICKETS = tickets
+            try:
+                r, qo, so = residual.clone(), *fk.quantized_rows(M, N, x_q.device)
+                ss = torch.empty(M, N // 128)
+                fk.block_fp8_gemm(x_q, w1q, w1s, 128, bias, x_scale=x_s, out_dtype=torch.float32, tile=tile,
+                                  add_norm=(r, norm, qo, so, ss))
+            finally:
+                fk.SPLITK_TICKETS = True
+            outs.append((r, qo.float(), so, ss))
+        assert torch.allclose(outs[0][0], residual + y, rtol=1e-5, atol=1e-5), M
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), M
+        assert torch.equal(outs[0][2], outs[1][2]) and torch.allclose(outs[0][3], outs[1][3], rtol=1e-6), M
 
 
 def step_trim_checks(g: torch.Generator) -> None:

@@ -110,31 +110,47 @@ def quantized_rows(M: int, K: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 class FP8Activation(NamedTuple):
     """Activations already quantized for an FP8 linear (`quantize_activations`' numbers, written by the kernel that
     produced them: RMSNorm, silu_and_mul): q [M, K] float8_e4m3fn, scale [M, ceil(K / 128)] float32 (row-major),
-    dtype: the activations' dtype, which the linear's output takes."""
+    dtype: the activations' dtype, which the linear's output takes. With `sumsq` (an RMSNorm's input, written by the
+    GEMM before it: `fp8_linear_add_norm`): q * scale is the norm's weight times the residual stream, sumsq [M, T]
+    the partial sums of the stream's squares (T column blocks), and each row's 1 / rms, rsqrt(sum / K + eps), still
+    to be applied: the GEMM reading it does that to its output rows."""
     q: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
+    sumsq: torch.Tensor | None = None
+    eps: float = 0.0
 
     def dequantize(self) -> torch.Tensor:
         """q * scale per group in `dtype` (a fallback for a consumer that is not an FP8 linear)."""
         M, K = self.q.shape
-        return (self.q.float() * self.scale.repeat_interleave(GROUP, 1)[:, :K]).to(self.dtype)
+        x = self.q.float() * self.scale.repeat_interleave(GROUP, 1)[:, :K]
+        if self.sumsq is not None:
+            x = x * torch.rsqrt(self.sumsq.sum(1, keepdim=True) / K + self.eps)
+        return x.to(self.dtype)
 
 
 @triton.jit
 def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_ptr, M, N, K, k_blocks_per_split,
                  n_splits, stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm,
-                 stride_ym, prefetch_bytes, B_ROWS: tl.constexpr, A_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 stride_ym, prefetch_bytes, ss_ptr, stride_ss, ss_count, eps, res_ptr, stride_res, nw_ptr, qo_ptr,
+                 stride_qo, so_ptr, stride_so,
+                 B_ROWS: tl.constexpr, A_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, TICKET: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
                  PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr, SWAP: tl.constexpr,
-                 AHEAD: tl.constexpr):
+                 AHEAD: tl.constexpr, RSTD: tl.constexpr, SS_PAD: tl.constexpr, ADD_NORM: tl.constexpr):
     # program -> (row block, column block), grouped so that GROUP_M row blocks share the weights in L2.
     # SWAP: the product is computed transposed, weight tile [BLOCK_N, BLOCK_K] times activations [BLOCK_K, BLOCK_M],
     # so that the weight's columns fill the tensor cores' 64-row side and few activation rows their narrow side
     # (Hopper's wgmma wants 64 rows a warp group; without the swap a few rows pad a 16- or 64-row block).
     # AHEAD: each K block's scales are loaded one block ahead. Loaded in their own block they are plain global loads
     # that Triton issues after the block's tiles have arrived and the product waits on them (benchmarks/fp8_ptx.py).
+    # RSTD: the activations are an RMSNorm's weight times its input (FP8Activation's sumsq): each output row is
+    # multiplied by the row's 1 / rms from the ss_count partial sums of squares at ss_ptr (loaded before the main
+    # loop, used after it). ADD_NORM (BLOCK_N 128, not SWAP-only): the output joins the residual stream at res_ptr
+    # (in place, rounded as `residual + y` in its dtype) and is not stored; the stream's norm weight times it goes to
+    # qo_ptr / so_ptr quantized (one 128-column group a column block) and its squares' sum to ss_ptr column pid_n:
+    # the next FP8 linear's RSTD input (`fp8_linear_add_norm`).
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -167,6 +183,10 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
         pdl.prefetch_rows(b_ptr, pid_n * BLOCK_N, N, stride_bn, kb0 * BLOCK_K,
                           tl.minimum(prefetch_bytes, K - kb0 * BLOCK_K), BLOCK_N, LANES)
     pdl.wait_previous(PDL)
+    if RSTD:            # issued now, waited for after the main loop
+        t = tl.arange(0, SS_PAD)
+        ss = tl.load(ss_ptr + m[:, None] * stride_ss + t[None, :], mask=m_ok[:, None] & (t[None, :] < ss_count),
+                     other=0.0)
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -220,6 +240,8 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
         pdl.launch_next(PDL)
     if SWAP:
         acc = tl.trans(acc)
+    if RSTD:            # the norm's 1 / rms of each row (its partial sums in a fixed order: deterministic)
+        acc = acc * tl.rsqrt(tl.sum(ss, 1) / K + eps)[:, None]
     ok = m_ok[:, None] & n_ok[None, :]
     out = c_ptr + split * stride_cs + m.to(tl.int64)[:, None] * stride_cm + n[None, :]
     if SPLIT:            # float32 partial sums; _splitk_sum_kernel adds the bias and casts, or (TICKET) the tile's last
@@ -234,13 +256,41 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
                     total += tl.load(ws + s * stride_cs, mask=ok, other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
                     total += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
-                         total.to(y_ptr.dtype.element_ty), mask=ok)
+                if ADD_NORM:
+                    _add_norm_out(total.to(y_ptr.dtype.element_ty), m, n, m_ok, n_ok, pid_n, res_ptr, stride_res,
+                                  nw_ptr, qo_ptr, stride_qo, so_ptr, stride_so, ss_ptr, stride_ss)
+                else:
+                    tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
+                             total.to(y_ptr.dtype.element_ty), mask=ok)
                 tl.atomic_xchg(tickets_ptr + pid, 0)     # ready for the next launch (a graph's next replay)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
+        if ADD_NORM:
+            _add_norm_out(acc.to(c_ptr.dtype.element_ty), m, n, m_ok, n_ok, pid_n, res_ptr, stride_res, nw_ptr,
+                          qo_ptr, stride_qo, so_ptr, stride_so, ss_ptr, stride_ss)
+        else:
+            tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _add_norm_out(y, m, n, m_ok, n_ok, pid_n, res_ptr, stride_res, nw_ptr, qo_ptr, stride_qo, so_ptr, stride_so,
+                  ss_ptr, stride_ss):
+    """A GEMM tile's output y [BLOCK_M, 128] (in the activations' dtype) joins the residual stream (in place, the
+    numbers of `residual + y`); the stream's squares summed over the tile's columns go to ss_ptr [row, pid_n], and the
+    norm weight's product with it, quantized (one 128-column group), to qo_ptr / so_ptr [row, pid_n]: an RMSNorm's
+    output but for each row's 1 / rms, which the GEMM reading it applies (RSTD)."""
+    rows = m.to(tl.int64)[:, None]
+    ok = m_ok[:, None] & n_ok[None, :]
+    res = res_ptr + rows * stride_res + n[None, :]
+    r = (tl.load(res, mask=ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(y.dtype)
+    tl.store(res, r, mask=ok)
+    rf = r.to(tl.float32)
+    tl.store(ss_ptr + m * stride_ss + pid_n, tl.sum(rf * rf, 1), mask=m_ok)
+    w = tl.load(nw_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    q, s = quantize_groups((rf * w[None, :]).to(y.dtype).to(tl.float32))
+    tl.store(qo_ptr + rows * stride_qo + n[None, :], q.to(qo_ptr.dtype.element_ty), mask=ok)
+    tl.store(so_ptr + m * stride_so + pid_n, s, mask=m_ok)
 
 
 @triton.jit
@@ -343,13 +393,29 @@ def _tickets(device: torch.device, tiles: int) -> torch.Tensor | None:
     return buf
 
 
-def tiles(M: int, N: int, K: int, sms: int) -> dict:
+def _add_norm_torch(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, q: torch.Tensor,
+                    scales: torch.Tensor, sumsq: torch.Tensor) -> None:
+    """`_add_norm_out`'s numbers for a whole output y [M, N] (block_fp8_gemm's `add_norm` without ticket counters)."""
+    residual.copy_((residual.float() + y.float()).to(residual.dtype))
+    r = residual.float()
+    sumsq.copy_((r * r).view(r.shape[0], -1, GROUP).sum(-1))
+    q_, s_ = quantize_activations((r * weight.float()).to(residual.dtype))
+    q.copy_(q_)
+    scales.copy_(s_)
+
+
+def tiles(M: int, N: int, K: int, sms: int, add_norm: bool = False) -> dict:
     """Tiles by the number of rows M. Decode (M <= 64, and verification rows up to VERIFY_MAX_M where N is not
     wide): BLOCK_M 16 (the smallest tensor-core tile) to 64, thin column blocks, and K split until there are about
     1.5 programs an SM to stream the weights
     (benchmarks/fp8_gemm.py --sweep on an H200: 64 x split 4 was the fastest or within 2 % of it for the 8B's
-    projections at 1 and 16 rows, 10-20 % faster than 32-wide blocks); prefill: 64 x 128 tiles."""
+    projections at 1 and 16 rows, 10-20 % faster than 32-wide blocks); prefill: 64 x 128 tiles. `add_norm`
+    (block_fp8_gemm's, up to 16 rows): 128 columns a program."""
     k_blocks = triton.cdiv(K, GROUP)
+    if add_norm:        # one 128-column group a program (`_add_norm_out`), the product transposed, up to 16 rows
+        return dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=GROUP,
+                    SPLIT=_k_split(triton.cdiv(N, GROUP), k_blocks, M, sms, True), warps=8, stages=4, GROUP_M=1,
+                    SWAP=True)
     if M <= VERIFY_MAX_M and (SWAP_TILES == "all" or (SWAP_TILES == "decode" and M <= 16)
                               or (SWAP_TILES == "verify" and M > 16)):
         # the product transposed (_gemm_kernel's SWAP): 64 weight rows a program, every activation row in one block
@@ -401,11 +467,16 @@ def prefetch_bytes(programs: int, block_n: int, row_bytes: int) -> int:
 
 def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows: int,
                    bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None, tile: dict | None = None, mode: str = "fused") -> torch.Tensor:
+                   out_dtype: torch.dtype | None = None, tile: dict | None = None, mode: str = "fused",
+                   rstd: tuple | None = None, add_norm: tuple | None = None) -> torch.Tensor:
     """y [M, N] = dequant(x) @ dequant(weight)^T (+ bias). x [M, K]: with `x_scale` [M, ceil(K / 128)] already
     float8; else bf16/fp16/fp32 activations, `mode` "fused": quantized per token and 128-group inside the kernel,
     "weight_only": kept as they are (W8A16). weight [N, K] float8_e4m3fn with `scale` [ceil(N / rows), ceil(K / 128)]
-    float32."""
+    float32. `rstd` (sumsq [M, T], eps): x is an RMSNorm's weight times its input, each output row is multiplied by
+    rsqrt(sumsq.sum(1) / K + eps) (FP8Activation.sumsq). `add_norm` (residual [M, N], norm weight [N], q [M, N]
+    float8, scales [M, N / 128], sumsq [M, N / 128]; N a multiple of 128): y joins the residual in place and is not
+    returned (the tile 128 columns wide); q, scales and sumsq are written for the next linear's RSTD
+    (`fp8_linear_add_norm`)."""
     M, K = x.shape
     N = weight.shape[0]
     out_dtype = out_dtype or x.dtype
@@ -413,7 +484,9 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
     if M == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
-    t = tile or tiles(M, N, K, _num_sms(x.device))
+    t = tile or tiles(M, N, K, _num_sms(x.device), add_norm is not None)
+    if add_norm is not None:
+        assert t["BLOCK_N"] == GROUP and N % GROUP == 0, (t, N)
     k_blocks = triton.cdiv(K, GROUP)
     split = max(1, min(t["SPLIT"], k_blocks))
     per_split = triton.cdiv(k_blocks, split)
@@ -427,16 +500,34 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
     aligned = K % GROUP == 0 and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
     prefetch = prefetch_bytes(grid[0] * grid[1], t["BLOCK_N"], per_split * GROUP * weight.element_size()) \
         if launch["PDL"] and pdl.PREFETCH and M <= 64 and aligned else 0
+    if rstd is not None:
+        ss, eps = rstd
+    elif add_norm is not None:
+        ss, eps = add_norm[4], 0.0
+    else:
+        ss, eps = scale, 0.0
+    res, nw, qo, so = add_norm[:4] if add_norm is not None else (scale, scale, scale, scale)
     _gemm_kernel[grid](x, a_s, weight, scale, bias if bias is not None else scale, c, out,
                        tickets if tickets is not None else scale, M, N, K, per_split, split,
                        x.stride(0), a_s.stride(0), a_s.stride(1), weight.stride(0), scale.stride(0), scale.stride(1),
                        c.stride(0) if split > 1 else 0, c.stride(-2), out.stride(0), prefetch,
-                       B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None, SPLIT=split > 1,
+                       ss, ss.stride(0), ss.shape[1], float(eps), res, res.stride(0), nw, qo, qo.stride(0), so,
+                       so.stride(0), RSTD=rstd is not None, SS_PAD=triton.next_power_of_2(ss.shape[1]),
+                       ADD_NORM=add_norm is not None, B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None,
+                       SPLIT=split > 1,
                        TICKET=tickets is not None, EVEN_K=K % GROUP == 0, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
                        BLOCK_K=GROUP, GROUP_M=t["GROUP_M"], PREFETCH=prefetch > 0, LANES=32 * t["warps"],
-                       SWAP=t.get("SWAP", False), AHEAD=t.get("AHEAD", SCALES_AHEAD and t.get("SWAP", False)), num_warps=t["warps"],
-                       num_stages=t["stages"], **launch)
+                       SWAP=t.get("SWAP", False), AHEAD=t.get("AHEAD", SCALES_AHEAD and t.get("SWAP", False)),
+                       num_warps=t["warps"], num_stages=t["stages"], **launch)
     if split > 1 and tickets is None:
+        if add_norm is not None:        # graph capture without ticket counters: the tickets' numbers in torch
+            y = c[0].clone()
+            for s in range(1, split):
+                y += c[s]
+            if bias is not None:
+                y += bias.float()
+            _add_norm_torch(y.to(out_dtype), *add_norm)
+            return out
         BLOCK = 1024
         _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](c, bias if bias is not None else c, out, M * N, N,
                                                          SPLITS=split, HAS_BIAS=bias is not None, BLOCK=BLOCK,
@@ -545,14 +636,55 @@ def fused_quant_wanted(x: torch.Tensor, w) -> bool:
     kernels: the RMSNorm holds its row in one block of next_power_of_2(K) columns, silu_and_mul blocks of min(that,
     1024); the decode attention one group a head). Shapes, dtypes and these settings alone decide it, so a CUDA graph
     captures the same path it replays."""
-    if not (FUSE_DECODE_QUANT and DECODE_MODE == "quantize" and x.is_cuda) or isinstance(w, torch.Tensor):
+    return x.dim() == 2 and _reads_quantized(x.shape[0], x.dtype, x.device, x.is_cuda, w)
+
+
+def _reads_quantized(M: int, dtype: torch.dtype, device: torch.device, is_cuda: bool, w) -> bool:
+    """`fused_quant_wanted` for M rows of `dtype` on `device`."""
+    if not (FUSE_DECODE_QUANT and DECODE_MODE == "quantize" and is_cuda) or isinstance(w, torch.Tensor):
         return False
     weight = getattr(w, "weight", None)
-    M, K = x.shape[0], w.shape[-1]
-    return (weight is not None and weight.dtype == torch.float8_e4m3fn and weight.dim() == 2 and x.dim() == 2
+    K = w.shape[-1]
+    return (weight is not None and weight.dtype == torch.float8_e4m3fn and weight.dim() == 2
             and 0 < M <= max(64, VERIFY_MAX_M) and (CUBLAS_FROM_M is None or M < CUBLAS_FROM_M)
-            and not verify_on_cublas(M, weight.shape[0], getattr(w, "cublas_scale", None), x.device) and K % GROUP == 0
-            and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+            and not verify_on_cublas(M, weight.shape[0], getattr(w, "cublas_scale", None), device) and K % GROUP == 0
+            and dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+# The residual add and the RMSNorm between two FP8 linears at decode sizes (o -> the MLP's norm -> gate_up, down ->
+# the next layer's norm -> qkv) done by the GEMMs themselves, not by a norm kernel (`fp8_linear_add_norm`).
+FUSE_ADD_NORM = True
+
+
+def add_norm_wanted(x, w, next_w) -> bool:
+    """Whether `fp8_linear_add_norm(x, w, ...)` may stand for `linear(x, w)` + the RMSNorm that joins it to the
+    residual stream for the FP8 linear next_w: x quantized already (FP8Activation without sumsq: the attention's or
+    silu_and_mul's output) of at most 16 rows, w's output columns a multiple of 128, next_w reading its input
+    quantized (`fused_quant_wanted`), a 16-bit stream. Shapes and settings alone decide it (CUDA graphs)."""
+    if not (FUSE_ADD_NORM and isinstance(x, FP8Activation) and x.sumsq is None and x.dtype in (torch.bfloat16,
+                                                                                            torch.float16)):
+        return False
+    M = x.q.shape[0]
+    weight = getattr(w, "weight", None)
+    return (0 < M <= 16 and weight is not None and weight.dtype == torch.float8_e4m3fn and weight.dim() == 2
+            and weight.shape[0] % GROUP == 0 and next_w is not None and next_w.shape[-1] == weight.shape[0]
+            and _reads_quantized(M, x.dtype, x.q.device, x.q.is_cuda, next_w))
+
+
+def fp8_linear_add_norm(x: FP8Activation, weight: torch.Tensor, scale: torch.Tensor, rows: int,
+                        bias: torch.Tensor | None, residual: torch.Tensor, norm_weight: torch.Tensor,
+                        eps: float) -> FP8Activation:
+    """residual += x @ W^T (+ bias), in place, and the stream's RMSNorm with norm_weight handed to the next FP8
+    linear: an FP8Activation whose q * scale is norm_weight * residual and whose `sumsq` carries each row's squares
+    in blocks of 128 columns, so that the next GEMM applies 1 / rms (`add_norm_wanted` says where). Numbers: the
+    residual as `residual + y`; the norm as rms_norm's but for the rounding of x / rms to the dtype before the
+    weight's product (the GEMM scales its output rows instead)."""
+    M, N = x.q.shape[0], weight.shape[0]
+    q, scales = quantized_rows(M, N, x.q.device)
+    sumsq = torch.empty((M, N // GROUP), dtype=torch.float32, device=x.q.device)
+    block_fp8_gemm(x.q, weight, scale, rows, bias, x_scale=x.scale, out_dtype=x.dtype,
+                   add_norm=(residual, norm_weight, q, scales, sumsq))
+    return FP8Activation(q, scales, x.dtype, sumsq, float(eps))
 
 
 def verify_on_cublas(M: int, N: int, cublas_scale: torch.Tensor | None, device: torch.device) -> bool:
@@ -568,7 +700,8 @@ def fp8_linear(x: torch.Tensor | FP8Activation, weight: torch.Tensor, scale: tor
     """x [..., K] through the FP8 weight: [..., N] in x's dtype. x may come quantized (FP8Activation [M, K], where
     `fused_quant_wanted` said so): the GEMM reads it as it is."""
     if isinstance(x, FP8Activation):
-        return block_fp8_gemm(x.q, weight, scale, rows, bias, x_scale=x.scale, out_dtype=x.dtype)
+        return block_fp8_gemm(x.q, weight, scale, rows, bias, x_scale=x.scale, out_dtype=x.dtype,
+                              rstd=(x.sumsq, x.eps) if x.sumsq is not None else None)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     M = x2.shape[0]

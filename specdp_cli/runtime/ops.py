@@ -47,6 +47,22 @@ def linear(x, w, bias: torch.Tensor | None = None) -> torch.Tensor:
     return F.linear(x, w.dequantize(x.dtype), bias)
 
 
+def add_norm_wanted(x, w, next_w) -> bool:
+    """Whether `linear_add_norm(x, w, ...)` may stand for linear(x, w) joining the residual stream and the stream's
+    RMSNorm for the FP8 linear next_w (fp8_kernels.add_norm_wanted: x already quantized at decode sizes, on CUDA)."""
+    if isinstance(x, torch.Tensor) or w is None or isinstance(w, torch.Tensor):
+        return False
+    from . import fp8_kernels
+    return fp8_kernels.add_norm_wanted(x, w, next_w)
+
+
+def linear_add_norm(x, w, bias: torch.Tensor | None, residual: torch.Tensor, norm: torch.Tensor, eps: float):
+    """residual += linear(x, w, bias) (in place) and the stream's rms_norm(residual, norm, eps) for the next FP8
+    linear, in the GEMM (where `add_norm_wanted`): fp8_kernels.fp8_linear_add_norm."""
+    from .fp8_kernels import fp8_linear_add_norm
+    return fp8_linear_add_norm(x, w.weight, w.scale, w.rows, bias, residual, norm, eps)
+
+
 def fused_quant_wanted(x: torch.Tensor, w) -> bool:
     """Whether the norm / activation kernel reading x may hand `linear(.., w)` its output quantized (`quantize=True`
     of rms_norm, silu_and_mul, act_and_mul): w an FP8 weight kept FP8, x on CUDA at decode sizes

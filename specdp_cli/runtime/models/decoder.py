@@ -125,15 +125,22 @@ class CausalLM:
         """ids [N] -> final hidden states [N, hidden] (after the last norm)."""
         x = self.embedding(ids)
         residual = None
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, self.kv_caches)):
+        layers = self.layers
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, self.kv_caches)):
             h, residual = self._join(x, residual, layer.in_norm, layer.qkv if layer.mla is None else None)
             if i in self.aux_layers:
                 self._keep_aux(i, residual)
-            x = self._attention(layer, h, meta, k_cache, v_cache)
+            # o and down may join the stream themselves and hand the next linear its norm (`_row_parallel`'s join)
+            mlp_in = layer.gate_up if layer.moe is None else None
+            x = self._attention(layer, h, meta, k_cache, v_cache,
+                                join=(residual, layer.mlp_norm, mlp_in) if layer.attn_out_norm is None else None)
             if layer.attn_out_norm is not None:
                 x = ops.rms_norm(x, layer.attn_out_norm, self.eps)
-            h, residual = self._join(x, residual, layer.mlp_norm, layer.gate_up if layer.moe is None else None)
-            x = self._mlp(layer, h, unsummed=layer.mlp_out_norm is None)
+            h, residual = self._join(x, residual, layer.mlp_norm, mlp_in)
+            nxt = layers[i + 1] if i + 1 < len(layers) else None
+            x = self._mlp(layer, h, unsummed=layer.mlp_out_norm is None,
+                          join=(residual, nxt.in_norm, nxt.qkv) if nxt is not None and nxt.mla is None
+                          and layer.mlp_out_norm is None else None)
             if layer.mlp_out_norm is not None:
                 x = ops.rms_norm(x, layer.mlp_out_norm, self.eps)
         out, residual = self._join(x, residual, self.norm)
@@ -147,7 +154,10 @@ class CausalLM:
         reads: the stream's norm, or the stream itself without one, the stream). x may be a sparse MLP's
         unsummed output (`_mlp`): its sums join the stream in the norm's kernel. `feeds`: the weight of the one
         linear that alone reads the norm (qkv, a dense MLP's gate_up); where it is FP8 at decode sizes
-        (ops.fused_quant_wanted) the norm comes quantized for it (fp8_kernels.FP8Activation)."""
+        (ops.fused_quant_wanted) the norm comes quantized for it (fp8_kernels.FP8Activation). x may have joined the
+        stream already and be the norm (`_row_parallel`'s join: an FP8Activation with its sums of squares)."""
+        if getattr(x, "sumsq", None) is not None:
+            return x, residual
         if isinstance(x, RoutedPairs):          # the residual has the shape and dtype of the sums it takes
             quantize = norm is not None and self._fused_quant(residual, feeds)
             return x.add_to(residual, norm, self.eps, quantize), residual
@@ -169,26 +179,33 @@ class CausalLM:
             if at == layer:
                 self.aux_buf[:stream.shape[0], j * h:(j + 1) * h].copy_(stream)
 
-    def _mlp(self, layer: Layer, h: torch.Tensor, unsummed: bool = False) -> torch.Tensor | RoutedPairs:
-        """`unsummed`: a sparse MLP may hand back its experts' outputs unsummed (moe.MoE), for `_join`."""
+    def _mlp(self, layer: Layer, h: torch.Tensor, unsummed: bool = False, join=None) -> torch.Tensor | RoutedPairs:
+        """`unsummed`: a sparse MLP may hand back its experts' outputs unsummed (moe.MoE), for `_join`; `join`: as
+        `_row_parallel`'s, for down."""
         if layer.moe is not None:
             return layer.moe(h, unsummed)
         gate_up = ops.linear(h, layer.gate_up, layer.gate_up_bias)
         act = ops.act_and_mul(gate_up, layer.act, self._fused_quant(gate_up, layer.down))    # quantized for down?
-        return self._row_parallel(act, layer.down, layer.down_bias)
+        return self._row_parallel(act, layer.down, layer.down_bias, join=join)
 
-    def _row_parallel(self, x: torch.Tensor, w, bias: torch.Tensor | None, o: bool = False) -> torch.Tensor:
+    def _row_parallel(self, x: torch.Tensor, w, bias: torch.Tensor | None, o: bool = False, join=None):
         """x @ w^T + bias; split over a TP group, x and w hold this process's columns: the partial sums are
         all-reduced (a plain collective, captured in the CUDA graphs) before the bias joins once. `o`: the
-        attention output projection, which unsplit takes `ops.linear_one_row` (a matrix-vector kernel at one row)."""
+        attention output projection, which unsplit takes `ops.linear_one_row` (a matrix-vector kernel at one row).
+        `join` (residual, norm, the linear that reads the norm): where the GEMM can (FP8 at decode sizes,
+        ops.add_norm_wanted) the product joins the residual stream in it and the norm comes back, for `_join` to
+        pass on (one RMSNorm kernel a join fewer)."""
+        if join is not None and self.tp is None and ops.add_norm_wanted(x, w, join[2]):
+            return ops.linear_add_norm(x, w, bias, join[0], join[1], self.eps)
         if self.tp is None:
             return (ops.linear_one_row if o else ops.linear)(x, w, bias)
         y = ops.linear(x, w)
         self.tp.all_reduce(y)
         return y if bias is None else y + bias
 
-    def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
-        """h: the layer's input (its norm), a tensor or quantized for an FP8 qkv (`_join`'s `feeds`)."""
+    def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache, join=None) -> torch.Tensor:
+        """h: the layer's input (its norm), a tensor or quantized for an FP8 qkv (`_join`'s `feeds`); `join`: as
+        `_row_parallel`'s, for o."""
         H, KV, D = self.H, self.KV, self.D
         qkv = ops.linear(h, layer.qkv, layer.qkv_bias)
         N = qkv.shape[0]
@@ -206,7 +223,7 @@ class CausalLM:
         # an FP8 o at decode sizes may take its input quantized by the attention kernel
         quantize = self._fused_quant(qkv, layer.o) and ops.attention_quant_wanted(v_cache.shape[-1])
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, layer.window, layer.sinks, quantize)
-        return self._row_parallel(out if quantize else out.reshape(N, -1), layer.o, layer.o_bias, o=True)
+        return self._row_parallel(out if quantize else out.reshape(N, -1), layer.o, layer.o_bias, o=True, join=join)
 
     def logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [N, vocab_size]. `out` (that shape, the model's dtype; ModelRunner's buffer): where they may be

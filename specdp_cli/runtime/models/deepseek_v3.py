@@ -116,8 +116,9 @@ class DeepseekV3LM(CausalLM):
         super().__init__(hf_config, *args)
         _use_latent_attention(self, hf_config)
 
-    def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache) -> torch.Tensor:
-        return self._row_parallel(layer.mla(self, h, meta, k_cache, v_cache), layer.o, layer.o_bias, o=True)
+    def _attention(self, layer: Layer, h, meta: AttnMeta, k_cache, v_cache, join=None) -> torch.Tensor:
+        return self._row_parallel(layer.mla(self, h, meta, k_cache, v_cache), layer.o, layer.o_bias, o=True,
+                                  join=join)
 
 
 def kv_shapes(config: dict):
