@@ -66,7 +66,8 @@ def apply_mode(mode: str | None) -> None:
     (fp8_kernels.FUSE_ADD_NORM; the default since session 37). Not kept (slower
     or the same): session 37's split attention combined by each (row, KV head)'s last part to finish instead of the
     combine kernel (commit d799f2f, whose "-attncombine" rows have the combine kernel), "-expertsahead" (the scales
-    a K block ahead in the FP8 routed experts) and "-up32" (their W8A8 gate/up kernel 32 columns a program); session
+    a K block ahead in the FP8 routed experts) and "-up32" (their W8A8 gate/up kernel 32 columns a program; the code
+    of these two is not in the repository); session
     36's "-w8a16v" / "-w8a16all" (W8A16 on the swapped tile, each weight tile dequantized before its product; commit
     5fdec1b)."""
     from specdp_cli.runtime import fp8_kernels, moe_kernels, pdl, triton_kernels

@@ -878,7 +878,8 @@ s37)
   # scales a K block ahead. OLD_ROOT (a package as `git archive 7185569 specdp_cli benchmarks | tar -x -C .bench/old`
   # makes it) is the code before: one token's experts, its default tile (KERNEL_S), then this tree's default and
   # sweep (--tokens TOKENS); then the Qwen3-30B-A3B shape (8 layers) at batch 1, before (OLD_S, its default) and now
-  # (MOE_S; MOE_MODES: -expertsahead / -up32 / ...), median of 3; then GPU tests (GPU_TEST_S; GPU_TESTS_K)
+  # (MOE_S; MOE_MODES, benchmarks/fp8.py's; session 37's first call also had -expertsahead and -up32, whose code is
+  # not kept), median of 3; then GPU tests (GPU_TEST_S; GPU_TESTS_K)
   end=$((SECONDS + ${LIMIT:-570}))
   old=${OLD_ROOT:-.bench/old}
   [ "${KERNEL_S:-150}" != 0 ] && {
@@ -893,7 +894,7 @@ s37)
       --work /tmp/moe_shapes --prompts 4 --prompt-len 32 --batches 1 --repeats 3 --decode-modes $3 \
       --json "$out/fp8_moe_$2.json" > "$out/fp8_moe_$2.log" 2>&1 || tail -20 "$out/fp8_moe_$2.log"
     sed -n '/^method /,$p' "$out/fp8_moe_$2.log" | sed "s/^/$2 /"; }
-  [ "${MOE_S:-220}" != 0 ] && moe . new ${MOE_MODES:-quantize,quantize-expertsahead,quantize-up32,quantize-expertsahead-up32} ${MOE_S:-220}
+  [ "${MOE_S:-220}" != 0 ] && moe . new ${MOE_MODES:-quantize,quantize-noexpertsw8a8t} ${MOE_S:-220}
   [ "${OLD_S:-120}" != 0 ] && moe $old old quantize ${OLD_S:-120}
   [ "${GPU_TEST_S:-60}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-60} ? $(left) : ${GPU_TEST_S:-60} )) python3 -m pytest \
     -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_routed_expert}" \
