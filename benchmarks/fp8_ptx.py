@@ -34,11 +34,13 @@ ALIGNED = set(POINTERS) | {"N", "K", "stride_am", "stride_bn", "stride_cs", "str
 KINDS = ("wgmma.mma_async", "mma.sync", "ldmatrix", "cp.async.cg", "ld.global", "st.shared", "ld.shared", "cvt")
 # (label, BLOCK_M, BLOCK_N, SWAP, GROUP_M, AHEAD[, kind]): the 8B's decode and verification tiles (fp8_kernels.tiles);
 # kind "rstd": the activations an RMSNorm's input, each row scaled by its 1 / rms; "add_norm": the output joins the
-# residual stream and the next linear's norm input is written (fp8_kernels.fp8_linear_add_norm, 8 warps)
+# residual stream and the next linear's norm input is written (fp8_kernels.fp8_linear_add_norm, 8 warps);
+# "add_norm_early": ... with the tile's residual and norm weight loaded before the main loop (ADD_NORM_EARLY)
 TILES = (("16 rows, plain", 16, 64, False, 1, False), ("16 rows, swapped", 16, 64, True, 1, False),
          ("16 rows, swapped, scales a block ahead (decode default)", 16, 64, True, 1, True),
          ("16 rows, swapped, ahead, rows scaled by 1 / rms", 16, 64, True, 1, True, "rstd"),
          ("16 rows, swapped 128 wide, ahead, joins the residual", 16, 128, True, 1, True, "add_norm"),
+         ("... its residual and norm weight loaded before the main loop", 16, 128, True, 1, True, "add_norm_early"),
          ("80 rows, 64-row blocks (verification default)", 64, 64, False, 2, False),
          ("80 rows, 64-row blocks, scales a block ahead", 64, 64, False, 2, True),
          ("80 rows, swapped", 128, 64, True, 1, False))
@@ -48,10 +50,11 @@ ORDER = ("ld.global", "cp.async.wait_group", "wgmma.mma_async", "wgmma.wait_grou
 
 def compile_tile(block_m: int, block_n: int, swap: bool, group_m: int, ahead: bool = False, kind: str = "",
                  stages: int = 4):
-    warps = 8 if kind == "add_norm" else 4
+    warps = 8 if kind.startswith("add_norm") else 4
     const = dict(B_ROWS=128, A_MODE=0, HAS_BIAS=False, SPLIT=True, TICKET=True, EVEN_K=True, BLOCK_M=block_m,
                  BLOCK_N=block_n, BLOCK_K=fk.GROUP, GROUP_M=group_m, PDL=False, PREFETCH=False, LANES=32 * warps,
-                 LATE=False, SWAP=swap, AHEAD=ahead, RSTD=kind == "rstd", SS_PAD=32, ADD_NORM=kind == "add_norm")
+                 LATE=False, SWAP=swap, AHEAD=ahead, RSTD=kind == "rstd", SS_PAD=32,
+                 ADD_NORM={"add_norm": 1, "add_norm_early": 2}.get(kind, 0))
     names = fk._gemm_kernel.arg_names
     sig = {n: POINTERS.get(n, "constexpr" if n in const else "fp32" if n == "eps" else "i32") for n in names}
     src = ASTSource(fn=fk._gemm_kernel, signature=sig, constexprs={(names.index(n),): v for n, v in const.items()},

@@ -765,8 +765,9 @@ def test_fp8_add_norm_matches_the_norm_kernel(M):
     """o / down joining the residual stream inside the FP8 GEMM and the next FP8 linear applying the RMSNorm's
     1 / rms (ops.linear_add_norm, fp8_kernels' ADD_NORM and RSTD) against the unfused path (the GEMM's output,
     rms_norm with the residual add writing it quantized, the next GEMM) on the 8B's o -> gate_up shapes: the same
-    residual to a bf16 rounding, the next linear's output to the norm's rounding; a CUDA graph's replays equal the
-    eager result (split K's counters reset)."""
+    residual to a bf16 rounding, the next linear's output to the norm's rounding; the same numbers with the residual
+    and norm weight loaded before the main loop (ADD_NORM_EARLY); a CUDA graph's replays equal the eager result
+    (split K's counters reset)."""
     from specdp_cli.runtime import ops
     from specdp_cli.runtime import fp8_kernels as fk
     from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks
@@ -783,6 +784,13 @@ def test_fp8_add_norm_matches_the_norm_kernel(M):
     want = ops.linear(ops.rms_norm(ops.linear(x, w1), norm, eps, r_plain, quantize=True), w2)
     got = ops.linear(ops.linear_add_norm(x, w1, None, r_fused, norm, eps), w2)
     assert rel(r_fused, r_plain) < 1e-2 and rel(got, want) < 2e-2, (rel(r_fused, r_plain), rel(got, want))
+    fk.ADD_NORM_EARLY = True                        # the residual and norm weight loaded before the main loop
+    try:
+        r_early = residual.clone()
+        assert torch.equal(ops.linear(ops.linear_add_norm(x, w1, None, r_early, norm, eps), w2), got)
+        assert torch.equal(r_early, r_fused)
+    finally:
+        fk.ADD_NORM_EARLY = False
     r, out = residual.clone(), torch.empty_like(got)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -201,7 +201,8 @@ def add_norm_checks(g: torch.Generator) -> None:
     equals `residual + y` of the plain GEMM's output, the handed values are quantize_activations' of norm * residual,
     the squares' partial sums the residual's, and the next linear's output the plain GEMM on the dequantized
     activations scaled by 1 / rms; split K summed by the tile's last program and by torch (no ticket counters:
-    graph capture), with a bias; float32 (the interpreter's float8 on both sides). M 1 and 5."""
+    graph capture), with a bias, the residual and norm weight loaded before the main loop (ADD_NORM_EARLY); float32
+    (the interpreter's float8 on both sides). M 1 and 5."""
     from specdp_cli.runtime import fp8_kernels as fk
     from specdp_cli.runtime.models.quant import quantize_blocks
 
@@ -225,22 +226,25 @@ def add_norm_checks(g: torch.Generator) -> None:
         want = fk.block_fp8_gemm(q, w2q, w2s, 128, x_scale=s, out_dtype=torch.float32) * rstd
         got = fk.fp8_linear(act, w2q, w2s, 128)
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (M, (got - want).abs().max())
-        # split K: the tile's last program sums (ticket counters), or torch does (none: graph capture)
+        # split K: the tile's last program sums (ticket counters), or torch does (none: graph capture); the residual
+        # and norm weight loaded before the main loop (EARLY): the same numbers
         tile = dict(BLOCK_M=16, BLOCK_N=128, SPLIT=2, warps=4, stages=2, GROUP_M=1, SWAP=True)
         outs = []
-        for tickets in (True, False):
+        for tickets, early in ((True, False), (False, False), (True, True)):
             fk.SPLITK_TICKETS = tickets
             try:
                 r, qo, so = residual.clone(), *fk.quantized_rows(M, N, x_q.device)
                 ss = torch.empty(M, N // 128)
-                fk.block_fp8_gemm(x_q, w1q, w1s, 128, bias, x_scale=x_s, out_dtype=torch.float32, tile=tile,
-                                  add_norm=(r, norm, qo, so, ss))
+                fk.block_fp8_gemm(x_q, w1q, w1s, 128, bias, x_scale=x_s, out_dtype=torch.float32,
+                                  tile=dict(tile, EARLY=early), add_norm=(r, norm, qo, so, ss))
             finally:
                 fk.SPLITK_TICKETS = True
             outs.append((r, qo.float(), so, ss))
         assert torch.allclose(outs[0][0], residual + y, rtol=1e-5, atol=1e-5), M
-        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1]), M
-        assert torch.equal(outs[0][2], outs[1][2]) and torch.allclose(outs[0][3], outs[1][3], rtol=1e-6), M
+        for other in outs[1:]:
+            assert torch.equal(outs[0][0], other[0]) and torch.equal(outs[0][1], other[1]), M
+            assert torch.equal(outs[0][2], other[2]) and torch.allclose(outs[0][3], other[3], rtol=1e-6), M
+        assert torch.equal(outs[0][3], outs[2][3]), M         # EARLY: the squares summed by the same kernel code
 
 
 def step_trim_checks(g: torch.Generator) -> None:

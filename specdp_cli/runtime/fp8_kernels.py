@@ -150,7 +150,8 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
     # loop, used after it). ADD_NORM (BLOCK_N 128, not SWAP-only): the output joins the residual stream at res_ptr
     # (in place, rounded as `residual + y` in its dtype) and is not stored; the stream's norm weight times it goes to
     # qo_ptr / so_ptr quantized (one 128-column group a column block) and its squares' sum to ss_ptr column pid_n:
-    # the next FP8 linear's RSTD input (`fp8_linear_add_norm`).
+    # the next FP8 linear's RSTD input (`fp8_linear_add_norm`). ADD_NORM 2: the tile's residual and norm weight are
+    # loaded before the main loop (ADD_NORM_EARLY), not in the last step.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -187,6 +188,13 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
         t = tl.arange(0, SS_PAD)
         ss = tl.load(ss_ptr + m[:, None] * stride_ss + t[None, :], mask=m_ok[:, None] & (t[None, :] < ss_count),
                      other=0.0)
+    if ADD_NORM == 2:   # likewise (every program: which one finishes the tile is known only at the end)
+        res_early = tl.load(res_ptr + m.to(tl.int64)[:, None] * stride_res + n[None, :],
+                            mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+        nw_early = tl.load(nw_ptr + n, mask=n_ok, other=0.0)
+    else:
+        res_early = 0.0
+        nw_early = 0.0
     if SWAP:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -258,7 +266,8 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
                     total += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
                 if ADD_NORM:
                     _add_norm_out(total.to(y_ptr.dtype.element_ty), m, n, m_ok, n_ok, pid_n, res_ptr, stride_res,
-                                  nw_ptr, qo_ptr, stride_qo, so_ptr, stride_so, ss_ptr, stride_ss)
+                                  nw_ptr, qo_ptr, stride_qo, so_ptr, stride_so, ss_ptr, stride_ss, res_early,
+                                  nw_early, ADD_NORM == 2)
                 else:
                     tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
                              total.to(y_ptr.dtype.element_ty), mask=ok)
@@ -268,26 +277,32 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
             acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ADD_NORM:
             _add_norm_out(acc.to(c_ptr.dtype.element_ty), m, n, m_ok, n_ok, pid_n, res_ptr, stride_res, nw_ptr,
-                          qo_ptr, stride_qo, so_ptr, stride_so, ss_ptr, stride_ss)
+                          qo_ptr, stride_qo, so_ptr, stride_so, ss_ptr, stride_ss, res_early, nw_early, ADD_NORM == 2)
         else:
             tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
 def _add_norm_out(y, m, n, m_ok, n_ok, pid_n, res_ptr, stride_res, nw_ptr, qo_ptr, stride_qo, so_ptr, stride_so,
-                  ss_ptr, stride_ss):
+                  ss_ptr, stride_ss, res_early, nw_early, EARLY: tl.constexpr):
     """A GEMM tile's output y [BLOCK_M, 128] (in the activations' dtype) joins the residual stream (in place, the
     numbers of `residual + y`); the stream's squares summed over the tile's columns go to ss_ptr [row, pid_n], and the
     norm weight's product with it, quantized (one 128-column group), to qo_ptr / so_ptr [row, pid_n]: an RMSNorm's
-    output but for each row's 1 / rms, which the GEMM reading it applies (RSTD)."""
+    output but for each row's 1 / rms, which the GEMM reading it applies (RSTD). EARLY: the tile's residual and the
+    norm weight were loaded already (res_early, nw_early)."""
     rows = m.to(tl.int64)[:, None]
     ok = m_ok[:, None] & n_ok[None, :]
     res = res_ptr + rows * stride_res + n[None, :]
-    r = (tl.load(res, mask=ok, other=0.0).to(tl.float32) + y.to(tl.float32)).to(y.dtype)
+    if EARLY:
+        r_old = res_early
+        w = nw_early.to(tl.float32)
+    else:
+        r_old = tl.load(res, mask=ok, other=0.0)
+        w = tl.load(nw_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    r = (r_old.to(tl.float32) + y.to(tl.float32)).to(y.dtype)
     tl.store(res, r, mask=ok)
     rf = r.to(tl.float32)
     tl.store(ss_ptr + m * stride_ss + pid_n, tl.sum(rf * rf, 1), mask=m_ok)
-    w = tl.load(nw_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
     q, s = quantize_groups((rf * w[None, :]).to(y.dtype).to(tl.float32))
     tl.store(qo_ptr + rows * stride_qo + n[None, :], q.to(qo_ptr.dtype.element_ty), mask=ok)
     tl.store(so_ptr + m * stride_so + pid_n, s, mask=m_ok)
@@ -507,13 +522,14 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
     else:
         ss, eps = scale, 0.0
     res, nw, qo, so = add_norm[:4] if add_norm is not None else (scale, scale, scale, scale)
+    add_norm_mode = 0 if add_norm is None else 2 if t.get("EARLY", ADD_NORM_EARLY) else 1
     _gemm_kernel[grid](x, a_s, weight, scale, bias if bias is not None else scale, c, out,
                        tickets if tickets is not None else scale, M, N, K, per_split, split,
                        x.stride(0), a_s.stride(0), a_s.stride(1), weight.stride(0), scale.stride(0), scale.stride(1),
                        c.stride(0) if split > 1 else 0, c.stride(-2), out.stride(0), prefetch,
                        ss, ss.stride(0), ss.shape[1], float(eps), res, res.stride(0), nw, qo, qo.stride(0), so,
                        so.stride(0), RSTD=rstd is not None, SS_PAD=triton.next_power_of_2(ss.shape[1]),
-                       ADD_NORM=add_norm is not None, B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None,
+                       ADD_NORM=add_norm_mode, B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None,
                        SPLIT=split > 1,
                        TICKET=tickets is not None, EVEN_K=K % GROUP == 0, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
                        BLOCK_K=GROUP, GROUP_M=t["GROUP_M"], PREFETCH=prefetch > 0, LANES=32 * t["warps"],
@@ -654,6 +670,10 @@ def _reads_quantized(M: int, dtype: torch.dtype, device: torch.device, is_cuda: 
 # The residual add and the RMSNorm between two FP8 linears at decode sizes (o -> the MLP's norm -> gate_up, down ->
 # the next layer's norm -> qkv) done by the GEMMs themselves, not by a norm kernel (`fp8_linear_add_norm`).
 FUSE_ADD_NORM = True
+# ... with the tile's residual and norm weight loaded before the GEMM's main loop, not in its last step (the loads'
+# latency off the tile's tail; ADD_NORM 2). Not yet measured on a GPU (written after session 37's device time was
+# spent), so off: benchmarks/fp8.py's "-addnormearly" rows.
+ADD_NORM_EARLY = False
 
 
 def add_norm_wanted(x, w, next_w) -> bool:
