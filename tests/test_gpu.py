@@ -784,13 +784,13 @@ def test_fp8_add_norm_matches_the_norm_kernel(M):
     want = ops.linear(ops.rms_norm(ops.linear(x, w1), norm, eps, r_plain, quantize=True), w2)
     got = ops.linear(ops.linear_add_norm(x, w1, None, r_fused, norm, eps), w2)
     assert rel(r_fused, r_plain) < 1e-2 and rel(got, want) < 2e-2, (rel(r_fused, r_plain), rel(got, want))
-    fk.ADD_NORM_EARLY = True                        # the residual and norm weight loaded before the main loop
+    early_was, fk.ADD_NORM_EARLY = fk.ADD_NORM_EARLY, True     # residual and norm weight loaded before the loop
     try:
         r_early = residual.clone()
         assert torch.equal(ops.linear(ops.linear_add_norm(x, w1, None, r_early, norm, eps), w2), got)
         assert torch.equal(r_early, r_fused)
     finally:
-        fk.ADD_NORM_EARLY = False
+        fk.ADD_NORM_EARLY = early_was
     r, out = residual.clone(), torch.empty_like(got)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

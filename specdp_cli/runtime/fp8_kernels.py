@@ -428,15 +428,10 @@ def tiles(M: int, N: int, K: int, sms: int, add_norm: bool = False) -> dict:
     (block_fp8_gemm's, up to 16 rows): 128 columns a program."""
     k_blocks = triton.cdiv(K, GROUP)
     if add_norm:        # one 128-column group a program (`_add_norm_out`), the product transposed, up to 16 rows
-        return dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=GROUP,
-                    SPLIT=_k_split(triton.cdiv(N, GROUP), k_blocks, M, sms, True), warps=8, stages=4, GROUP_M=1,
-                    SWAP=True)
+        return _swap_tile(M, N, k_blocks, sms, GROUP, 8)
     if M <= VERIFY_MAX_M and (SWAP_TILES == "all" or (SWAP_TILES == "decode" and M <= 16)
                               or (SWAP_TILES == "verify" and M > 16)):
-        # the product transposed (_gemm_kernel's SWAP): 64 weight rows a program, every activation row in one block
-        return dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=64,
-                    SPLIT=_k_split(triton.cdiv(N, 64), k_blocks, M, sms, True), warps=4, stages=4, GROUP_M=1,
-                    SWAP=True)
+        return _swap_tile(M, N, k_blocks, sms, 64, 4)
     if M <= 64 or (M <= VERIFY_MAX_M and triton.cdiv(N, 64) < 2 * sms):
         # 64 wide (before DECODE_TILES_29, decode rows ran 32 wide where 64 made two programs an SM: the 8B's
         # gate_up; verification rows never meet such a weight here, it goes to cuBLAS or the prefill tile)
@@ -451,6 +446,14 @@ def tiles(M: int, N: int, K: int, sms: int, add_norm: bool = False) -> dict:
         return dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=4, stages=4, GROUP_M=triton.cdiv(M, 64))
     return dict(BLOCK_M=64 if M <= 128 else 128, BLOCK_N=128, SPLIT=1, warps=8 if M > 128 else 4, stages=3,
                 GROUP_M=8)
+
+
+def _swap_tile(M: int, N: int, k_blocks: int, sms: int, block_n: int, warps: int) -> dict:
+    """The product transposed (_gemm_kernel's SWAP): block_n weight rows a program, every activation row in one
+    block."""
+    return dict(BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
+                SPLIT=_k_split(triton.cdiv(N, block_n), k_blocks, M, sms, True), warps=warps, stages=4, GROUP_M=1,
+                SWAP=True)
 
 
 def _k_split(programs: int, k_blocks: int, M: int, sms: int, deep: bool) -> int:
@@ -515,6 +518,7 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
     aligned = K % GROUP == 0 and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
     prefetch = prefetch_bytes(grid[0] * grid[1], t["BLOCK_N"], per_split * GROUP * weight.element_size()) \
         if launch["PDL"] and pdl.PREFETCH and M <= 64 and aligned else 0
+    assert rstd is None or add_norm is None, "one of rstd and add_norm: they share the sums' arguments"
     if rstd is not None:
         ss, eps = rstd
     elif add_norm is not None:
