@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36|s37 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36|s37|s38 OUT_DIR
 #   (s31contention with KINDS=spin,frontend OTHERS=0,4: the offline engine beside a real serving load, session 32)
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
@@ -871,6 +871,22 @@ s36)
     --json "$out/fp8_8b.json" > "$out/fp8_8b.log" 2>&1 || tail -20 "$out/fp8_8b.log"; sed -n '/^method /,$p' "$out/fp8_8b.log"; }
   [ "${GPU_TEST_S:-60}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-60} ? $(left) : ${GPU_TEST_S:-60} )) python3 -m pytest \
     -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_gemm_matches_reference}" \
+    > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
+  ;;
+s38)
+  # session 38 (issue 30): the 8B's gate_up with silu_and_mul in the GEMM against the GEMM and silu_and_mul's kernel
+  # (GLU_S; fp8_gemm.py --glu ROWS), then the 8B shape's rows (FP8_S; METHODS, BATCHES, MODES: -noglu / -gluw8 /
+  # -glus4 / -addnormearly), then GPU tests (GPU_TEST_S; GPU_TESTS_K)
+  end=$((SECONDS + ${LIMIT:-570}))
+  [ "${GLU_S:-100}" != 0 ] && { timeout ${GLU_S:-100} python3 benchmarks/fp8_gemm.py --glu ${ROWS:-1,16} \
+    --json "$out/fp8_glu.json" > "$out/fp8_glu.log" 2>&1 || tail -5 "$out/fp8_glu.log"; grep -v -E '^skip|[Ww]arn' "$out/fp8_glu.log"; }
+  widen || exit 1
+  [ "${FP8_S:-250}" != 0 ] && { timeout $(( $(left) < ${FP8_S:-250} ? $(left) : ${FP8_S:-250} )) python3 benchmarks/fp8.py \
+    --pair $P --target $W/target --label 8b-shape --methods ${METHODS:-none} --prompts 16 --batch1-prompts 8 \
+    --batches ${BATCHES:-1,16} --repeats 3 --decode-modes ${MODES:-quantize,quantize-noglu,quantize-addnormearly} \
+    --json "$out/fp8_8b.json" > "$out/fp8_8b.log" 2>&1 || tail -20 "$out/fp8_8b.log"; sed -n '/^method /,$p' "$out/fp8_8b.log"; }
+  [ "${GPU_TEST_S:-60}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-60} ? $(left) : ${GPU_TEST_S:-60} )) python3 -m pytest \
+    -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-glu or add_norm}" \
     > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
   ;;
 s37)

@@ -802,6 +802,37 @@ def test_fp8_add_norm_matches_the_norm_kernel(M):
         assert torch.equal(out, got) and torch.equal(r, r_fused)
 
 
+@pytest.mark.parametrize("M", [1, 16])
+def test_fp8_glu_matches_silu_and_mul(M):
+    """silu_and_mul done by the FP8 gate_up GEMM (ops.linear_glu, fp8_kernels' GLU) against the unfused path
+    (the GEMM's [gate | up], silu_and_mul writing it quantized) on the 8B's gate_up, its input a norm's with its sums
+    (RSTD): down's output to FP8 rounding; a CUDA graph's replays equal the eager result (split K's counters
+    reset)."""
+    from specdp_cli.runtime import ops
+    from specdp_cli.runtime import fp8_kernels as fk
+    from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks
+    g = torch.Generator(device="cuda").manual_seed(M)
+    K, I = 4096, 14336
+    gate_up = FP8Weight(*quantize_blocks(torch.randn(2 * I, K, device="cuda", generator=g) / 60), 128,
+                        torch.bfloat16)
+    down = FP8Weight(*quantize_blocks(torch.randn(K, I, device="cuda", generator=g) / 120), 128, torch.bfloat16)
+    q, s = fk.quantize_activations(torch.randn(M, K, device="cuda", generator=g).bfloat16())
+    x = fk.FP8Activation(q, s, torch.bfloat16, torch.rand(M, K // 128, device="cuda", generator=g) * 128, 1e-5)
+    assert ops.glu_wanted(x, gate_up, down) and not ops.glu_wanted(x, gate_up, None)
+    want = ops.linear(ops.silu_and_mul(ops.linear(x, gate_up), quantize=True), down)
+    act = ops.linear_glu(x, gate_up)
+    got = ops.linear(act, down)
+    assert act.q.shape == (M, I) and rel(got, want) < 2e-2, rel(got, want)
+    out = torch.empty_like(got)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(ops.linear(ops.linear_glu(x, gate_up), down))
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        assert torch.equal(out, got)
+
+
 @pytest.mark.parametrize("tokens,experts,top_k", [(1, 128, 8), (16, 64, 4), (300, 8, 2)])
 def test_fp8_routed_expert_kernels_match_reference(tokens, experts, top_k):
     """The grouped expert kernels reading FP8 experts equal the bf16 kernels on the dequantized experts: weight-only
