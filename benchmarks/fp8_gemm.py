@@ -302,10 +302,10 @@ def sweep_glu(dev, row_counts: list[int]) -> list[dict]:
                 "gemm_us": cold(lambda i: fk.fp8_linear(x, *w8[i], 128), copies) * 1e3}
         default = fk.glu_tile(M, N, K, fk._num_sms(dev))
         tried = [dict(default, label="default")]
-        for warps in (4, 8):
-            for stages in (2, 3, 4):
-                for split in (1, 2, 4):
-                    tried.append(dict(default, warps=warps, stages=stages, SPLIT=split))
+        for rows, warps in ((128, 4), (256, 4), (256, 8)):     # session 38's first sweep: 256 rows, 2-4 stages
+            for stages in (3, 4, 6):
+                for split in (1, 2):
+                    tried.append(dict(default, BLOCK_N=rows, warps=warps, stages=stages, SPLIT=split))
         found = []
         for t in tried:
             def glu(i, t=t):
@@ -321,7 +321,7 @@ def sweep_glu(dev, row_counts: list[int]) -> list[dict]:
         out += found
         best = min(found, key=lambda r: r["us"])
         print(f"{M:>4}{base['gemm_silu_us']:>14.1f}{base['gemm_us']:>9.1f}{found[0]['us']:>8.1f}{best['us']:>13.1f}  "
-              f"warps {best['warps']} stages {best['stages']} split {best['SPLIT']}", flush=True)
+              f"rows {best['BLOCK_N']} warps {best['warps']} stages {best['stages']} split {best['SPLIT']}", flush=True)
     return out
 
 

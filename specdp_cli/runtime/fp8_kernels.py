@@ -139,7 +139,7 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
                  PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr, SWAP: tl.constexpr,
                  AHEAD: tl.constexpr, RSTD: tl.constexpr, SS_PAD: tl.constexpr, ADD_NORM: tl.constexpr,
-                 GLU: tl.constexpr):
+                 GLU: tl.constexpr, GLU_TILES: tl.constexpr):
     # program -> (row block, column block), grouped so that GROUP_M row blocks share the weights in L2.
     # SWAP: the product is computed transposed, weight tile [BLOCK_N, BLOCK_K] times activations [BLOCK_K, BLOCK_M],
     # so that the weight's columns fill the tensor cores' 64-row side and few activation rows their narrow side
@@ -152,10 +152,12 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
     # (in place, rounded as `residual + y` in its dtype) and is not stored; the stream's norm weight times it goes to
     # qo_ptr / so_ptr quantized (one 128-column group a column block) and its squares' sum to ss_ptr column pid_n:
     # the next FP8 linear's RSTD input (`fp8_linear_add_norm`). ADD_NORM 2: the tile's residual and norm weight are
-    # loaded before the main loop (ADD_NORM_EARLY), not in the last step. GLU (BLOCK_N 256, SWAP): the weight is
-    # [gate | up] (glu_half rows each); a program's first 128 rows are gate's rows j .. j + 128, the others up's same
-    # rows, and its output is not stored: silu(gate) * up goes to qo_ptr / so_ptr quantized (one 128-column group a
-    # column block), the next FP8 linear's input (`fp8_linear_glu`; silu_and_mul's numbers of the GEMM's output).
+    # loaded before the main loop (ADD_NORM_EARLY), not in the last step. GLU: the weight is [gate | up] (glu_half
+    # rows each); a program's first BLOCK_N / 2 rows are gate's rows j .. j + BLOCK_N / 2, the others up's same rows,
+    # and the output is not stored: silu(gate) * up goes to qo_ptr / so_ptr quantized, the next FP8 linear's input
+    # (`fp8_linear_glu`; silu_and_mul's numbers of the GEMM's output). Its quantization group (128 output columns)
+    # spans GLU_TILES programs' column blocks (BLOCK_N 256: one; 128: two): with two, or split K, the partial sums go
+    # to the workspace (SPLIT) and the group's last program to finish (a ticket per group) adds them up for it.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -266,8 +268,23 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
         tl.store(out, acc, mask=ok)
         if TICKET:       # program to finish does: one launch less a GEMM
             tl.debug_barrier()          # every thread's partial sums are stored before the ticket is taken
-            ticket = tl.atomic_add(tickets_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            if ticket == n_splits - 1:
+            ticket_ptr = tickets_ptr + pid // GLU_TILES
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
+            if GLU and ticket == n_splits * GLU_TILES - 1:     # the group's 128 gate and 128 up columns
+                p2 = tl.arange(0, 2 * 128)
+                j2 = (pid_n // GLU_TILES) * 128 + p2 % 128
+                n2 = j2 + (p2 >= 128).to(tl.int32) * glu_half
+                ok2 = m_ok[:, None] & (j2 < glu_half)[None, :]
+                ws = c_ptr + m.to(tl.int64)[:, None] * stride_cm + n2[None, :]
+                total = tl.zeros([BLOCK_M, 2 * 128], dtype=tl.float32)
+                for s in range(0, n_splits):         # in split order
+                    total += tl.load(ws + s * stride_cs, mask=ok2, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + n2, mask=j2 < glu_half, other=0.0).to(tl.float32)[None, :]
+                _glu_out(total.to(y_ptr.dtype.element_ty), m, m_ok, pid_n // GLU_TILES, glu_half, qo_ptr, stride_qo,
+                         so_ptr, stride_so, BLOCK_M, 128)
+                tl.atomic_xchg(ticket_ptr, 0)
+            elif not GLU and ticket == n_splits - 1:
                 ws = c_ptr + m.to(tl.int64)[:, None] * stride_cm + n[None, :]
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for s in range(0, n_splits):         # in split order: the sum kernel's numbers
@@ -278,9 +295,6 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
                     _add_norm_out(total.to(y_ptr.dtype.element_ty), m, n, m_ok, n_ok, pid_n, res_ptr, stride_res,
                                   nw_ptr, qo_ptr, stride_qo, so_ptr, stride_so, ss_ptr, stride_ss, res_early,
                                   nw_early, ADD_NORM == 2)
-                elif GLU:
-                    _glu_out(total.to(y_ptr.dtype.element_ty), m, m_ok, pid_n, glu_half, qo_ptr, stride_qo, so_ptr,
-                             stride_so, BLOCK_M, BLOCK_N // 2)
                 else:
                     tl.store(y_ptr + m.to(tl.int64)[:, None] * stride_ym + n[None, :],
                              total.to(y_ptr.dtype.element_ty), mask=ok)
@@ -291,9 +305,9 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
         if ADD_NORM:
             _add_norm_out(acc.to(c_ptr.dtype.element_ty), m, n, m_ok, n_ok, pid_n, res_ptr, stride_res, nw_ptr,
                           qo_ptr, stride_qo, so_ptr, stride_so, ss_ptr, stride_ss, res_early, nw_early, ADD_NORM == 2)
-        elif GLU:
+        elif GLU:        # one program a group, K not split
             _glu_out(acc.to(c_ptr.dtype.element_ty), m, m_ok, pid_n, glu_half, qo_ptr, stride_qo, so_ptr, stride_so,
-                     BLOCK_M, BLOCK_N // 2)
+                     BLOCK_M, 128)
         else:
             tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
@@ -461,9 +475,10 @@ def _glu_torch(y: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
 
 
 def glu_tile(M: int, N: int, K: int, sms: int) -> dict:
-    """The tile of `fp8_linear_glu` (up to 16 rows): 256 weight rows a program (128 of gate's, the same 128 of
-    up's: one output group), the product transposed; 3 stages, so that two programs fit an SM's shared memory."""
-    return dict(_swap_tile(M, N, triton.cdiv(K, GROUP), sms, 2 * GROUP, GLU_WARPS), stages=GLU_STAGES)
+    """The tile of `fp8_linear_glu` (up to 16 rows), the product transposed: GLU_ROWS weight rows a program (half
+    of them gate's, the same rows of up's; 256: one output group a program, 128: two programs a group), GLU_WARPS
+    warps, GLU_STAGES stages."""
+    return dict(_swap_tile(M, N, triton.cdiv(K, GROUP), sms, GLU_ROWS, GLU_WARPS), stages=GLU_STAGES)
 
 
 def tiles(M: int, N: int, K: int, sms: int, add_norm: bool = False) -> dict:
@@ -555,17 +570,19 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
                  else tiles(M, N, K, _num_sms(x.device), add_norm is not None))
     if add_norm is not None:
         assert t["BLOCK_N"] == GROUP and N % GROUP == 0, (t, N)
+    glu_tiles = 2 * GROUP // t["BLOCK_N"] if glu is not None else 1       # programs a GLU output group spans
     if glu is not None:
-        assert add_norm is None and t["BLOCK_N"] == 2 * GROUP and N % (2 * GROUP) == 0, (t, N)
+        assert add_norm is None and t["BLOCK_N"] in (GROUP, 2 * GROUP) and N % (2 * GROUP) == 0, (t, N)
     k_blocks = triton.cdiv(K, GROUP)
     split = max(1, min(t["SPLIT"], k_blocks))
     per_split = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, per_split)
-    c = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
+    partial = split > 1 or glu_tiles > 1          # partial sums through the workspace
+    c = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if partial else out
     a_mode = 0 if x_scale is not None else 2 if mode == "weight_only" else 1
     a_s = x_scale if x_scale is not None else scale          # unused unless pre-quantized
     grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"]), split)
-    tickets = _tickets(x.device, grid[0]) if split > 1 and SPLITK_TICKETS else None
+    tickets = _tickets(x.device, grid[0]) if partial and SPLITK_TICKETS else None
     launch = pdl.gemm_options(x.device)
     aligned = K % GROUP == 0 and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
     prefetch = prefetch_bytes(grid[0] * grid[1], t["BLOCK_N"], per_split * GROUP * weight.element_size()) \
@@ -583,16 +600,16 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
     _gemm_kernel[grid](x, a_s, weight, scale, bias if bias is not None else scale, c, out,
                        tickets if tickets is not None else scale, M, N, K, per_split, split,
                        x.stride(0), a_s.stride(0), a_s.stride(1), weight.stride(0), scale.stride(0), scale.stride(1),
-                       c.stride(0) if split > 1 else 0, c.stride(-2), out.stride(0), prefetch,
+                       c.stride(0) if partial else 0, c.stride(-2), out.stride(0), prefetch,
                        ss, ss.stride(0), ss.shape[1], float(eps), res, res.stride(0), nw, qo, qo.stride(0), so,
-                       so.stride(0), N // 2, RSTD=rstd is not None, GLU=glu is not None, SS_PAD=triton.next_power_of_2(ss.shape[1]),
+                       so.stride(0), N // 2, RSTD=rstd is not None, GLU=glu is not None, GLU_TILES=glu_tiles, SS_PAD=triton.next_power_of_2(ss.shape[1]),
                        ADD_NORM=add_norm_mode, B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None,
-                       SPLIT=split > 1,
+                       SPLIT=partial,
                        TICKET=tickets is not None, EVEN_K=K % GROUP == 0, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
                        BLOCK_K=GROUP, GROUP_M=t["GROUP_M"], PREFETCH=prefetch > 0, LANES=32 * t["warps"],
                        SWAP=t.get("SWAP", False), AHEAD=t.get("AHEAD", SCALES_AHEAD and t.get("SWAP", False)),
                        num_warps=t["warps"], num_stages=t["stages"], **launch)
-    if split > 1 and tickets is None:
+    if partial and tickets is None:
         if add_norm is not None:        # graph capture without ticket counters: the tickets' numbers in torch
             y = c[0].clone()
             for s in range(1, split):
@@ -773,10 +790,12 @@ def fp8_linear_add_norm(x: FP8Activation, weight: torch.Tensor, scale: torch.Ten
 
 
 # silu_and_mul done by the gate_up GEMM at decode sizes: its output goes to down quantized, not through
-# silu_and_mul's kernel (`fp8_linear_glu`), in tiles of GLU_WARPS warps and GLU_STAGES pipeline stages.
+# silu_and_mul's kernel (`fp8_linear_glu`), in tiles of GLU_ROWS weight rows, GLU_WARPS warps and GLU_STAGES
+# pipeline stages (`glu_tile`).
 FUSE_GLU = True
+GLU_ROWS = 128
 GLU_WARPS = 4
-GLU_STAGES = 3
+GLU_STAGES = 4
 
 
 def glu_wanted(x, w, next_w) -> bool:
