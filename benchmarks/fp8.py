@@ -66,7 +66,8 @@ def apply_mode(mode: str | None) -> None:
     (fp8_kernels.FUSE_ADD_NORM; the default since session 37); "-addnormearly": the joining GEMM's residual tile and
     norm weight loaded before its main loop (fp8_kernels.ADD_NORM_EARLY); "-noglu": gate_up's output through
     silu_and_mul's kernel, not silu_and_mul in the GEMM (fp8_kernels.FUSE_GLU; the default since session 38),
-    "-glu256": that GEMM's tile 256 weight rows (GLU_ROWS, one output group a program), "-gluw8" / "-glus3" /
+    "-glu64" / "-glu128" / "-glu256": that GEMM on, its tile 64 / 128 / 256 weight rows (GLU_ROWS; one output group
+    over four / two / one programs); "-noaddnormearly": ADD_NORM_EARLY off; "-gluw8" / "-glus3" /
     "-glus6": 8 warps / 3 or 6 stages (GLU_WARPS, GLU_STAGES). Not kept (slower
     or the same): session 37's split attention combined by each (row, KV head)'s last part to finish instead of the
     combine kernel (commit d799f2f, whose "-attncombine" rows have the combine kernel), "-expertsahead" (the scales
@@ -90,10 +91,11 @@ def apply_mode(mode: str | None) -> None:
     pdl.PREFETCH = "noprefetch" not in off
     pdl.EXPERTS_PLAIN = "expertsplain" in off
     fp8_kernels.FUSE_ADD_NORM = "addnorm" in off or (DEFAULTS["FUSE_ADD_NORM"] and "noaddnorm" not in off)
-    fp8_kernels.ADD_NORM_EARLY = "addnormearly" in off or DEFAULTS["ADD_NORM_EARLY"]
-    fp8_kernels.FUSE_GLU = DEFAULTS["FUSE_GLU"] and "noglu" not in off
+    fp8_kernels.ADD_NORM_EARLY = "addnormearly" in off or (DEFAULTS["ADD_NORM_EARLY"] and "noaddnormearly" not in off)
+    glu_rows = [int(o[3:]) for o in off if o in ("glu64", "glu128", "glu256")]
+    fp8_kernels.FUSE_GLU = bool(glu_rows) or (DEFAULTS["FUSE_GLU"] and "noglu" not in off)
     fp8_kernels.GLU_WARPS = 8 if "gluw8" in off else DEFAULTS["GLU_WARPS"]
-    fp8_kernels.GLU_ROWS = 256 if "glu256" in off else DEFAULTS["GLU_ROWS"]
+    fp8_kernels.GLU_ROWS = glu_rows[0] if glu_rows else DEFAULTS["GLU_ROWS"]
     fp8_kernels.GLU_STAGES = 3 if "glus3" in off else 6 if "glus6" in off else DEFAULTS["GLU_STAGES"]
     fp8_kernels.SCALES_AHEAD = "ahead" in off or (DEFAULTS["SCALES_AHEAD"] and "noahead" not in off)
     moe_kernels.EXPERTS_W8A8T = "expertsw8a8t" in off or (DEFAULTS["EXPERTS_W8A8T"] and "noexpertsw8a8t" not in off)

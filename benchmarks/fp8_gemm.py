@@ -302,10 +302,13 @@ def sweep_glu(dev, row_counts: list[int]) -> list[dict]:
                 "gemm_us": cold(lambda i: fk.fp8_linear(x, *w8[i], 128), copies) * 1e3}
         default = fk.glu_tile(M, N, K, fk._num_sms(dev))
         tried = [dict(default, label="default")]
-        for rows, warps in ((128, 4), (256, 4), (256, 8)):     # session 38's first sweep: 256 rows, 2-4 stages
-            for stages in (3, 4, 6):
-                for split in (1, 2):
-                    tried.append(dict(default, BLOCK_N=rows, warps=warps, stages=stages, SPLIT=split))
+        # (session 38's first two sweeps: 256 rows with 4 / 8 warps, 2-6 stages, split 1, 2, 4; 128 rows, 4 warps,
+        # 3-6 stages, split 1 and 2: split 1 and 4 stages best)
+        for stages in (3, 4, 6):
+            for split in (1, 2):
+                tried.append(dict(default, BLOCK_N=64, warps=4, stages=stages, SPLIT=split))
+        for rows, warps in ((128, 4), (256, 4), (256, 8)):
+            tried.append(dict(default, BLOCK_N=rows, warps=warps, stages=4, SPLIT=1))
         found = []
         for t in tried:
             def glu(i, t=t):

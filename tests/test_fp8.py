@@ -403,6 +403,7 @@ def test_glu_wanted_decides_by_shapes_and_settings(monkeypatch):
         return fk.FP8Activation(Q(M, cuda), None, dtype, sumsq)
 
     gate_up, down = fp8(1024, 256), fp8(256, 512)
+    monkeypatch.setattr(fk, "FUSE_GLU", True)
     assert ops.glu_wanted(act(1), gate_up, down) and ops.glu_wanted(act(16), gate_up, down)
     assert ops.glu_wanted(act(5, sumsq=torch.ones(5, 2)), gate_up, down)        # a norm's output with its sums
     assert ops.glu_wanted(act(3, torch.float32), gate_up, down)

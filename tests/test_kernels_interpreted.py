@@ -252,7 +252,7 @@ def glu_checks(g: torch.Generator) -> None:
     """silu_and_mul done by the FP8 gate_up GEMM (fp8_kernels.fp8_linear_glu, `glu`): the handed values against
     silu_and_mul's quantized output of the plain GEMM's [gate | up] (the same numbers but where the two GEMMs' sums
     round apart: a float8 step at most, in few places); its input a norm's with each row's 1 / rms still to apply
-    (RSTD); a group's 256 weight rows in one program or two, split K or not, the partial sums added up by the group's
+    (RSTD); a group's 256 weight rows in one program, two or four, split K or not, the partial sums added up by the group's
     last program and by torch (no ticket counters: graph capture), with a bias; float32. M 1 and 5; an intermediate size of three groups (three column blocks of 256 weight rows)."""
     from specdp_cli.runtime import fp8_kernels as fk, triton_kernels as tk
     from specdp_cli.runtime.models.quant import quantize_blocks
@@ -274,7 +274,7 @@ def glu_checks(g: torch.Generator) -> None:
             assert (d == want).float().mean() > 0.95, (M, rstd is not None, (d == want).float().mean())
             # 256 or 128 weight rows a program (one or two programs a group), K split or not: the group's last
             # program sums (ticket counters) or torch does (none: graph capture)
-            for rows, split in ((256, 1), (256, 2), (128, 1), (128, 2)):
+            for rows, split in ((256, 1), (256, 2), (128, 1), (128, 2), (64, 1)):
                 tile = dict(BLOCK_M=16, BLOCK_N=rows, SPLIT=split, warps=4, stages=2, GROUP_M=1, SWAP=True)
                 outs = []
                 for tickets in (True, False):

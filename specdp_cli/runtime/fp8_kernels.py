@@ -476,9 +476,12 @@ def _glu_torch(y: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
 
 def glu_tile(M: int, N: int, K: int, sms: int) -> dict:
     """The tile of `fp8_linear_glu` (up to 16 rows), the product transposed: GLU_ROWS weight rows a program (half
-    of them gate's, the same rows of up's; 256: one output group a program, 128: two programs a group), GLU_WARPS
-    warps, GLU_STAGES stages."""
-    return dict(_swap_tile(M, N, triton.cdiv(K, GROUP), sms, GLU_ROWS, GLU_WARPS), stages=GLU_STAGES)
+    of them gate's, the same rows of up's; 256: one output group a program, 128 / 64: two / four programs a group),
+    GLU_WARPS warps, GLU_STAGES stages; K split only where the programs are too few for 1.5 an SM (session 38's
+    sweep on the 8B's gate_up: split 2 was 3-6 µs slower than none at 112-448 programs)."""
+    k_blocks = triton.cdiv(K, GROUP)
+    return dict(_swap_tile(M, N, k_blocks, sms, GLU_ROWS, GLU_WARPS), stages=GLU_STAGES,
+                SPLIT=_k_split(triton.cdiv(N, GLU_ROWS), k_blocks, M, sms, False))
 
 
 def tiles(M: int, N: int, K: int, sms: int, add_norm: bool = False) -> dict:
@@ -572,7 +575,7 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
         assert t["BLOCK_N"] == GROUP and N % GROUP == 0, (t, N)
     glu_tiles = 2 * GROUP // t["BLOCK_N"] if glu is not None else 1       # programs a GLU output group spans
     if glu is not None:
-        assert add_norm is None and t["BLOCK_N"] in (GROUP, 2 * GROUP) and N % (2 * GROUP) == 0, (t, N)
+        assert add_norm is None and t["BLOCK_N"] in (64, 128, 256) and N % (2 * GROUP) == 0, (t, N)
     k_blocks = triton.cdiv(K, GROUP)
     split = max(1, min(t["SPLIT"], k_blocks))
     per_split = triton.cdiv(k_blocks, split)
@@ -753,9 +756,9 @@ def _reads_quantized(M: int, dtype: torch.dtype, device: torch.device, is_cuda: 
 # the next layer's norm -> qkv) done by the GEMMs themselves, not by a norm kernel (`fp8_linear_add_norm`).
 FUSE_ADD_NORM = True
 # ... with the tile's residual and norm weight loaded before the GEMM's main loop, not in its last step (the loads'
-# latency off the tile's tail; ADD_NORM 2). Not yet measured on a GPU (written after session 37's device time was
-# spent), so off: benchmarks/fp8.py's "-addnormearly" rows.
-ADD_NORM_EARLY = False
+# latency off the tile's tail; ADD_NORM 2). Session 38 on an H200: the 8B shape in FP8 at batch 1 2.57 -> 2.55 ms a
+# step (benchmarks/fp8.py's "-addnormearly" rows), at batch 16 the same.
+ADD_NORM_EARLY = True
 
 
 def add_norm_wanted(x, w, next_w) -> bool:
@@ -792,8 +795,8 @@ def fp8_linear_add_norm(x: FP8Activation, weight: torch.Tensor, scale: torch.Ten
 # silu_and_mul done by the gate_up GEMM at decode sizes: its output goes to down quantized, not through
 # silu_and_mul's kernel (`fp8_linear_glu`), in tiles of GLU_ROWS weight rows, GLU_WARPS warps and GLU_STAGES
 # pipeline stages (`glu_tile`).
-FUSE_GLU = True
-GLU_ROWS = 128
+FUSE_GLU = False
+GLU_ROWS = 64
 GLU_WARPS = 4
 GLU_STAGES = 4
 
