@@ -64,12 +64,10 @@ def apply_mode(mode: str | None) -> None:
     block (fp8_kernels.SCALES_AHEAD; the default for the transposed decode tiles since session 37); "-noaddnorm":
     o and down's output joined to the residual stream and normed by the RMSNorm kernel, not by the GEMMs
     (fp8_kernels.FUSE_ADD_NORM; the default since session 37); "-addnormearly": the joining GEMM's residual tile and
-    norm weight loaded before its main loop (fp8_kernels.ADD_NORM_EARLY); "-noglu": gate_up's output through
-    silu_and_mul's kernel, not silu_and_mul in the GEMM (fp8_kernels.FUSE_GLU; the default since session 38),
-    "-glu64" / "-glu128" / "-glu256": that GEMM on, its tile 64 / 128 / 256 weight rows (GLU_ROWS; one output group
-    over four / two / one programs); "-noaddnormearly": ADD_NORM_EARLY off; "-gluw8" / "-glus3" /
-    "-glus6": 8 warps / 3 or 6 stages (GLU_WARPS, GLU_STAGES). Not kept (slower
-    or the same): session 37's split attention combined by each (row, KV head)'s last part to finish instead of the
+    norm weight loaded before its main loop (fp8_kernels.ADD_NORM_EARLY; the default since session 38),
+    "-noaddnormearly": in its last step. Not kept (slower or the same): session 38's silu_and_mul inside the gate_up
+    GEMM (commit 6aa6ee7: "-glu64" / "-glu128" / "-glu256", its tile 64 / 128 / 256 weight rows, and "-noglu");
+    session 37's split attention combined by each (row, KV head)'s last part to finish instead of the
     combine kernel (commit d799f2f, whose "-attncombine" rows have the combine kernel), "-expertsahead" (the scales
     a K block ahead in the FP8 routed experts) and "-up32" (their W8A8 gate/up kernel 32 columns a program; the code
     of these two is not in the repository); session
@@ -83,8 +81,6 @@ def apply_mode(mode: str | None) -> None:
     DEFAULTS.setdefault("SCALES_AHEAD", fp8_kernels.SCALES_AHEAD)
     DEFAULTS.setdefault("FUSE_ADD_NORM", fp8_kernels.FUSE_ADD_NORM)
     DEFAULTS.setdefault("ADD_NORM_EARLY", fp8_kernels.ADD_NORM_EARLY)
-    for name in ("FUSE_GLU", "GLU_ROWS", "GLU_WARPS", "GLU_STAGES"):
-        DEFAULTS.setdefault(name, getattr(fp8_kernels, name))
     base, *off = (mode or "bf16").split("-")
     off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
     pdl.ENABLED = "nopdl" not in off
@@ -92,11 +88,6 @@ def apply_mode(mode: str | None) -> None:
     pdl.EXPERTS_PLAIN = "expertsplain" in off
     fp8_kernels.FUSE_ADD_NORM = "addnorm" in off or (DEFAULTS["FUSE_ADD_NORM"] and "noaddnorm" not in off)
     fp8_kernels.ADD_NORM_EARLY = "addnormearly" in off or (DEFAULTS["ADD_NORM_EARLY"] and "noaddnormearly" not in off)
-    glu_rows = [int(o[3:]) for o in off if o in ("glu64", "glu128", "glu256")]
-    fp8_kernels.FUSE_GLU = bool(glu_rows) or (DEFAULTS["FUSE_GLU"] and "noglu" not in off)
-    fp8_kernels.GLU_WARPS = 8 if "gluw8" in off else DEFAULTS["GLU_WARPS"]
-    fp8_kernels.GLU_ROWS = glu_rows[0] if glu_rows else DEFAULTS["GLU_ROWS"]
-    fp8_kernels.GLU_STAGES = 3 if "glus3" in off else 6 if "glus6" in off else DEFAULTS["GLU_STAGES"]
     fp8_kernels.SCALES_AHEAD = "ahead" in off or (DEFAULTS["SCALES_AHEAD"] and "noahead" not in off)
     moe_kernels.EXPERTS_W8A8T = "expertsw8a8t" in off or (DEFAULTS["EXPERTS_W8A8T"] and "noexpertsw8a8t" not in off)
     if base != "bf16":

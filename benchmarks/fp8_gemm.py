@@ -7,12 +7,10 @@ With --sweep, the GEMV's tiles (BLOCK_N x groups a step x warps / stages) at M =
 tiles (BLOCK_N x split K) at M = 1 and 16. With --sweep-stages (alone), the decode GEMM's tiles with 3-8 pipeline
 stages on cold weights (`sweep_stages`). With --sweep-rows 48,80 (alone), the 8B's projections at those row counts
 (a verification step: batch x (k + 1)) over BLOCK_M x BLOCK_N x split K x warps, cold weights, against
-bf16 and cuBLAS's block-scaled GEMM (`sweep_rows`). With --glu 1,16 (alone), the 8B's gate_up followed by
-silu_and_mul (quantized for down) against the GEMM doing silu_and_mul itself (fp8_kernels.fp8_linear_glu), its
-input a norm's with the rows' 1 / rms to apply, over warps x stages x split K, cold weights (`sweep_glu`).
+bf16 and cuBLAS's block-scaled GEMM (`sweep_rows`).
 
 Usage: python benchmarks/fp8_gemm.py [--rows 1,16,64,256,2048] [--sweep | --sweep-stages | --sweep-rows 48,80
-       [--swap] [--shapes 8b.qkv,...] | --glu 1,16] --json OUT.json
+       [--swap] [--shapes 8b.qkv,...]] --json OUT.json
 """
 from __future__ import annotations
 
@@ -75,16 +73,9 @@ def main() -> None:
                     help="with --sweep-rows: the shipped tile and its neighbours with each K block's scales loaded "
                     "one block ahead (AHEAD), against the same without")
     ap.add_argument("--shapes", default="8b.qkv,8b.o,8b.gate_up,8b.down", help="with --sweep-rows: " + ",".join(SHAPES))
-    ap.add_argument("--glu", default="", help="row counts: gate_up with silu_and_mul in it (sweep_glu)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
-    if a.glu:
-        sweep = sweep_glu(dev, [int(m) for m in a.glu.split(",")])
-        with open(a.json, "w") as fh:
-            json.dump({"meta": {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                "triton": triton.__version__, "argv": sys.argv[1:]}, "sweep": sweep}, fh, indent=1)
-        return
     if a.sweep_stages or a.sweep_rows:
         sweep = sweep_stages(dev) if a.sweep_stages else sweep_rows(dev, [int(m) for m in a.sweep_rows.split(",")],
                                                                     a.shapes.split(","), a.swap, a.ahead)
@@ -279,52 +270,6 @@ def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool, ahead:
                             and r["SPLIT"] == found[0]["SPLIT"]), flush=True)
         w16 = w8 = wcs = None
         torch.cuda.empty_cache()
-    return out
-
-
-def sweep_glu(dev, row_counts: list[int]) -> list[dict]:
-    """The 8B's gate_up at `row_counts` rows, its input an RMSNorm's handed over quantized with its sums (as o's
-    GEMM hands it): the shipped GEMM then silu_and_mul's kernel writing down's input quantized (both kernels, as a
-    layer runs them), the GEMM alone, and the GEMM doing silu_and_mul itself (`fk.fp8_linear_glu`) on its default
-    tile and over warps x stages x split K; cold weights (160 MB of copies cycled)."""
-    from specdp_cli.runtime import triton_kernels as tk
-    N, K = SHAPES["8b.gate_up"]
-    copies = cold_copies(N, K)
-    w8 = [quantize_blocks(torch.randn(N, K, device=dev) / 30) for _ in range(copies)]
-    out = []
-    print(f"{'M':>4}{'gemm+silu us':>14}{'gemm us':>9}{'glu us':>8}{'best glu us':>13}  best tile")
-    for M in row_counts:
-        q, s = fk.quantize_activations(torch.randn(M, K, device=dev, dtype=torch.bfloat16))
-        x = fk.FP8Activation(q, s, torch.bfloat16, torch.rand(M, K // 128, device=dev) * 128, 1e-5)
-        base = {"shape": "8b.gate_up", "M": M,
-                "gemm_silu_us": cold(lambda i: tk.silu_and_mul(fk.fp8_linear(x, *w8[i], 128), quantize=True),
-                                     copies) * 1e3,
-                "gemm_us": cold(lambda i: fk.fp8_linear(x, *w8[i], 128), copies) * 1e3}
-        default = fk.glu_tile(M, N, K, fk._num_sms(dev))
-        tried = [dict(default, label="default")]
-        # (session 38's first two sweeps: 256 rows with 4 / 8 warps, 2-6 stages, split 1, 2, 4; 128 rows, 4 warps,
-        # 3-6 stages, split 1 and 2: split 1 and 4 stages best)
-        for stages in (3, 4, 6):
-            for split in (1, 2):
-                tried.append(dict(default, BLOCK_N=64, warps=4, stages=stages, SPLIT=split))
-        for rows, warps in ((128, 4), (256, 4), (256, 8)):
-            tried.append(dict(default, BLOCK_N=rows, warps=warps, stages=4, SPLIT=1))
-        found = []
-        for t in tried:
-            def glu(i, t=t):
-                q8, s8 = fk.quantized_rows(M, N // 2, dev)
-                fk.block_fp8_gemm(x.q, *w8[i], 128, x_scale=x.scale, out_dtype=torch.bfloat16, tile=t,
-                                  rstd=(x.sumsq, x.eps), glu=(q8, s8))
-            try:
-                us = cold(glu, copies) * 1e3
-            except Exception as e:  # noqa: BLE001 - a tile that does not compile (shared memory) is skipped
-                print(f"skip {t}: {type(e).__name__}")
-                continue
-            found.append({**base, **t, "us": us})
-        out += found
-        best = min(found, key=lambda r: r["us"])
-        print(f"{M:>4}{base['gemm_silu_us']:>14.1f}{base['gemm_us']:>9.1f}{found[0]['us']:>8.1f}{best['us']:>13.1f}  "
-              f"rows {best['BLOCK_N']} warps {best['warps']} stages {best['stages']} split {best['SPLIT']}", flush=True)
     return out
 
 

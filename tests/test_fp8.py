@@ -383,40 +383,6 @@ def test_add_norm_wanted_decides_by_shapes_and_settings(monkeypatch):
     assert not ops.add_norm_wanted(act(1), o, gate_up)
 
 
-def test_glu_wanted_decides_by_shapes_and_settings(monkeypatch):
-    """Where gate_up's FP8 GEMM does silu_and_mul itself and hands down its input quantized
-    (fp8_kernels.glu_wanted): activations already quantized (a norm's output, with or without its sums), on CUDA,
-    1-16 rows, down taking the intermediate columns quantized (whole groups)
-    (fused_quant_wanted), FUSE_GLU on; never for a plain tensor or weight (ops.glu_wanted)."""
-    from specdp_cli.runtime import fp8_kernels as fk, ops
-    from specdp_cli.runtime.models.quant import FP8Weight
-
-    class Q:                                      # stands for CUDA float8 values: what the decision reads of them
-        def __init__(self, M, cuda=True):
-            self.shape, self.is_cuda, self.device = (M, 256), cuda, torch.device("cpu")
-
-    def fp8(N, K):
-        return FP8Weight(torch.zeros(N, K).to(torch.float8_e4m3fn), torch.ones(-(-N // 128), -(-K // 128)), 128,
-                         torch.bfloat16)
-
-    def act(M, dtype=torch.bfloat16, sumsq=None, cuda=True):
-        return fk.FP8Activation(Q(M, cuda), None, dtype, sumsq)
-
-    gate_up, down = fp8(1024, 256), fp8(256, 512)
-    monkeypatch.setattr(fk, "FUSE_GLU", True)
-    assert ops.glu_wanted(act(1), gate_up, down) and ops.glu_wanted(act(16), gate_up, down)
-    assert ops.glu_wanted(act(5, sumsq=torch.ones(5, 2)), gate_up, down)        # a norm's output with its sums
-    assert ops.glu_wanted(act(3, torch.float32), gate_up, down)
-    assert not ops.glu_wanted(act(17), gate_up, down)                           # verification rows
-    assert not ops.glu_wanted(act(1, cuda=False), gate_up, down)
-    assert not ops.glu_wanted(act(1), gate_up, None) and not ops.glu_wanted(act(1), gate_up, fp8(256, 1024))
-    assert not ops.glu_wanted(act(1), gate_up, torch.zeros(256, 512))           # a plain down
-    assert not ops.glu_wanted(torch.zeros(1, 256), gate_up, down)               # not quantized
-    assert not ops.glu_wanted(act(1), torch.zeros(1024, 256), down)             # a plain gate_up
-    monkeypatch.setattr(fk, "FUSE_GLU", False)
-    assert not ops.glu_wanted(act(1), gate_up, down)
-
-
 def test_fused_quant_wanted_decides_by_shapes_and_settings(monkeypatch):
     """Where a norm / activation kernel hands an FP8 linear its output quantized (fp8_kernels.fused_quant_wanted):
     CUDA activations at decode rows (M <= 64) and verification rows (up to VERIFY_MAX_M, unless the weight is wide

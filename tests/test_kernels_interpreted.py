@@ -59,7 +59,6 @@ def interpreted_checks() -> None:
     fused_sum_checks(g)
     fused_quant_checks(g)
     add_norm_checks(g)
-    glu_checks(g)
     step_trim_checks(g)
     attention_checks(g)
     attention_quant_checks(g)
@@ -246,50 +245,6 @@ def add_norm_checks(g: torch.Generator) -> None:
             assert torch.equal(outs[0][0], other[0]) and torch.equal(outs[0][1], other[1]), M
             assert torch.equal(outs[0][2], other[2]) and torch.allclose(outs[0][3], other[3], rtol=1e-6), M
         assert torch.equal(outs[0][3], outs[2][3]), M         # EARLY: the squares summed by the same kernel code
-
-
-def glu_checks(g: torch.Generator) -> None:
-    """silu_and_mul done by the FP8 gate_up GEMM (fp8_kernels.fp8_linear_glu, `glu`): the handed values against
-    silu_and_mul's quantized output of the plain GEMM's [gate | up] (the same numbers but where the two GEMMs' sums
-    round apart: a float8 step at most, in few places); its input a norm's with each row's 1 / rms still to apply
-    (RSTD); a group's 256 weight rows in one program, two or four, split K or not, the partial sums added up by the group's
-    last program and by torch (no ticket counters: graph capture), with a bias; float32. M 1 and 5; an intermediate size of three groups (three column blocks of 256 weight rows)."""
-    from specdp_cli.runtime import fp8_kernels as fk, triton_kernels as tk
-    from specdp_cli.runtime.models.quant import quantize_blocks
-
-    K, I, eps = 256, 384, 1e-5
-    wq, ws = quantize_blocks(torch.randn(2 * I, K, generator=g) / 8)
-    bias = torch.randn(2 * I, generator=g)
-    for M in (1, 5):
-        x_q, x_s = fk.quantize_activations(torch.randn(M, K, generator=g))
-        sumsq = torch.rand(M, 2, generator=g) * K
-        for rstd in (None, (sumsq, eps)):
-            y = fk.block_fp8_gemm(x_q, wq, ws, 128, bias, x_scale=x_s, out_dtype=torch.float32, rstd=rstd)
-            want = tk.silu_and_mul(y, quantize=True).dequantize()
-            x = fk.FP8Activation(x_q, x_s, torch.float32, *(rstd or ()))
-            got = fk.fp8_linear_glu(x, wq, ws, 128, bias)
-            assert got.q.shape == (M, I) and got.scale.shape == (M, I // 128)
-            d = got.dequantize()
-            assert torch.allclose(d, want, rtol=0.07, atol=1e-6), (M, rstd is not None, (d - want).abs().max())
-            assert (d == want).float().mean() > 0.95, (M, rstd is not None, (d == want).float().mean())
-            # 256 or 128 weight rows a program (one or two programs a group), K split or not: the group's last
-            # program sums (ticket counters) or torch does (none: graph capture)
-            for rows, split in ((256, 1), (256, 2), (128, 1), (128, 2), (64, 1)):
-                tile = dict(BLOCK_M=16, BLOCK_N=rows, SPLIT=split, warps=4, stages=2, GROUP_M=1, SWAP=True)
-                outs = []
-                for tickets in (True, False):
-                    fk.SPLITK_TICKETS = tickets
-                    try:
-                        q, s = fk.quantized_rows(M, I, x_q.device)
-                        fk.block_fp8_gemm(x_q, wq, ws, 128, bias, x_scale=x_s, out_dtype=torch.float32, tile=tile,
-                                          rstd=rstd, glu=(q, s))
-                    finally:
-                        fk.SPLITK_TICKETS = True
-                    outs.append(fk.FP8Activation(q, s, torch.float32).dequantize())
-                assert torch.equal(outs[0], outs[1]), (M, rows, split)
-                assert torch.allclose(outs[0], want, rtol=0.07, atol=1e-6), (M, rows, split)
-                if split == 1:            # K summed in the reference's order (split K rounds the scales apart)
-                    assert (outs[0] == want).float().mean() > 0.95, (M, rows, split)
 
 
 def step_trim_checks(g: torch.Generator) -> None:

@@ -133,13 +133,12 @@ class FP8Activation(NamedTuple):
 def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_ptr, M, N, K, k_blocks_per_split,
                  n_splits, stride_am, stride_asm, stride_asg, stride_bn, stride_bsn, stride_bsk, stride_cs, stride_cm,
                  stride_ym, prefetch_bytes, ss_ptr, stride_ss, ss_count, eps, res_ptr, stride_res, nw_ptr, qo_ptr,
-                 stride_qo, so_ptr, stride_so, glu_half,
+                 stride_qo, so_ptr, stride_so,
                  B_ROWS: tl.constexpr, A_MODE: tl.constexpr, HAS_BIAS: tl.constexpr,
                  SPLIT: tl.constexpr, TICKET: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
                  PREFETCH: tl.constexpr, LANES: tl.constexpr, LATE: tl.constexpr, SWAP: tl.constexpr,
-                 AHEAD: tl.constexpr, RSTD: tl.constexpr, SS_PAD: tl.constexpr, ADD_NORM: tl.constexpr,
-                 GLU: tl.constexpr, GLU_TILES: tl.constexpr):
+                 AHEAD: tl.constexpr, RSTD: tl.constexpr, SS_PAD: tl.constexpr, ADD_NORM: tl.constexpr):
     # program -> (row block, column block), grouped so that GROUP_M row blocks share the weights in L2.
     # SWAP: the product is computed transposed, weight tile [BLOCK_N, BLOCK_K] times activations [BLOCK_K, BLOCK_M],
     # so that the weight's columns fill the tensor cores' 64-row side and few activation rows their narrow side
@@ -152,12 +151,7 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
     # (in place, rounded as `residual + y` in its dtype) and is not stored; the stream's norm weight times it goes to
     # qo_ptr / so_ptr quantized (one 128-column group a column block) and its squares' sum to ss_ptr column pid_n:
     # the next FP8 linear's RSTD input (`fp8_linear_add_norm`). ADD_NORM 2: the tile's residual and norm weight are
-    # loaded before the main loop (ADD_NORM_EARLY), not in the last step. GLU: the weight is [gate | up] (glu_half
-    # rows each); a program's first BLOCK_N / 2 rows are gate's rows j .. j + BLOCK_N / 2, the others up's same rows,
-    # and the output is not stored: silu(gate) * up goes to qo_ptr / so_ptr quantized, the next FP8 linear's input
-    # (`fp8_linear_glu`; silu_and_mul's numbers of the GEMM's output). Its quantization group (128 output columns)
-    # spans GLU_TILES programs' column blocks (BLOCK_N 256: one; 128: two): with two, or split K, the partial sums go
-    # to the workspace (SPLIT) and the group's last program to finish (a ticket per group) adds them up for it.
+    # loaded before the main loop (ADD_NORM_EARLY), not in the last step.
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -169,16 +163,10 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
     pid_n = (pid % in_group) // size_m
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if GLU:
-        p = tl.arange(0, BLOCK_N)
-        j = pid_n * (BLOCK_N // 2) + p % (BLOCK_N // 2)      # the output (intermediate) column of each weight row
-        n = j + (p >= BLOCK_N // 2).to(tl.int32) * glu_half
-        n_ok = j < glu_half
-    else:
-        n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = n < N
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     m_ok = m < M
+    n_ok = n < N
     kb0 = split * k_blocks_per_split
     # each tile's rows, columns (K) and valid rows in its orientation
     if SWAP:             # a [BLOCK_K, BLOCK_M], b [BLOCK_N, BLOCK_K]
@@ -268,23 +256,8 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
         tl.store(out, acc, mask=ok)
         if TICKET:       # program to finish does: one launch less a GEMM
             tl.debug_barrier()          # every thread's partial sums are stored before the ticket is taken
-            ticket_ptr = tickets_ptr + pid // GLU_TILES
-            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel", scope="gpu")
-            if GLU and ticket == n_splits * GLU_TILES - 1:     # the group's 128 gate and 128 up columns
-                p2 = tl.arange(0, 2 * 128)
-                j2 = (pid_n // GLU_TILES) * 128 + p2 % 128
-                n2 = j2 + (p2 >= 128).to(tl.int32) * glu_half
-                ok2 = m_ok[:, None] & (j2 < glu_half)[None, :]
-                ws = c_ptr + m.to(tl.int64)[:, None] * stride_cm + n2[None, :]
-                total = tl.zeros([BLOCK_M, 2 * 128], dtype=tl.float32)
-                for s in range(0, n_splits):         # in split order
-                    total += tl.load(ws + s * stride_cs, mask=ok2, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    total += tl.load(bias_ptr + n2, mask=j2 < glu_half, other=0.0).to(tl.float32)[None, :]
-                _glu_out(total.to(y_ptr.dtype.element_ty), m, m_ok, pid_n // GLU_TILES, glu_half, qo_ptr, stride_qo,
-                         so_ptr, stride_so, BLOCK_M, 128)
-                tl.atomic_xchg(ticket_ptr, 0)
-            elif not GLU and ticket == n_splits - 1:
+            ticket = tl.atomic_add(tickets_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if ticket == n_splits - 1:
                 ws = c_ptr + m.to(tl.int64)[:, None] * stride_cm + n[None, :]
                 total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for s in range(0, n_splits):         # in split order: the sum kernel's numbers
@@ -305,9 +278,6 @@ def _gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, bias_ptr, c_ptr, y_ptr, tickets_p
         if ADD_NORM:
             _add_norm_out(acc.to(c_ptr.dtype.element_ty), m, n, m_ok, n_ok, pid_n, res_ptr, stride_res, nw_ptr,
                           qo_ptr, stride_qo, so_ptr, stride_so, ss_ptr, stride_ss, res_early, nw_early, ADD_NORM == 2)
-        elif GLU:        # one program a group, K not split
-            _glu_out(acc.to(c_ptr.dtype.element_ty), m, m_ok, pid_n, glu_half, qo_ptr, stride_qo, so_ptr, stride_so,
-                     BLOCK_M, 128)
         else:
             tl.store(out, acc.to(c_ptr.dtype.element_ty), mask=ok)
 
@@ -335,21 +305,6 @@ def _add_norm_out(y, m, n, m_ok, n_ok, pid_n, res_ptr, stride_res, nw_ptr, qo_pt
     tl.store(ss_ptr + m * stride_ss + pid_n, tl.sum(rf * rf, 1), mask=m_ok)
     q, s = quantize_groups((rf * w[None, :]).to(y.dtype).to(tl.float32))
     tl.store(qo_ptr + rows * stride_qo + n[None, :], q.to(qo_ptr.dtype.element_ty), mask=ok)
-    tl.store(so_ptr + m * stride_so + pid_n, s, mask=m_ok)
-
-
-@triton.jit
-def _glu_out(y, m, m_ok, pid_n, I, qo_ptr, stride_qo, so_ptr, stride_so, BLOCK_M: tl.constexpr, HALF: tl.constexpr):
-    """A GLU tile's output y [BLOCK_M, 2 * HALF] (gate's HALF columns, then up's; in the activations' dtype, as the
-    GEMM would store it) -> silu(gate) * up with silu_and_mul's numbers, quantized (HALF = 128: one group) to
-    qo_ptr / so_ptr [row, pid_n]."""
-    gate, up = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, HALF]), [0, 2, 1]))
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(y.dtype).to(tl.float32)
-    q, s = quantize_groups((act * up.to(tl.float32)).to(y.dtype).to(tl.float32))
-    j = pid_n * HALF + tl.arange(0, HALF)
-    ok = m_ok[:, None] & (j < I)[None, :]
-    tl.store(qo_ptr + m.to(tl.int64)[:, None] * stride_qo + j[None, :], q.to(qo_ptr.dtype.element_ty), mask=ok)
     tl.store(so_ptr + m * stride_so + pid_n, s, mask=m_ok)
 
 
@@ -464,26 +419,6 @@ def _add_norm_torch(y: torch.Tensor, residual: torch.Tensor, weight: torch.Tenso
     scales.copy_(s_)
 
 
-def _glu_torch(y: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> None:
-    """`_glu_out`'s numbers for a whole output y [M, N] = [gate | up] (block_fp8_gemm's `glu` without ticket
-    counters)."""
-    gate, up = y.float().chunk(2, dim=-1)
-    act = (gate / (1.0 + torch.exp(-gate))).to(y.dtype).float()
-    q_, s_ = quantize_activations((act * up).to(y.dtype))
-    q.copy_(q_)
-    scales.copy_(s_)
-
-
-def glu_tile(M: int, N: int, K: int, sms: int) -> dict:
-    """The tile of `fp8_linear_glu` (up to 16 rows), the product transposed: GLU_ROWS weight rows a program (half
-    of them gate's, the same rows of up's; 256: one output group a program, 128 / 64: two / four programs a group),
-    GLU_WARPS warps, GLU_STAGES stages; K split only where the programs are too few for 1.5 an SM (session 38's
-    sweep on the 8B's gate_up: split 2 was 3-6 µs slower than none at 112-448 programs)."""
-    k_blocks = triton.cdiv(K, GROUP)
-    return dict(_swap_tile(M, N, k_blocks, sms, GLU_ROWS, GLU_WARPS), stages=GLU_STAGES,
-                SPLIT=_k_split(triton.cdiv(N, GLU_ROWS), k_blocks, M, sms, False))
-
-
 def tiles(M: int, N: int, K: int, sms: int, add_norm: bool = False) -> dict:
     """Tiles by the number of rows M. Decode (M <= 64, and verification rows up to VERIFY_MAX_M where N is not
     wide): BLOCK_M 16 (the smallest tensor-core tile) to 64, thin column blocks, and K split until there are about
@@ -551,8 +486,7 @@ def prefetch_bytes(programs: int, block_n: int, row_bytes: int) -> int:
 def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, rows: int,
                    bias: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
                    out_dtype: torch.dtype | None = None, tile: dict | None = None, mode: str = "fused",
-                   rstd: tuple | None = None, add_norm: tuple | None = None,
-                   glu: tuple | None = None) -> torch.Tensor:
+                   rstd: tuple | None = None, add_norm: tuple | None = None) -> torch.Tensor:
     """y [M, N] = dequant(x) @ dequant(weight)^T (+ bias). x [M, K]: with `x_scale` [M, ceil(K / 128)] already
     float8; else bf16/fp16/fp32 activations, `mode` "fused": quantized per token and 128-group inside the kernel,
     "weight_only": kept as they are (W8A16). weight [N, K] float8_e4m3fn with `scale` [ceil(N / rows), ceil(K / 128)]
@@ -560,8 +494,7 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
     rsqrt(sumsq.sum(1) / K + eps) (FP8Activation.sumsq). `add_norm` (residual [M, N], norm weight [N], q [M, N]
     float8, scales [M, N / 128], sumsq [M, N / 128]; N a multiple of 128): y joins the residual in place and is not
     returned (the tile 128 columns wide); q, scales and sumsq are written for the next linear's RSTD
-    (`fp8_linear_add_norm`). `glu` (q [M, N / 2] float8, scales [M, N / 256]; N a multiple of 256): the weight is
-    [gate | up], silu(gate) * up goes to q / scales quantized and y is not returned (`fp8_linear_glu`)."""
+    (`fp8_linear_add_norm`)."""
     M, K = x.shape
     N = weight.shape[0]
     out_dtype = out_dtype or x.dtype
@@ -569,27 +502,22 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
     if M == 0:
         return out
     x = x if x.stride(-1) == 1 else x.contiguous()
-    t = tile or (glu_tile(M, N, K, _num_sms(x.device)) if glu is not None
-                 else tiles(M, N, K, _num_sms(x.device), add_norm is not None))
+    t = tile or tiles(M, N, K, _num_sms(x.device), add_norm is not None)
     if add_norm is not None:
         assert t["BLOCK_N"] == GROUP and N % GROUP == 0, (t, N)
-    glu_tiles = 2 * GROUP // t["BLOCK_N"] if glu is not None else 1       # programs a GLU output group spans
-    if glu is not None:
-        assert add_norm is None and t["BLOCK_N"] in (64, 128, 256) and N % (2 * GROUP) == 0, (t, N)
     k_blocks = triton.cdiv(K, GROUP)
     split = max(1, min(t["SPLIT"], k_blocks))
     per_split = triton.cdiv(k_blocks, split)
     split = triton.cdiv(k_blocks, per_split)
-    partial = split > 1 or glu_tiles > 1          # partial sums through the workspace
-    c = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if partial else out
+    c = torch.empty((split, M, N), dtype=torch.float32, device=x.device) if split > 1 else out
     a_mode = 0 if x_scale is not None else 2 if mode == "weight_only" else 1
     a_s = x_scale if x_scale is not None else scale          # unused unless pre-quantized
     grid = (triton.cdiv(M, t["BLOCK_M"]) * triton.cdiv(N, t["BLOCK_N"]), split)
-    tickets = _tickets(x.device, grid[0]) if partial and SPLITK_TICKETS else None
+    tickets = _tickets(x.device, grid[0]) if split > 1 and SPLITK_TICKETS else None
     launch = pdl.gemm_options(x.device)
     aligned = K % GROUP == 0 and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0
     prefetch = prefetch_bytes(grid[0] * grid[1], t["BLOCK_N"], per_split * GROUP * weight.element_size()) \
-        if launch["PDL"] and pdl.PREFETCH and M <= 64 and aligned and glu is None else 0
+        if launch["PDL"] and pdl.PREFETCH and M <= 64 and aligned else 0
     assert rstd is None or add_norm is None, "one of rstd and add_norm: they share the sums' arguments"
     if rstd is not None:
         ss, eps = rstd
@@ -597,22 +525,21 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
         ss, eps = add_norm[4], 0.0
     else:
         ss, eps = scale, 0.0
-    res, nw, qo, so = add_norm[:4] if add_norm is not None else \
-        (scale, scale, *glu) if glu is not None else (scale, scale, scale, scale)
+    res, nw, qo, so = add_norm[:4] if add_norm is not None else (scale, scale, scale, scale)
     add_norm_mode = 0 if add_norm is None else 2 if t.get("EARLY", ADD_NORM_EARLY) else 1
     _gemm_kernel[grid](x, a_s, weight, scale, bias if bias is not None else scale, c, out,
                        tickets if tickets is not None else scale, M, N, K, per_split, split,
                        x.stride(0), a_s.stride(0), a_s.stride(1), weight.stride(0), scale.stride(0), scale.stride(1),
-                       c.stride(0) if partial else 0, c.stride(-2), out.stride(0), prefetch,
+                       c.stride(0) if split > 1 else 0, c.stride(-2), out.stride(0), prefetch,
                        ss, ss.stride(0), ss.shape[1], float(eps), res, res.stride(0), nw, qo, qo.stride(0), so,
-                       so.stride(0), N // 2, RSTD=rstd is not None, GLU=glu is not None, GLU_TILES=glu_tiles, SS_PAD=triton.next_power_of_2(ss.shape[1]),
+                       so.stride(0), RSTD=rstd is not None, SS_PAD=triton.next_power_of_2(ss.shape[1]),
                        ADD_NORM=add_norm_mode, B_ROWS=rows, A_MODE=a_mode, HAS_BIAS=bias is not None,
-                       SPLIT=partial,
+                       SPLIT=split > 1,
                        TICKET=tickets is not None, EVEN_K=K % GROUP == 0, BLOCK_M=t["BLOCK_M"], BLOCK_N=t["BLOCK_N"],
                        BLOCK_K=GROUP, GROUP_M=t["GROUP_M"], PREFETCH=prefetch > 0, LANES=32 * t["warps"],
                        SWAP=t.get("SWAP", False), AHEAD=t.get("AHEAD", SCALES_AHEAD and t.get("SWAP", False)),
                        num_warps=t["warps"], num_stages=t["stages"], **launch)
-    if partial and tickets is None:
+    if split > 1 and tickets is None:
         if add_norm is not None:        # graph capture without ticket counters: the tickets' numbers in torch
             y = c[0].clone()
             for s in range(1, split):
@@ -620,14 +547,6 @@ def block_fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, r
             if bias is not None:
                 y += bias.float()
             _add_norm_torch(y.to(out_dtype), *add_norm)
-            return out
-        if glu is not None:
-            y = c[0].clone()
-            for s in range(1, split):
-                y += c[s]
-            if bias is not None:
-                y += bias.float()
-            _glu_torch(y.to(out_dtype), *glu)
             return out
         BLOCK = 1024
         _splitk_sum_kernel[(triton.cdiv(M * N, BLOCK),)](c, bias if bias is not None else c, out, M * N, N,
@@ -756,8 +675,8 @@ def _reads_quantized(M: int, dtype: torch.dtype, device: torch.device, is_cuda: 
 # the next layer's norm -> qkv) done by the GEMMs themselves, not by a norm kernel (`fp8_linear_add_norm`).
 FUSE_ADD_NORM = True
 # ... with the tile's residual and norm weight loaded before the GEMM's main loop, not in its last step (the loads'
-# latency off the tile's tail; ADD_NORM 2). Session 38 on an H200: the 8B shape in FP8 at batch 1 2.57 -> 2.55 ms a
-# step (benchmarks/fp8.py's "-addnormearly" rows), at batch 16 the same.
+# latency off the tile's tail; ADD_NORM 2). Session 38 on an H200, the 8B shape in FP8 at batch 1: 2.57 -> 2.55 ms a
+# step (benchmarks/fp8.py's "-addnormearly" rows against session 37's path), at batch 16 3.17 either way.
 ADD_NORM_EARLY = True
 
 
@@ -790,42 +709,6 @@ def fp8_linear_add_norm(x: FP8Activation, weight: torch.Tensor, scale: torch.Ten
     block_fp8_gemm(x.q, weight, scale, rows, bias, x_scale=x.scale, out_dtype=x.dtype,
                    add_norm=(residual, norm_weight, q, scales, sumsq))
     return FP8Activation(q, scales, x.dtype, sumsq, float(eps))
-
-
-# silu_and_mul done by the gate_up GEMM at decode sizes: its output goes to down quantized, not through
-# silu_and_mul's kernel (`fp8_linear_glu`), in tiles of GLU_ROWS weight rows, GLU_WARPS warps and GLU_STAGES
-# pipeline stages (`glu_tile`).
-FUSE_GLU = False
-GLU_ROWS = 64
-GLU_WARPS = 4
-GLU_STAGES = 4
-
-
-def glu_wanted(x, w, next_w) -> bool:
-    """Whether `fp8_linear_glu(x, w, ...)` may stand for silu_and_mul(linear(x, w)) quantized for the FP8 linear
-    next_w: x already quantized (FP8Activation: a norm's output, with or without its sums) of at most 16 rows, w an
-    FP8 [gate | up] weight whose halves are whole 128-row groups, next_w reading its input quantized
-    (`fused_quant_wanted`). Shapes and settings alone decide it (CUDA graphs)."""
-    if not (FUSE_GLU and isinstance(x, FP8Activation)):
-        return False
-    M = x.q.shape[0]
-    weight = getattr(w, "weight", None)
-    return (0 < M <= 16 and weight is not None and weight.dtype == torch.float8_e4m3fn and weight.dim() == 2
-            and weight.shape[0] % (2 * GROUP) == 0 and next_w is not None
-            and next_w.shape[-1] == weight.shape[0] // 2
-            and _reads_quantized(M, x.dtype, x.q.device, x.q.is_cuda, next_w))
-
-
-def fp8_linear_glu(x: FP8Activation, weight: torch.Tensor, scale: torch.Tensor, rows: int,
-                   bias: torch.Tensor | None) -> FP8Activation:
-    """silu(gate) * up of y = x @ W^T (+ bias), W = [gate | up], quantized for the next FP8 linear (an
-    FP8Activation of N / 2 columns): silu_and_mul's numbers of the GEMM's output, in one kernel (`glu_wanted`
-    says where). x may carry an RMSNorm's sums (the GEMM applies 1 / rms first)."""
-    M, N = x.q.shape[0], weight.shape[0]
-    q, scales = quantized_rows(M, N // 2, x.q.device)
-    block_fp8_gemm(x.q, weight, scale, rows, bias, x_scale=x.scale, out_dtype=x.dtype,
-                   rstd=(x.sumsq, x.eps) if x.sumsq is not None else None, glu=(q, scales))
-    return FP8Activation(q, scales, x.dtype)
 
 
 def verify_on_cublas(M: int, N: int, cublas_scale: torch.Tensor | None, device: torch.device) -> bool:

@@ -63,21 +63,6 @@ def linear_add_norm(x, w, bias: torch.Tensor | None, residual: torch.Tensor, nor
     return fp8_linear_add_norm(x, w.weight, w.scale, w.rows, bias, residual, norm, eps)
 
 
-def glu_wanted(x, w, next_w) -> bool:
-    """Whether `linear_glu(x, w)` may stand for silu_and_mul(linear(x, w)) quantized for the FP8 linear next_w
-    (fp8_kernels.glu_wanted: x already quantized at decode sizes, on CUDA)."""
-    if isinstance(x, torch.Tensor) or w is None or isinstance(w, torch.Tensor):
-        return False
-    from . import fp8_kernels
-    return fp8_kernels.glu_wanted(x, w, next_w)
-
-
-def linear_glu(x, w, bias: torch.Tensor | None = None):
-    """silu_and_mul(linear(x, w, bias), quantize=True) in the GEMM (where `glu_wanted`): fp8_kernels.fp8_linear_glu."""
-    from .fp8_kernels import fp8_linear_glu
-    return fp8_linear_glu(x, w.weight, w.scale, w.rows, bias)
-
-
 def fused_quant_wanted(x: torch.Tensor, w) -> bool:
     """Whether the norm / activation kernel reading x may hand `linear(.., w)` its output quantized (`quantize=True`
     of rms_norm, silu_and_mul, act_and_mul): w an FP8 weight kept FP8, x on CUDA at decode sizes

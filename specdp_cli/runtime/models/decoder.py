@@ -184,11 +184,8 @@ class CausalLM:
         `_row_parallel`'s, for down."""
         if layer.moe is not None:
             return layer.moe(h, unsummed)
-        if layer.act == "silu" and self.tp is None and ops.glu_wanted(h, layer.gate_up, layer.down):
-            act = ops.linear_glu(h, layer.gate_up, layer.gate_up_bias)      # silu_and_mul in the FP8 GEMM
-        else:
-            gate_up = ops.linear(h, layer.gate_up, layer.gate_up_bias)
-            act = ops.act_and_mul(gate_up, layer.act, self._fused_quant(gate_up, layer.down))  # quantized for down?
+        gate_up = ops.linear(h, layer.gate_up, layer.gate_up_bias)
+        act = ops.act_and_mul(gate_up, layer.act, self._fused_quant(gate_up, layer.down))    # quantized for down?
         return self._row_parallel(act, layer.down, layer.down_bias, join=join)
 
     def _row_parallel(self, x: torch.Tensor, w, bias: torch.Tensor | None, o: bool = False, join=None):
