@@ -675,8 +675,8 @@ def _reads_quantized(M: int, dtype: torch.dtype, device: torch.device, is_cuda: 
 # the next layer's norm -> qkv) done by the GEMMs themselves, not by a norm kernel (`fp8_linear_add_norm`).
 FUSE_ADD_NORM = True
 # ... with the tile's residual and norm weight loaded before the GEMM's main loop, not in its last step (the loads'
-# latency off the tile's tail; ADD_NORM 2). Session 38 on an H200, the 8B shape in FP8 at batch 1: 2.57 -> 2.55 ms a
-# step (benchmarks/fp8.py's "-addnormearly" rows against session 37's path), at batch 16 3.17 either way.
+# latency off the tile's tail; ADD_NORM 2). Session 38 on an H200, the 8B shape in FP8 at batch 1: 2.57-2.59 ->
+# 2.55-2.56 ms a step in three calls (benchmarks/fp8.py's "-noaddnormearly" rows), at batch 16 3.17 either way.
 ADD_NORM_EARLY = True
 
 
