@@ -237,6 +237,14 @@ def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool, ahead:
                 # weight tile dequantized before its product: commit 5fdec1b)
                 for split in (1, 2, 4, 8):
                     tried.append(dict(BLOCK_M=bm, BLOCK_N=64, SPLIT=split, warps=4, stages=4, GROUP_M=1, SWAP=True))
+                # verification rows transposed in several row blocks of 16-64, a column block's side by side (GROUP_M:
+                # one weight tile from memory, the other blocks' reads from L2), not one block padded to 128 rows
+                for bm_ in (16, 32, 64):
+                    if bm_ >= bm:
+                        continue
+                    for split in (1, 2, 4):
+                        tried.append(dict(BLOCK_M=bm_, BLOCK_N=64, SPLIT=split, warps=4, stages=4,
+                                          GROUP_M=triton.cdiv(M, bm_), SWAP=True, label=f"swap {bm_} x {split}"))
             if ahead:          # the shipped tile and its split neighbours, each without and with AHEAD
                 d = tried[0]
                 for split in sorted({d["SPLIT"], max(1, d["SPLIT"] // 2), 2 * d["SPLIT"]}):
@@ -263,7 +271,8 @@ def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool, ahead:
             cb = f"{base['cublas_us']:.1f}" if base["cublas_us"] is not None else "-"
             print(f"{name:<12}{M:>4}{base['bf16_us']:>9.1f}{cb:>10}{found[0]['us']:>11.1f}{best['us']:>9.1f}  "
                   f"BLOCK_M {best['BLOCK_M']} BLOCK_N {best['BLOCK_N']} split {best['SPLIT']} warps {best['warps']} "
-                  f"stages {best['stages']}{' swap' if best.get('SWAP') else ''}{' ahead' if best.get('AHEAD') else ''}"
+                  f"stages {best['stages']} GROUP_M {best['GROUP_M']}{' swap' if best.get('SWAP') else ''}"
+                  f"{' ahead' if best.get('AHEAD') else ''}"
                   + (f"  (swap's default {found[1]['us']:.1f})" if swap and len(found) > 1 and found[1].get('label')
                      == 'swap' else "")
                   + "".join(f"  (shipped tile, ahead: {r['us']:.1f})" for r in found if ahead and r.get("AHEAD")
