@@ -209,7 +209,8 @@ def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool, ahead:
     hand them over) over BLOCK_M x BLOCK_N x split K x warps, GROUP_M 8 (a column block's row blocks run side by side
     and share its weight tile in L2), each against bf16 F.linear and cuBLAS's block-scaled GEMM on cold weights.
     With `swap`: the shipped tile, then the transposed product's (SWAP: 64 or 128 weight rows a program, the rows in
-    one block of BLOCK_M, split K x pipeline stages), its `fk.tiles` choice first."""
+    one block of BLOCK_M, split K x pipeline stages), its `fk.tiles` choice first, and the rows in blocks of 16 / 32 /
+    64 side by side (GROUP_M) where they are more (session 38: slower at 80 rows)."""
     out = []
     cublas = fk.cublas_supported(dev)
     print(f"{'shape':<12}{'M':>4}{'bf16 us':>9}{'cublas us':>10}{'default us':>11}{'best us':>9}  best tile")
