@@ -874,19 +874,12 @@ s36)
     > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
   ;;
 s38)
-  # session 38 (issue 30): the 8B shape's rows (FP8_S; METHODS, BATCHES, MODES: -noaddnormearly / -addnormearly),
-  # then GPU tests (GPU_TEST_S; GPU_TESTS_K). Session 38's calls also ran `fp8_gemm.py --glu 1,16` first (GLU_S; the
-  # 8B's gate_up with silu_and_mul in the GEMM) and the modes -noglu / -glu64 / -glu128 / -glu256: commit 6aa6ee7
-  # (not kept) has that code and this stage as it ran.
-  end=$((SECONDS + ${LIMIT:-570}))
-  widen || exit 1
-  [ "${FP8_S:-250}" != 0 ] && { timeout $(( $(left) < ${FP8_S:-250} ? $(left) : ${FP8_S:-250} )) python3 benchmarks/fp8.py \
-    --pair $P --target $W/target --label 8b-shape --methods ${METHODS:-none} --prompts 16 --batch1-prompts 8 \
-    --batches ${BATCHES:-1,16} --repeats 3 --decode-modes ${MODES:-quantize,quantize-noaddnormearly} \
-    --json "$out/fp8_8b.json" > "$out/fp8_8b.log" 2>&1 || tail -20 "$out/fp8_8b.log"; sed -n '/^method /,$p' "$out/fp8_8b.log"; }
-  [ "${GPU_TEST_S:-60}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-60} ? $(left) : ${GPU_TEST_S:-60} )) python3 -m pytest \
-    -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-add_norm}" \
-    > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
+  # session 38 (issue 30): s36 without its sweep, the 8B shape's rows (FP8_S; METHODS, BATCHES, MODES:
+  # -noaddnormearly / -addnormearly), then GPU tests (GPU_TEST_S; GPU_TESTS_K). Session 38's calls also ran
+  # `fp8_gemm.py --glu 1,16` first (GLU_S; the 8B's gate_up with silu_and_mul in the GEMM) and the modes -noglu /
+  # -glu64 / -glu128 / -glu256: commit 6aa6ee7 (not kept) has that code and this stage as it ran.
+  SWEEP_S=${SWEEP_S:-0} METHODS=${METHODS:-none} BATCHES=${BATCHES:-1,16} \
+    MODES=${MODES:-quantize,quantize-noaddnormearly} GPU_TESTS_K=${GPU_TESTS_K:-add_norm} exec bash "$0" s36 "$out"
   ;;
 s37)
   # session 37 (issue 30): the FP8 routed experts with gate's and up's rows stacked in one W8A8 tile and the block
