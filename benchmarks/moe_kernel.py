@@ -6,7 +6,7 @@ replayed (what a decode step does), timed with CUDA events; "GB/s" is the bytes 
 (each read once) over the time, and "% copy" that against the device's measured copy bandwidth.
 
 Usage: python benchmarks/moe_kernel.py [--shapes qwen3_30b_a3b,deepseek_v3] [--tokens 1,16,64,256] [--sweep]
-           [--dtype bfloat16] [--fp8] --json OUT.json
+           [--sweep-set all|split] [--dtype bfloat16] [--fp8] --json OUT.json
 (--fp8: the experts in FP8, read weight-only by the Triton kernels, with deeper-pipelined tiles under --sweep; bytes
 and GB/s count FP8 bytes)
 (prompt chunks: --tokens 2048,8192)
@@ -39,6 +39,7 @@ from specdp_cli.runtime.models.moe import MoE, router_logits as pick_router  # n
 from specdp_cli.runtime import moe_kernels as mk  # noqa: E402
 from specdp_cli.runtime.moe_kernels import routed_experts, softmax_topk, tiles  # noqa: E402
 from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks  # noqa: E402
+from specdp_cli.runtime.fp8_kernels import FP8Activation, quantize_activations  # noqa: E402
 
 SHAPES = {   # experts, top_k, hidden, expert width
     "qwen3_30b_a3b": (128, 8, 2048, 768),
@@ -59,6 +60,14 @@ SWEEP_FP8 = [dict(BLOCK_M=16, UP_N=un, DOWN_N=dn, BLOCK_K=128, warps=4, stages=s
 # program), 3-6 stages (session 37 also loaded the block scales a K block ahead: no faster, commit history)
 SWEEP_FP8 += [dict(BLOCK_M=16, UP_N=un, DOWN_N=dn, BLOCK_K=128, warps=4, stages=s, W8A8T=True)
               for un, dn, s in [(64, 64, 4), (64, 64, 3), (64, 64, 6), (32, 64, 4), (32, 64, 3), (32, 64, 6)]]
+# session 39 (`--sweep-set split`): the W8A8 transposed tile with gate/up's K split over 2 / 4 programs a tile (SPLIT_K:
+# shorter chains of dependent K steps; the tile's last program adds the partial sums) and with x quantized before
+# (X_Q: no quantization in gate/up's K loop; here quantized outside the timed graph, as the norm kernel before the
+# experts would write it)
+SWEEP_SPLIT = [dict(BLOCK_M=16, UP_N=64, DOWN_N=64, BLOCK_K=128, warps=4, stages=s, W8A8T=True, **kw)
+               for s, kw in [(4, {}), (4, dict(X_Q=True)), (4, dict(SPLIT_K=2)), (3, dict(SPLIT_K=2)),
+                             (4, dict(SPLIT_K=4)), (3, dict(SPLIT_K=4)), (4, dict(SPLIT_K=2, X_Q=True)),
+                             (4, dict(SPLIT_K=4, X_Q=True)), (3, dict(SPLIT_K=4, X_Q=True))]]
 # matrix-vector kernels (one program per pair for gate/up, one per token summing its experts' down projections;
 # no grouping): the alternative for few pairs that the engine does not use (it lost to the grouped kernels)
 GEMV = [dict(UP_N=un, DOWN_N=dn, BLOCK_K=bk, warps=w)
@@ -220,6 +229,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16,64,256")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-set", default="all", choices=["all", "split"],
+                    help="with --sweep --fp8: all tiles, or only session 39's split-K / x-quantized-before tiles")
     ap.add_argument("--fp8", action="store_true", help="the experts in FP8 (128 x 128 blocks, read weight-only by "
                     "the Triton kernels; the other paths read them dequantized)")
     ap.add_argument("--all-experts-max-e", type=int, default=128, help="time the old path up to this many experts")
@@ -254,8 +265,9 @@ def main() -> None:
             used = int(torch.unique(idx).numel())
             read = used * expert_bytes
             ref = grouped_mm_path(x, w, idx, gate_up, down).float()
-            variants = [("triton", None)] + ([(f"triton {t}", t) for t in (SWEEP_FP8 if a.fp8 else SWEEP)]
-                                             if a.sweep else [])
+            sweep = (SWEEP_SPLIT if a.sweep_set == "split" else SWEEP_FP8) if a.fp8 else SWEEP
+            variants = [("triton", None)] + ([(f"triton {t}", t) for t in sweep] if a.sweep else [])
+            x_q = FP8Activation(*quantize_activations(x), dtype) if a.fp8 else None
             variants += [(f"gemv {t}", ("gemv", t)) for t in GEMV] if a.sweep and N * K <= 128 and not a.fp8 else []
             variants += [("grouped_mm", "gmm"), ("routing (softmax top-k)", "route")]
             if E <= a.all_experts_max_e and N <= 64:
@@ -272,7 +284,8 @@ def main() -> None:
                     old = MoE(None, gate_up, down, True, range(E))
                     fn = lambda: all_experts(old, x, w, idx)     # noqa: E731
                 elif a.fp8:
-                    fn = lambda t=t: routed_experts(x, w, idx, gu8, d8, tile=t)  # noqa: E731
+                    fn = lambda t=t: routed_experts(    # noqa: E731
+                        x, w, idx, gu8, d8, tile=t, x_q=x_q if t is not None and t.get("X_Q") else None)
                 else:
                     fn = lambda t=t: routed_experts(x, w, idx, gate_up, down, tile=t)  # noqa: E731
                 try:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36|s37|s38 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36|s37|s38|s39 OUT_DIR
 #   (s31contention with KINDS=spin,frontend OTHERS=0,4: the offline engine beside a real serving load, session 32)
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
@@ -880,6 +880,33 @@ s38)
   # -glu64 / -glu128 / -glu256: commit 6aa6ee7 (not kept) has that code and this stage as it ran.
   SWEEP_S=${SWEEP_S:-0} METHODS=${METHODS:-none} BATCHES=${BATCHES:-1,16} \
     MODES=${MODES:-quantize,quantize-noaddnormearly} GPU_TESTS_K=${GPU_TESTS_K:-add_norm} exec bash "$0" s36 "$out"
+  ;;
+s39)
+  # session 39 (issue 30): the FP8 routed experts' W8A8 gate/up kernel with its K split over programs and with x
+  # quantized before (moe_kernel.py --sweep-set split, one token's and TOKENS' experts; KERNEL_S), the Qwen3-30B-A3B
+  # shape (8 layers) at batch 1 in bf16 and FP8 with MOE_MODES (fp8.py's -upsplitN; MOE_S), its batch-1 step kernel
+  # by kernel in bf16 and FP8 (TRACE_S; TRACE_MODES), then GPU tests (GPU_TEST_S; GPU_TESTS_K)
+  end=$((SECONDS + ${LIMIT:-570}))
+  [ "${KERNEL_S:-120}" != 0 ] && { timeout ${KERNEL_S:-120} python3 benchmarks/moe_kernel.py --shapes qwen3_30b_a3b \
+      --tokens ${TOKENS:-1,4} --fp8 --sweep --sweep-set split --all-experts-max-e 0 --json "$out/moe_kernel_split.json" \
+      > "$out/moe_kernel_split.log" 2>&1 || tail -5 "$out/moe_kernel_split.log"
+    grep -E '^qwen3' "$out/moe_kernel_split.log" | grep -v '{"' ; }
+  [ "${MOE_S:-220}" != 0 ] && { timeout $(( $(left) < ${MOE_S:-220} ? $(left) : ${MOE_S:-220} )) python3 benchmarks/fp8.py \
+      --pair $P --moe-shape qwen3_30b_a3b --work /tmp/moe_shapes --prompts 4 --prompt-len 32 --batches 1 --repeats 3 \
+      --decode-modes ${MOE_MODES:-quantize,quantize-upsplit2,quantize-upsplit4} --json "$out/fp8_moe.json" \
+      > "$out/fp8_moe.log" 2>&1 || tail -20 "$out/fp8_moe.log"
+    sed -n '/^method /,$p' "$out/fp8_moe.log"; }
+  [ "${TRACE_S:-100}" != 0 ] && { rm -f /tmp/moetrace_*; timeout $(( $(left) < ${TRACE_S:-100} ? $(left) : ${TRACE_S:-100} )) \
+      python3 benchmarks/fp8.py --pair $P --moe-shape qwen3_30b_a3b --work /tmp/moe_shapes --prompts 1 --prompt-len 32 \
+      --batches 1 --new 64 --repeats 1 --decode-modes ${TRACE_MODES:-quantize} --trace /tmp/moetrace \
+      --json "$out/fp8_moe_trace.json" > "$out/fp8_moe_trace.log" 2>&1 || tail -20 "$out/fp8_moe_trace.log"
+    for f in /tmp/moetrace_*_b1.json; do
+      echo "== $f"; python3 benchmarks/kernel_timeline.py "$f" --order ${ORDER:-16} \
+        --json "$out/kernel_timeline_$(basename "$f")" | tail -${TAIL:-70}
+    done; }
+  [ "${GPU_TEST_S:-80}" != 0 ] && { timeout $(( $(left) < ${GPU_TEST_S:-80} ? $(left) : ${GPU_TEST_S:-80} )) python3 -m pytest \
+    -q -m gpu tests/test_gpu.py -p no:cacheprovider -k "${GPU_TESTS_K:-fp8_routed_expert}" \
+    > "$out/gpu_tests.log" 2>&1; tail -4 "$out/gpu_tests.log"; }
   ;;
 s37)
   # session 37 (issue 30): the FP8 routed experts with gate's and up's rows stacked in one W8A8 tile and the block
