@@ -65,6 +65,8 @@ def apply_mode(mode: str | None) -> None:
     o and down's output joined to the residual stream and normed by the RMSNorm kernel, not by the GEMMs
     (fp8_kernels.FUSE_ADD_NORM; the default since session 37); "-upsplitN": the FP8 routed experts' W8A8 gate/up
     kernel's K split over N programs a tile at few tokens (moe_kernels.EXPERTS_UP_SPLIT; "-upsplit1": not split);
+    "-noexpertsxq" / "-expertsxq": that kernel quantizes x itself, or reads it quantized by the RMSNorm before
+    (moe_kernels.EXPERTS_X_Q; the default since session 39);
     "-addnormearly": the joining GEMM's residual tile and
     norm weight loaded before its main loop (fp8_kernels.ADD_NORM_EARLY; the default since session 38),
     "-noaddnormearly": in its last step. Not kept (slower or the same): session 38's silu_and_mul inside the gate_up
@@ -84,6 +86,7 @@ def apply_mode(mode: str | None) -> None:
     DEFAULTS.setdefault("FUSE_ADD_NORM", fp8_kernels.FUSE_ADD_NORM)
     DEFAULTS.setdefault("ADD_NORM_EARLY", fp8_kernels.ADD_NORM_EARLY)
     DEFAULTS.setdefault("EXPERTS_UP_SPLIT", moe_kernels.EXPERTS_UP_SPLIT)
+    DEFAULTS.setdefault("EXPERTS_X_Q", moe_kernels.EXPERTS_X_Q)
     base, *off = (mode or "bf16").split("-")
     off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
     pdl.ENABLED = "nopdl" not in off
@@ -93,6 +96,7 @@ def apply_mode(mode: str | None) -> None:
     fp8_kernels.ADD_NORM_EARLY = "addnormearly" in off or (DEFAULTS["ADD_NORM_EARLY"] and "noaddnormearly" not in off)
     fp8_kernels.SCALES_AHEAD = "ahead" in off or (DEFAULTS["SCALES_AHEAD"] and "noahead" not in off)
     moe_kernels.EXPERTS_W8A8T = "expertsw8a8t" in off or (DEFAULTS["EXPERTS_W8A8T"] and "noexpertsw8a8t" not in off)
+    moe_kernels.EXPERTS_X_Q = "expertsxq" in off or (DEFAULTS["EXPERTS_X_Q"] and "noexpertsxq" not in off)
     moe_kernels.EXPERTS_UP_SPLIT = next((int(o[7:]) for o in off if o.startswith("upsplit")),
                                         DEFAULTS["EXPERTS_UP_SPLIT"])
     if base != "bf16":

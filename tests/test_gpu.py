@@ -878,12 +878,38 @@ def test_fp8_graphs_equal_eager_bf16(models, tmp_path, family):
         assert out[False][i].generated == out[True][i].generated, i
 
 
+def test_fp8_moe_norm_quantizes_for_the_experts(models, tmp_path, monkeypatch):
+    """A Qwen3-MoE quantized at load whose hidden size is a whole 128-column group: the RMSNorm before the experts
+    writes its output plain (for the router) and quantized (for the W8A8 gate/up kernel: moe_kernels.EXPERTS_X_Q).
+    Greedy tokens equal those of the experts quantizing x themselves, eager and with graphs (draft_model, k 3:
+    decode, verification and prefill rows)."""
+    from helpers import make_moe_dir
+    from specdp_cli.runtime import moe_kernels as mk
+
+    target = make_moe_dir(tmp_path / "moe", models["tokenizer"], "qwen3_moe", hidden=128, seed=4, experts=64,
+                          top_k=8, norm_topk_prob=True)
+    prompts = prompts_of_lengths([3, 9, 17, 26, 33])
+    kw = dict(method="draft_model", k=3, M=64, max_num_seqs=4, max_batched=24, device="cuda", cache=ROOM,
+              dtype="bfloat16", quantization="fp8")
+    out = {}
+    for x_q in (True, False):
+        monkeypatch.setattr(mk, "EXPERTS_X_Q", x_q)
+        for eager in (True, False):
+            cfg, plan = make_config(target, models["draft"], enforce_eager=eager, **kw)
+            engine = cuda_engine(cfg, plan)
+            h = torch.zeros(4, 128, device="cuda", dtype=torch.bfloat16)
+            assert engine.target.model.layers[0].moe.takes_quantized(h) == x_q
+            done = run_engine(engine, prompts, max_tokens=20)
+            out[x_q, eager] = [done[i].generated for i in range(len(prompts))]
+    assert out[True, True] == out[False, True] == out[True, False] == out[False, False]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_norm_and_activation_quantized_for_fp8_equal_quantize_activations(dtype):
     """RMSNorm (with and without the residual add) and silu_and_mul writing their output quantized for an FP8 linear
     (fp8_kernels.FP8Activation) give bit for bit quantize_activations' values and scales of their plain output (the
-    GPU's float8 conversion, random inputs), the same residual, and the FP8 GEMM reading them the same product;
-    decode rows, the 8B's widths and widths that are not a power of two; inside a CUDA graph too. Paged attention
+    GPU's float8 conversion, random inputs), the same residual, and the FP8 GEMM reading them the same product
+    (RMSNorm's "both", the plain output too, likewise); decode rows, the 8B's widths and widths that are not a power of two; inside a CUDA graph too. Paged attention
     with 128-wide heads (`quantized`) likewise, single pass and keys split."""
     from specdp_cli.runtime import fp8_kernels as fk, ops
     from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks
@@ -906,6 +932,12 @@ def test_norm_and_activation_quantized_for_fp8_equal_quantize_activations(dtype)
                 if r is not None:
                     assert torch.equal(r_fused, r_plain)
                 assert torch.equal(ops.linear(fused, weight), ops.linear(plain, weight))
+                r_both = None if r is None else r.clone()
+                both = ops.rms_norm(x, w, 1e-6, r_both, quantize="both")      # plain and quantized (MoE's norm)
+                assert torch.equal(both.plain, plain) and torch.equal(both.scale, s), (M, n, r is None)
+                assert torch.equal(both.q.view(torch.uint8), q.view(torch.uint8)), (M, n, r is None)
+                if r is not None:
+                    assert torch.equal(r_both, r_plain)
             gu = (torch.randn(M, 2 * n, device="cuda", generator=g) * 3).to(dtype)
             plain = ops.silu_and_mul(gu)
             fused = ops.act_and_mul(gu, "silu", quantize=True)

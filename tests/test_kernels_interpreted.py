@@ -166,7 +166,7 @@ def fused_quant_checks(g: torch.Generator) -> None:
     plain output, and the same residual; float32 and bf16 (kernel against kernel, so the interpreter's own float8 and
     bf16 rounding is on both sides); M 1 and 5; widths that are not a power of two (a norm block partly past the row,
     silu_and_mul's last 1024-column block partly past it). The FP8 GEMM reading it equals fp8_linear of the plain
-    output, through ops.linear and an FP8Weight."""
+    output, through ops.linear and an FP8Weight. RMSNorm's "both" (quantized and plain) the same numbers."""
     from specdp_cli.runtime import fp8_kernels as fk, ops, triton_kernels as tk
     from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks
 
@@ -187,6 +187,13 @@ def fused_quant_checks(g: torch.Generator) -> None:
                 assert torch.equal(fused.q.float(), q.float()) and torch.equal(fused.scale, s), (dtype, M, n, r is None)
                 if r is not None:
                     assert torch.equal(r_fused, r_plain), (dtype, M, n)
+                # "both" (the norm before FP8 routed experts): the plain output too, from the same residual add
+                r_both = None if r is None else r.clone()
+                both = tk.rms_norm(x, w, 1e-6, r_both, quantize="both")
+                assert isinstance(both, fk.FP8Activation) and torch.equal(both.plain, plain), (dtype, M, n)
+                assert torch.equal(both.q.float(), q.float()) and torch.equal(both.scale, s), ("both", dtype, M, n)
+                if r is not None:
+                    assert torch.equal(r_both, r_plain), ("both", dtype, M, n)
             gu = (torch.randn(M, 2 * n, generator=g) * 3).to(dtype)
             plain = tk.silu_and_mul(gu)
             fused = tk.silu_and_mul(gu, quantize=True)

@@ -113,12 +113,15 @@ class FP8Activation(NamedTuple):
     dtype: the activations' dtype, which the linear's output takes. With `sumsq` (an RMSNorm's input, written by the
     GEMM before it: `fp8_linear_add_norm`): q * scale is the norm's weight times the residual stream, sumsq [M, T]
     the partial sums of the stream's squares (T column blocks), and each row's 1 / rms, rsqrt(sum / K + eps), still
-    to be applied: the GEMM reading it does that to its output rows."""
+    to be applied: the GEMM reading it does that to its output rows. With `plain` (an RMSNorm's output written both
+    ways, triton_kernels.rms_norm's "both"): the values unquantized, for a sparse MLP whose router reads them and
+    whose FP8 routed experts read q."""
     q: torch.Tensor
     scale: torch.Tensor
     dtype: torch.dtype
     sumsq: torch.Tensor | None = None
     eps: float = 0.0
+    plain: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
         """q * scale per group in `dtype` (a fallback for a consumer that is not an FP8 linear)."""

@@ -400,6 +400,18 @@ EXPERTS_W8A8T = True
 # Session 39: measured with benchmarks/moe_kernel.py --fp8 --sweep --sweep-set split.
 EXPERTS_UP_SPLIT = 1
 EXPERTS_UP_SPLIT_MAX_PAIRS = 32
+# The W8A8 transposed gate/up kernel reads x quantized by the RMSNorm before the experts (which writes it both ways:
+# the router reads it plain) instead of quantizing each [128, BLOCK_M] tile in its K loop, once a program (a row
+# reduction and a layout change in every K step). Session 39 (benchmarks/moe_kernel.py --fp8 --sweep --sweep-set
+# split, H200, Qwen3-30B-A3B, x quantized outside the graph): one token's experts 26.5 -> 23.7 µs, four tokens' 59.4
+# -> 51.2.
+EXPERTS_X_Q = True
+
+
+def takes_quantized(P: int, E: int, I: int, H: int, dtype: torch.dtype) -> bool:
+    """Whether `routed_pairs` on FP8 experts at P pairs over E held experts reads x quantized before (`x_q`), for
+    the norm before it to write: W8A8 transposed tiles, whole 128-column groups (H a multiple of 128)."""
+    return EXPERTS_X_Q and H % 128 == 0 and bool(tiles(P, E, I, H, dtype, fp8=True).get("W8A8T"))
 
 
 def routed_pairs(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,

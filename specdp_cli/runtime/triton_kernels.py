@@ -611,8 +611,8 @@ def _norm_row(x, w_ptr, out_ptr, c, ok, n, eps):
 
 # `moe_kernels._sum_add_norm_kernel` shares these two steps (and `norm_warps`): its norms round as these do
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, s_ptr, stride_x, stride_r, stride_o, stride_s, n, eps,
-                     HAS_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, s_ptr, q_ptr, stride_x, stride_r, stride_o, stride_s, stride_q,
+                     n, eps, HAS_RES: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.begin(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK)
@@ -620,9 +620,13 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, s_ptr, stride_x, stride_r, 
     x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
     if HAS_RES:
         x = _add_residual(x, res_ptr + row * stride_r, c, ok)
-    if QUANT:       # the output as x's dtype rounds it, stored quantized for an FP8 linear (fp8_kernels.FP8Activation)
+    if QUANT == 1:  # the output as x's dtype rounds it, stored quantized for an FP8 linear (fp8_kernels.FP8Activation)
         store_quantized(_normed(x, w_ptr, x_ptr, c, ok, n, eps), out_ptr + row * stride_o, s_ptr + row * stride_s, 0,
                         n, BLOCK)
+    elif QUANT == 2:    # both: the output, and quantized at q_ptr / s_ptr
+        y = _normed(x, w_ptr, out_ptr, c, ok, n, eps)
+        tl.store(out_ptr + row * stride_o + c, y, mask=ok)
+        store_quantized(y, q_ptr + row * stride_q, s_ptr + row * stride_s, 0, n, BLOCK)
     else:
         _norm_row(x, w_ptr, out_ptr + row * stride_o, c, ok, n, eps)
 
@@ -655,21 +659,26 @@ def norm_warps(n: int) -> int:
     return 4 if n <= 4096 else 8
 
 
-def rms_norm(x, weight, eps: float, residual=None, quantize: bool = False):
+def rms_norm(x, weight, eps: float, residual=None, quantize: bool | str = False):
     """y = weight * (x / rms(x)); with `residual`: residual += x first (in place) and x = residual. `quantize` (x's
     columns a multiple of 128): y as x's dtype rounds it, returned quantized for an FP8 linear instead
-    (fp8_kernels.FP8Activation: quantize_activations(y)'s numbers)."""
+    (fp8_kernels.FP8Activation: quantize_activations(y)'s numbers); "both": that FP8Activation with y itself as its
+    `plain` (a sparse MLP's router reads y, its FP8 experts the quantized copy)."""
     N, n = x.shape
-    if quantize:
-        out, scales = quantized_rows(N, n, x.device)
+    mode = 2 if quantize == "both" else 1 if quantize else 0
+    if mode:
+        q, scales = quantized_rows(N, n, x.device)
+        out = q if mode == 1 else torch.empty_like(x)
     else:
-        out = scales = torch.empty_like(x)
+        out = q = scales = torch.empty_like(x)
     if N:
         res = residual if residual is not None else x
-        _rms_norm_kernel[(N,)](x, res, weight, out, scales, x.stride(0), res.stride(0), out.stride(0),
-                               scales.stride(0), n, eps, HAS_RES=residual is not None, QUANT=quantize, BLOCK=_pow2(n),
-                               num_warps=norm_warps(n), **pdl.options(x.device))
-    return FP8Activation(out, scales, x.dtype) if quantize else out
+        _rms_norm_kernel[(N,)](x, res, weight, out, scales, q, x.stride(0), res.stride(0), out.stride(0),
+                               scales.stride(0), q.stride(0), n, eps, HAS_RES=residual is not None, QUANT=mode,
+                               BLOCK=_pow2(n), num_warps=norm_warps(n), **pdl.options(x.device))
+    if mode == 2:
+        return FP8Activation(q, scales, x.dtype, plain=out)
+    return FP8Activation(out, scales, x.dtype) if mode else out
 
 
 @triton.jit

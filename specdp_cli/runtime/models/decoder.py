@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..ops import AttnMeta
-from .moe import RoutedPairs
+from .moe import MoE, RoutedPairs
 from .weights import cat_rows
 
 
@@ -136,7 +136,7 @@ class CausalLM:
                                 join=(residual, layer.mlp_norm, mlp_in) if layer.attn_out_norm is None else None)
             if layer.attn_out_norm is not None:
                 x = ops.rms_norm(x, layer.attn_out_norm, self.eps)
-            h, residual = self._join(x, residual, layer.mlp_norm, mlp_in)
+            h, residual = self._join(x, residual, layer.mlp_norm, layer.moe if layer.moe is not None else mlp_in)
             nxt = layers[i + 1] if i + 1 < len(layers) else None
             x = self._mlp(layer, h, unsummed=layer.mlp_out_norm is None,
                           join=(residual, nxt.in_norm, nxt.qkv) if nxt is not None and nxt.mla is None
@@ -154,12 +154,14 @@ class CausalLM:
         reads: the stream's norm, or the stream itself without one, the stream). x may be a sparse MLP's
         unsummed output (`_mlp`): its sums join the stream in the norm's kernel. `feeds`: the weight of the one
         linear that alone reads the norm (qkv, a dense MLP's gate_up); where it is FP8 at decode sizes
-        (ops.fused_quant_wanted) the norm comes quantized for it (fp8_kernels.FP8Activation). x may have joined the
-        stream already and be the norm (`_row_parallel`'s join: an FP8Activation with its sums of squares)."""
+        (ops.fused_quant_wanted) the norm comes quantized for it (fp8_kernels.FP8Activation). Or the sparse MLP
+        that reads it (moe.MoE), whose FP8 routed experts may take it quantized as well as plain (MoE.takes_quantized).
+        x may have joined the stream already and be the norm (`_row_parallel`'s join: an FP8Activation with its sums
+        of squares)."""
         if getattr(x, "sumsq", None) is not None:
             return x, residual
         if isinstance(x, RoutedPairs):          # the residual has the shape and dtype of the sums it takes
-            quantize = norm is not None and self._fused_quant(residual, feeds)
+            quantize = norm is not None and self._fused_quant(residual, feeds) is True
             return x.add_to(residual, norm, self.eps, quantize), residual
         quantize = norm is not None and self._fused_quant(x, feeds)
         if residual is None:
@@ -169,8 +171,11 @@ class CausalLM:
             return residual, residual
         return ops.rms_norm(x, norm, self.eps, residual, quantize), residual     # residual += x, then its norm
 
-    def _fused_quant(self, x: torch.Tensor, w) -> bool:
-        """Whether the kernel reading x hands the FP8 linear w its output quantized (not split over a TP group)."""
+    def _fused_quant(self, x: torch.Tensor, w) -> bool | str:
+        """Whether the kernel reading x hands the FP8 linear w its output quantized (not split over a TP group);
+        w a sparse MLP (moe.MoE): "both" where it takes its input quantized as well as plain, else False."""
+        if isinstance(w, MoE):
+            return "both" if w.takes_quantized(x) else False
         return self.tp is None and w is not None and ops.fused_quant_wanted(x, w)
 
     def _keep_aux(self, layer: int, stream: torch.Tensor) -> None:

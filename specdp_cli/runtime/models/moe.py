@@ -86,7 +86,19 @@ class MoE:
     shared_down: torch.Tensor | None = None
     tp: object | None = None             # tensor parallelism: the TP group over which each expert's columns split
 
-    def __call__(self, h: torch.Tensor, unsummed: bool = False) -> torch.Tensor | RoutedPairs:
+    def takes_quantized(self, h: torch.Tensor) -> bool:
+        """Whether the norm before this MoE hands it h quantized as well as plain (ops.rms_norm's "both"): FP8
+        routed experts on CUDA whose kernels read x quantized at h's tokens (moe_kernels.takes_quantized), neither
+        expert nor tensor parallelism (their gathers and shares see h only)."""
+        top_k = getattr(self.route, "top_k", None)
+        if not h.is_cuda or isinstance(self.gate_up, torch.Tensor) or top_k is None or self.ep is not None \
+                or self.tp is not None:
+            return False
+        from ..moe_kernels import takes_quantized
+        E, I = self.gate_up.weight.shape[0], self.gate_up.weight.shape[1] // 2
+        return takes_quantized(h.shape[0] * top_k, E, I, h.shape[1], h.dtype)
+
+    def __call__(self, h, unsummed: bool = False) -> torch.Tensor | RoutedPairs:
         # Under expert parallelism the ranks' tokens are gathered, each rank adds its experts' share, and a
         # reduce-scatter returns each rank the sum for its own tokens; the shared experts then run on the
         # rank's own tokens only, so they are added once. Under tensor parallelism (with or without experts over
@@ -95,12 +107,17 @@ class MoE:
         # group; the router is whole on every process, so all of them route every token alike.
         # `unsummed`: on CUDA, where nothing else adds to the routed experts' sum (none of the above), return their
         # RoutedPairs for the decoder to sum in the kernel of its residual add and next norm.
+        # h may come quantized too (`takes_quantized`: an FP8Activation with the values plain): the router and the
+        # shared experts read them plain, the routed experts' gate/up kernel quantized.
+        x_q = None
+        if getattr(h, "plain", None) is not None:
+            h, x_q = h.plain, h
         x = h if self.ep is None else self.ep.ep_all_gather(h)
         w, idx = self.route(x)
         # index into the held experts; outside [0, E'): held elsewhere
         held = idx - self.experts.start if self.experts.start else idx
         if x.is_cuda:
-            pairs = self.routed_pairs(x, w, held)
+            pairs = self.routed_pairs(x, w, held, x_q)
             if unsummed and self.ep is None and self.tp is None and self.shared_gate_up is None:
                 return pairs
             out = pairs.sum()
@@ -114,11 +131,11 @@ class MoE:
             out = self.tp.all_reduce(out)
         return out
 
-    def routed_pairs(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor) -> RoutedPairs:
+    def routed_pairs(self, x: torch.Tensor, w: torch.Tensor, held: torch.Tensor, x_q=None) -> RoutedPairs:
         """The grouped kernels (CUDA), each pair's output unsummed; w float32, rounded to x's dtype inside unless
-        `float_weights`."""
+        `float_weights`; x_q: x quantized as well (`takes_quantized`)."""
         from ..moe_kernels import routed_pairs
-        return RoutedPairs(routed_pairs(x, w, held, self.gate_up, self.down, **self.kernel_args()), held,
+        return RoutedPairs(routed_pairs(x, w, held, self.gate_up, self.down, x_q=x_q, **self.kernel_args()), held,
                            self.gate_up.shape[0])
 
     def kernel_args(self) -> dict:
