@@ -63,13 +63,13 @@ def apply_mode(mode: str | None) -> None:
     (moe_kernels.EXPERTS_W8A8T); "-ahead" / "-noahead": the FP8 GEMM's scales loaded one K block ahead, or in their
     block (fp8_kernels.SCALES_AHEAD; the default for the transposed decode tiles since session 37); "-noaddnorm":
     o and down's output joined to the residual stream and normed by the RMSNorm kernel, not by the GEMMs
-    (fp8_kernels.FUSE_ADD_NORM; the default since session 37); "-upsplitN": the FP8 routed experts' W8A8 gate/up
-    kernel's K split over N programs a tile at few tokens (moe_kernels.EXPERTS_UP_SPLIT; "-upsplit1": not split);
-    "-noexpertsxq" / "-expertsxq": that kernel quantizes x itself, or reads it quantized by the RMSNorm before
-    (moe_kernels.EXPERTS_X_Q; the default since session 39);
+    (fp8_kernels.FUSE_ADD_NORM; the default since session 37); "-noexpertsxq" / "-expertsxq": the FP8 routed experts'
+    W8A8 gate/up kernel quantizes x itself, or reads it quantized by the RMSNorm before (moe_kernels.EXPERTS_X_Q;
+    the default since session 39);
     "-addnormearly": the joining GEMM's residual tile and
     norm weight loaded before its main loop (fp8_kernels.ADD_NORM_EARLY; the default since session 38),
-    "-noaddnormearly": in its last step. Not kept (slower or the same): session 38's silu_and_mul inside the gate_up
+    "-noaddnormearly": in its last step. Not kept (slower or the same): session 39's "-upsplit2" /
+    "-upsplit4" (that kernel's K split over 2 / 4 programs a tile; commit a9e9d38); session 38's silu_and_mul inside the gate_up
     GEMM (commit 6aa6ee7: "-glu64" / "-glu128" / "-glu256", its tile 64 / 128 / 256 weight rows, and "-noglu");
     session 37's split attention combined by each (row, KV head)'s last part to finish instead of the
     combine kernel (commit d799f2f, whose "-attncombine" rows have the combine kernel), "-expertsahead" (the scales
@@ -85,7 +85,6 @@ def apply_mode(mode: str | None) -> None:
     DEFAULTS.setdefault("SCALES_AHEAD", fp8_kernels.SCALES_AHEAD)
     DEFAULTS.setdefault("FUSE_ADD_NORM", fp8_kernels.FUSE_ADD_NORM)
     DEFAULTS.setdefault("ADD_NORM_EARLY", fp8_kernels.ADD_NORM_EARLY)
-    DEFAULTS.setdefault("EXPERTS_UP_SPLIT", moe_kernels.EXPERTS_UP_SPLIT)
     DEFAULTS.setdefault("EXPERTS_X_Q", moe_kernels.EXPERTS_X_Q)
     base, *off = (mode or "bf16").split("-")
     off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
@@ -97,8 +96,6 @@ def apply_mode(mode: str | None) -> None:
     fp8_kernels.SCALES_AHEAD = "ahead" in off or (DEFAULTS["SCALES_AHEAD"] and "noahead" not in off)
     moe_kernels.EXPERTS_W8A8T = "expertsw8a8t" in off or (DEFAULTS["EXPERTS_W8A8T"] and "noexpertsw8a8t" not in off)
     moe_kernels.EXPERTS_X_Q = "expertsxq" in off or (DEFAULTS["EXPERTS_X_Q"] and "noexpertsxq" not in off)
-    moe_kernels.EXPERTS_UP_SPLIT = next((int(o[7:]) for o in off if o.startswith("upsplit")),
-                                        DEFAULTS["EXPERTS_UP_SPLIT"])
     if base != "bf16":
         fp8_kernels.DECODE_MODE = base
     fp8_kernels.FUSE_DECODE_QUANT = "unfused" not in off

@@ -6,7 +6,7 @@ replayed (what a decode step does), timed with CUDA events; "GB/s" is the bytes 
 (each read once) over the time, and "% copy" that against the device's measured copy bandwidth.
 
 Usage: python benchmarks/moe_kernel.py [--shapes qwen3_30b_a3b,deepseek_v3] [--tokens 1,16,64,256] [--sweep]
-           [--sweep-set all|split] [--dtype bfloat16] [--fp8] --json OUT.json
+           [--sweep-set all|xq] [--dtype bfloat16] [--fp8] --json OUT.json
 (--fp8: the experts in FP8, read weight-only by the Triton kernels, with deeper-pipelined tiles under --sweep; bytes
 and GB/s count FP8 bytes)
 (prompt chunks: --tokens 2048,8192)
@@ -60,14 +60,11 @@ SWEEP_FP8 = [dict(BLOCK_M=16, UP_N=un, DOWN_N=dn, BLOCK_K=128, warps=4, stages=s
 # program), 3-6 stages (session 37 also loaded the block scales a K block ahead: no faster, commit history)
 SWEEP_FP8 += [dict(BLOCK_M=16, UP_N=un, DOWN_N=dn, BLOCK_K=128, warps=4, stages=s, W8A8T=True)
               for un, dn, s in [(64, 64, 4), (64, 64, 3), (64, 64, 6), (32, 64, 4), (32, 64, 3), (32, 64, 6)]]
-# session 39 (`--sweep-set split`): the W8A8 transposed tile with gate/up's K split over 2 / 4 programs a tile (SPLIT_K:
-# shorter chains of dependent K steps; the tile's last program adds the partial sums) and with x quantized before
-# (X_Q: no quantization in gate/up's K loop; here quantized outside the timed graph, as the norm kernel before the
-# experts would write it)
-SWEEP_SPLIT = [dict(BLOCK_M=16, UP_N=64, DOWN_N=64, BLOCK_K=128, warps=4, stages=s, W8A8T=True, **kw)
-               for s, kw in [(4, {}), (4, dict(X_Q=True)), (4, dict(SPLIT_K=2)), (3, dict(SPLIT_K=2)),
-                             (4, dict(SPLIT_K=4)), (3, dict(SPLIT_K=4)), (4, dict(SPLIT_K=2, X_Q=True)),
-                             (4, dict(SPLIT_K=4, X_Q=True)), (3, dict(SPLIT_K=4, X_Q=True))]]
+# session 39 (`--sweep-set xq`): the W8A8 transposed tile with x quantized before (X_Q: no quantization in gate/up's K
+# loop; here quantized outside the timed graph, as the RMSNorm before the experts writes it in the engine), 3-6
+# stages. Session 39 also split gate/up's K over 2 or 4 programs a tile (SPLIT_K; not kept: commit a9e9d38)
+SWEEP_XQ = [dict(BLOCK_M=16, UP_N=64, DOWN_N=64, BLOCK_K=128, warps=4, stages=s, W8A8T=True, **kw)
+            for s, kw in [(4, {}), (4, dict(X_Q=True)), (3, dict(X_Q=True)), (6, dict(X_Q=True))]]
 # matrix-vector kernels (one program per pair for gate/up, one per token summing its experts' down projections;
 # no grouping): the alternative for few pairs that the engine does not use (it lost to the grouped kernels)
 GEMV = [dict(UP_N=un, DOWN_N=dn, BLOCK_K=bk, warps=w)
@@ -229,8 +226,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,16,64,256")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--sweep-set", default="all", choices=["all", "split"],
-                    help="with --sweep --fp8: all tiles, or only session 39's split-K / x-quantized-before tiles")
+    ap.add_argument("--sweep-set", default="all", choices=["all", "xq"],
+                    help="with --sweep --fp8: all tiles, or only session 39's x-quantized-before tiles")
     ap.add_argument("--fp8", action="store_true", help="the experts in FP8 (128 x 128 blocks, read weight-only by "
                     "the Triton kernels; the other paths read them dequantized)")
     ap.add_argument("--all-experts-max-e", type=int, default=128, help="time the old path up to this many experts")
@@ -265,7 +262,7 @@ def main() -> None:
             used = int(torch.unique(idx).numel())
             read = used * expert_bytes
             ref = grouped_mm_path(x, w, idx, gate_up, down).float()
-            sweep = (SWEEP_SPLIT if a.sweep_set == "split" else SWEEP_FP8) if a.fp8 else SWEEP
+            sweep = (SWEEP_XQ if a.sweep_set == "xq" else SWEEP_FP8) if a.fp8 else SWEEP
             variants = [("triton", None)] + ([(f"triton {t}", t) for t in sweep] if a.sweep else [])
             x_q = FP8Activation(*quantize_activations(x), dtype) if a.fp8 else None
             variants += [(f"gemv {t}", ("gemv", t)) for t in GEMV] if a.sweep and N * K <= 128 and not a.fp8 else []

@@ -882,18 +882,19 @@ s38)
     MODES=${MODES:-quantize,quantize-noaddnormearly} GPU_TESTS_K=${GPU_TESTS_K:-add_norm} exec bash "$0" s36 "$out"
   ;;
 s39)
-  # session 39 (issue 30): the FP8 routed experts' W8A8 gate/up kernel with its K split over programs and with x
-  # quantized before (moe_kernel.py --sweep-set split, one token's and TOKENS' experts; KERNEL_S), the Qwen3-30B-A3B
-  # shape (8 layers) at batch 1 in bf16 and FP8 with MOE_MODES (fp8.py's -upsplitN; MOE_S), its batch-1 step kernel
-  # by kernel in bf16 and FP8 (TRACE_S; TRACE_MODES), then GPU tests (GPU_TEST_S; GPU_TESTS_K)
+  # session 39 (issue 30): the FP8 routed experts' W8A8 gate/up kernel reading x quantized before (moe_kernel.py
+  # --sweep-set xq, one token's and TOKENS' experts; KERNEL_S), the Qwen3-30B-A3B shape (8 layers) at batch 1 in bf16
+  # and FP8 with MOE_MODES (fp8.py's -noexpertsxq; MOE_S), its batch-1 step kernel by kernel in bf16 and FP8
+  # (TRACE_S; TRACE_MODES), then GPU tests (GPU_TEST_S; GPU_TESTS_K). Session 39's first calls ran this stage at
+  # commit a9e9d38 (--sweep-set split, MOE_MODES with -upsplit2 / -upsplit4: gate/up's K split over programs, not kept)
   end=$((SECONDS + ${LIMIT:-570}))
   [ "${KERNEL_S:-120}" != 0 ] && { timeout ${KERNEL_S:-120} python3 benchmarks/moe_kernel.py --shapes qwen3_30b_a3b \
-      --tokens ${TOKENS:-1,4} --fp8 --sweep --sweep-set split --all-experts-max-e 0 --json "$out/moe_kernel_split.json" \
-      > "$out/moe_kernel_split.log" 2>&1 || tail -5 "$out/moe_kernel_split.log"
-    grep -E '^qwen3' "$out/moe_kernel_split.log" | grep -v '{"' ; }
+      --tokens ${TOKENS:-1,4} --fp8 --sweep --sweep-set xq --all-experts-max-e 0 --json "$out/moe_kernel_xq.json" \
+      > "$out/moe_kernel_xq.log" 2>&1 || tail -5 "$out/moe_kernel_xq.log"
+    grep -E '^qwen3' "$out/moe_kernel_xq.log" | grep -v '{"' ; }
   [ "${MOE_S:-220}" != 0 ] && { timeout $(( $(left) < ${MOE_S:-220} ? $(left) : ${MOE_S:-220} )) python3 benchmarks/fp8.py \
       --pair $P --moe-shape qwen3_30b_a3b --work /tmp/moe_shapes --prompts 4 --prompt-len 32 --batches 1 --repeats 3 \
-      --decode-modes ${MOE_MODES:-quantize,quantize-upsplit2,quantize-upsplit4} --json "$out/fp8_moe.json" \
+      --decode-modes ${MOE_MODES:-quantize,quantize-noexpertsxq} --json "$out/fp8_moe.json" \
       > "$out/fp8_moe.log" 2>&1 || tail -20 "$out/fp8_moe.log"
     sed -n '/^method /,$p' "$out/fp8_moe.log"; }
   [ "${TRACE_S:-100}" != 0 ] && { rm -f /tmp/moetrace_*; timeout $(( $(left) < ${TRACE_S:-100} ? $(left) : ${TRACE_S:-100} )) \

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .fp8_kernels import FP8Activation, _tickets, quantized_rows, store_quantized
+from .fp8_kernels import FP8Activation, quantized_rows, store_quantized
 from .triton_kernels import _add_residual, _norm_row, _normed, _pow2, norm_warps
 
 
@@ -160,10 +160,10 @@ def _w8a8t_step(a, w, s_w, acc):
 @triton.jit
 def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr, P, TOPK, I, H,
                stride_x, stride_we, stride_wn, stride_be, stride_a, stride_wse, stride_wsn, stride_wsk, alpha, limit,
-               xs_ptr, stride_xs, part_ptr, tickets_ptr, k_blocks_per_split,
+               xs_ptr, stride_xs,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
                HAS_BIAS: tl.constexpr, PREC: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr,
-               PDL: tl.constexpr, W8A8T: tl.constexpr, X_Q: tl.constexpr, SPLIT_K: tl.constexpr):
+               PDL: tl.constexpr, W8A8T: tl.constexpr, X_Q: tl.constexpr):
     pdl.begin(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
@@ -185,13 +185,10 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr
         gu = (r // BLOCK_N) * I + col                          # rows of gate_up: gate's, then up's
         gu_ok = col < I
         s_gu = ws_ptr + e64 * stride_wse + (gu // W_ROWS) * stride_wsn
-        # SPLIT_K: this program's share of K (program_id 2), its partial sums added up by the tile's last program
-        k_lo = tl.program_id(2) * k_blocks_per_split * BLOCK_K
-        k_hi = tl.minimum(H, k_lo + k_blocks_per_split * BLOCK_K)
-        xp = x_ptr + tok[None, :] * stride_x + k_lo + k[:, None]       # x [BLOCK_K, BLOCK_M]
-        wp = w_ptr + e64 * stride_we + gu[:, None] * stride_wn + k_lo + k[None, :]
+        xp = x_ptr + tok[None, :] * stride_x + k[:, None]       # x [BLOCK_K, BLOCK_M]
+        wp = w_ptr + e64 * stride_we + gu[:, None] * stride_wn + k[None, :]
         acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
+        for k0 in range(0, H, BLOCK_K):
             # the block's weight scales, loaded before its tiles: their latency overlaps the wait for the tiles
             s = tl.load(s_gu + (k0 // 128) * stride_wsk, mask=gu_ok, other=0.0)
             a = tl.load(xp, mask=ok[None, :] & (k0 + k[:, None] < H), other=0.0)
@@ -203,21 +200,6 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr
                 acc = _w8a8t_step(a, w, s, acc)
             xp += BLOCK_K
             wp += BLOCK_K
-        if SPLIT_K > 1:
-            # partial sums to part_ptr, one [2 * BLOCK_N, BLOCK_M] block a (tile, split); the tile's last program to
-            # finish (a ticket, as fp8_kernels' split-K GEMM) adds them up in split order and goes on
-            tile_id = pid_m * tl.num_programs(1) + tl.program_id(1)
-            SIZE: tl.constexpr = 2 * BLOCK_N * BLOCK_M
-            part = part_ptr + tile_id.to(tl.int64) * (SPLIT_K * SIZE) + r[:, None] * BLOCK_M + m[None, :]
-            tl.store(part + tl.program_id(2) * SIZE, acc)
-            tl.debug_barrier()              # every thread's partial sums are stored before the ticket is taken
-            ticket = tl.atomic_add(tickets_ptr + tile_id, 1, sem="acq_rel", scope="gpu")
-            if ticket != SPLIT_K - 1:
-                return
-            acc = tl.zeros([2 * BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for sp in range(0, SPLIT_K):
-                acc += tl.load(part + sp * SIZE, cache_modifier=".cg")
-            tl.atomic_xchg(tickets_ptr + tile_id, 0)        # ready for the next launch
         # [2 * BLOCK_N, BLOCK_M] -> gate's and up's [BLOCK_M, BLOCK_N]
         acc_g, acc_u = tl.split(tl.permute(tl.reshape(tl.trans(acc), [BLOCK_M, 2, BLOCK_N]), [0, 2, 1]))
     else:
@@ -381,8 +363,6 @@ def tiles(P: int, E: int, I: int, H: int, dtype: torch.dtype, fp8: bool = False)
         # W8A8, transposed (`_w8a8t_step`): 64 weight rows a program (the tensor cores' 64-row side), whole
         # 128-column groups a K step (the activations are quantized by group)
         t.update(UP_N=64, DOWN_N=64, stages=4, W8A8T=True)
-        if EXPERTS_UP_SPLIT > 1 and P <= EXPERTS_UP_SPLIT_MAX_PAIRS:
-            t["SPLIT_K"] = EXPERTS_UP_SPLIT
     return t
 
 
@@ -395,16 +375,14 @@ def tiles(P: int, E: int, I: int, H: int, dtype: torch.dtype, fp8: bool = False)
 # µs (the same command, the code before and after in one call); 32 columns a program (a 64-row tile, twice the
 # programs) 28.4, the scales loaded a K block ahead 25.4 (neither kept).
 EXPERTS_W8A8T = True
-# The W8A8 transposed gate/up kernel's K split over EXPERTS_UP_SPLIT programs a tile (partial sums added up by the
-# tile's last program: fp8_kernels' tickets), up to EXPERTS_UP_SPLIT_MAX_PAIRS token-expert pairs (4 tokens of top-8).
-# Session 39: measured with benchmarks/moe_kernel.py --fp8 --sweep --sweep-set split.
-EXPERTS_UP_SPLIT = 1
-EXPERTS_UP_SPLIT_MAX_PAIRS = 32
 # The W8A8 transposed gate/up kernel reads x quantized by the RMSNorm before the experts (which writes it both ways:
 # the router reads it plain) instead of quantizing each [128, BLOCK_M] tile in its K loop, once a program (a row
 # reduction and a layout change in every K step). Session 39 (benchmarks/moe_kernel.py --fp8 --sweep --sweep-set
-# split, H200, Qwen3-30B-A3B, x quantized outside the graph): one token's experts 26.5 -> 23.7 µs, four tokens' 59.4
-# -> 51.2.
+# xq, H200, Qwen3-30B-A3B, x quantized outside the graph): one token's experts 26.5 -> 23.7 µs, four tokens' 59.4
+# -> 51.2; the Qwen3-30B-A3B shape (8 layers) in FP8 at batch 1, 1.07x -> 1.11x bf16 (benchmarks/fp8.py's
+# -noexpertsxq rows). Not kept (commit a9e9d38 has its code): gate/up's K split over 2 or 4 programs a tile, the
+# tile's last program adding the partial sums (27.0 -> 28.1 / 31.2 µs for one token; end to end 1.11x either way with
+# x quantized before). Nor two K blocks a step (Triton waits for each product before issuing the next).
 EXPERTS_X_Q = True
 
 
@@ -461,26 +439,14 @@ def routed_pairs(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, 
     # W8A8 transposed: FP8 weights, whole 128-column groups a K step (the down kernel's K block is I's where I < 128)
     w8a8t = bool(t.get("W8A8T")) and fp8 and t["BLOCK_K"] == 128
     launch = pdl.expert_options(dev)
-    up_grid = (max_blocks, triton.cdiv(I, t["UP_N"]))
-    # W8A8 transposed only: x quantized before; K split over SPLIT_K programs a tile (ticket counters: none while a
-    # graph is captured before any were allocated, then no split)
-    use_q = w8a8t and x_q is not None and x_q.sumsq is None
-    k_blocks = triton.cdiv(H, t["BLOCK_K"])
-    split = min(t.get("SPLIT_K", 1), k_blocks) if w8a8t else 1
-    tickets = _tickets(dev, up_grid[0] * up_grid[1]) if split > 1 else None
-    split = split if tickets is not None else 1
-    per_split = triton.cdiv(k_blocks, split)
-    split = triton.cdiv(k_blocks, per_split)
-    part = (torch.empty((up_grid[0] * up_grid[1] * split * 2 * t["UP_N"] * BM,), dtype=torch.float32, device=dev)
-            if split > 1 else act_out)
+    use_q = w8a8t and x_q is not None and x_q.sumsq is None     # W8A8 transposed only: x quantized before
     xin, xs = (x_q.q, x_q.scale) if use_q else (x, act_out)
-    _up_kernel[up_grid + (split,)](
+    _up_kernel[(max_blocks, triton.cdiv(I, t["UP_N"]))](
         xin, gate_up, gub, pairs, block_expert, act_out, gu_s, P, K, I, H,
         xin.stride(0), gate_up.stride(0), gate_up.stride(1), gub_stride, act_out.stride(0), *gss, float(alpha),
-        float(limit), xs, xs.stride(0), part, tickets if tickets is not None else pairs, per_split,
-        BLOCK_M=BM, BLOCK_N=t["UP_N"], BLOCK_K=t["BLOCK_K"], ACT=ACT, HAS_BIAS=gate_up_bias is not None,
-        PREC=prec, W_FP8=fp8, W_ROWS=gu_rows, W8A8T=w8a8t, X_Q=use_q, SPLIT_K=split, num_warps=t["warps"],
-        num_stages=t["stages"], **launch)
+        float(limit), xs, xs.stride(0), BLOCK_M=BM, BLOCK_N=t["UP_N"], BLOCK_K=t["BLOCK_K"], ACT=ACT,
+        HAS_BIAS=gate_up_bias is not None, PREC=prec, W_FP8=fp8, W_ROWS=gu_rows, W8A8T=w8a8t, X_Q=use_q,
+        num_warps=t["warps"], num_stages=t["stages"], **launch)
     dss = d_s.stride() if fp8 else (0, 0, 0)
     _down_kernel[(max_blocks, triton.cdiv(H, t["DOWN_N"]))](
         act_out, down, db, rw, pairs, block_expert, y, d_s, P, H, I,
