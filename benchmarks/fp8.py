@@ -63,13 +63,12 @@ def apply_mode(mode: str | None) -> None:
     (moe_kernels.EXPERTS_W8A8T); "-ahead" / "-noahead": the FP8 GEMM's scales loaded one K block ahead, or in their
     block (fp8_kernels.SCALES_AHEAD; the default for the transposed decode tiles since session 37); "-noaddnorm":
     o and down's output joined to the residual stream and normed by the RMSNorm kernel, not by the GEMMs
-    (fp8_kernels.FUSE_ADD_NORM; the default since session 37); "-noexpertsxq" / "-expertsxq": the FP8 routed experts'
-    W8A8 gate/up kernel quantizes x itself, or reads it quantized by the RMSNorm before (moe_kernels.EXPERTS_X_Q;
-    the default since session 39);
-    "-addnormearly": the joining GEMM's residual tile and
+    (fp8_kernels.FUSE_ADD_NORM; the default since session 37); "-noexpertsxq" / "-expertsxq": the FP8 routed
+    experts' W8A8 gate/up kernel quantizes x itself, or reads it quantized by the RMSNorm before
+    (moe_kernels.EXPERTS_X_Q; the default since session 39); "-addnormearly": the joining GEMM's residual tile and
     norm weight loaded before its main loop (fp8_kernels.ADD_NORM_EARLY; the default since session 38),
-    "-noaddnormearly": in its last step. Not kept (slower or the same): session 39's "-upsplit2" /
-    "-upsplit4" (that kernel's K split over 2 / 4 programs a tile; commit a9e9d38); session 38's silu_and_mul inside the gate_up
+    "-noaddnormearly": in its last step. Not kept (slower or the same): session 39's "-upsplit2" / "-upsplit4" (that
+    gate/up kernel's K split over 2 / 4 programs a tile; commit a9e9d38); session 38's silu_and_mul inside the gate_up
     GEMM (commit 6aa6ee7: "-glu64" / "-glu128" / "-glu256", its tile 64 / 128 / 256 weight rows, and "-noglu");
     session 37's split attention combined by each (row, KV head)'s last part to finish instead of the
     combine kernel (commit d799f2f, whose "-attncombine" rows have the combine kernel), "-expertsahead" (the scales

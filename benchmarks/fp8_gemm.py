@@ -10,7 +10,7 @@ stages on cold weights (`sweep_stages`). With --sweep-rows 48,80 (alone), the 8B
 bf16 and cuBLAS's block-scaled GEMM (`sweep_rows`).
 
 Usage: python benchmarks/fp8_gemm.py [--rows 1,16,64,256,2048] [--sweep | --sweep-stages | --sweep-rows 48,80
-       [--swap] [--shapes 8b.qkv,...]] --json OUT.json
+       [--swap [--block-n 32,64,128]] [--shapes 8b.qkv,...]] --json OUT.json
 """
 from __future__ import annotations
 
@@ -73,12 +73,14 @@ def main() -> None:
                     help="with --sweep-rows: the shipped tile and its neighbours with each K block's scales loaded "
                     "one block ahead (AHEAD), against the same without")
     ap.add_argument("--shapes", default="8b.qkv,8b.o,8b.gate_up,8b.down", help="with --sweep-rows: " + ",".join(SHAPES))
+    ap.add_argument("--block-n", default="64", help="with --sweep-rows --swap: the transposed tiles' widths, e.g. 32,64,128")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     dev = torch.device("cuda")
     if a.sweep_stages or a.sweep_rows:
         sweep = sweep_stages(dev) if a.sweep_stages else sweep_rows(dev, [int(m) for m in a.sweep_rows.split(",")],
-                                                                    a.shapes.split(","), a.swap, a.ahead)
+                                                                    a.shapes.split(","), a.swap, a.ahead,
+                                                                    tuple(int(b) for b in a.block_n.split(",")))
         with open(a.json, "w") as fh:
             json.dump({"meta": {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                 "triton": triton.__version__, "argv": sys.argv[1:]}, "sweep": sweep}, fh, indent=1)
@@ -204,13 +206,16 @@ def sweep_stages(dev) -> list[dict]:
     return out
 
 
-def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool, ahead: bool = False) -> list[dict]:
+def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool, ahead: bool = False,
+               block_ns: tuple = (64,)) -> list[dict]:
     """The projections `shapes` at `row_counts` rows (activations quantized before the GEMM, as the norm kernels
     hand them over) over BLOCK_M x BLOCK_N x split K x warps, GROUP_M 8 (a column block's row blocks run side by side
     and share its weight tile in L2), each against bf16 F.linear and cuBLAS's block-scaled GEMM on cold weights.
     With `swap`: the shipped tile, then the transposed product's (SWAP: 64 or 128 weight rows a program, the rows in
     one block of BLOCK_M, split K x pipeline stages), its `fk.tiles` choice first, and the rows in blocks of 16 / 32 /
-    64 side by side (GROUP_M) where they are more (session 38: slower at 80 rows)."""
+    64 side by side (GROUP_M) where they are more (session 38: slower at 80 rows); `block_ns`: the transposed tiles'
+    weight rows a program (session 39: 32 / 64 / 128 on the Qwen3-30B-A3B shape's qkv and o, 8 warps at 128).
+    Prints each (shape, rows)' five fastest tiles too."""
     out = []
     cublas = fk.cublas_supported(dev)
     print(f"{'shape':<12}{'M':>4}{'bf16 us':>9}{'cublas us':>10}{'default us':>11}{'best us':>9}  best tile")
@@ -236,8 +241,10 @@ def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool, ahead:
                 bm = max(16, triton.next_power_of_2(M))
                 # (session 36's first sweep also had 128-wide blocks and 3 and 6 stages, its second W8A16 tiles with each
                 # weight tile dequantized before its product: commit 5fdec1b)
-                for split in (1, 2, 4, 8):
-                    tried.append(dict(BLOCK_M=bm, BLOCK_N=64, SPLIT=split, warps=4, stages=4, GROUP_M=1, SWAP=True))
+                for bn in block_ns:
+                    for split in (1, 2, 4, 8):
+                        tried.append(dict(BLOCK_M=bm, BLOCK_N=bn, SPLIT=split, warps=8 if bn >= 128 else 4, stages=4,
+                                          GROUP_M=1, SWAP=True))
                 # verification rows transposed in several row blocks of 16-64, a column block's side by side (GROUP_M:
                 # one weight tile from memory, the other blocks' reads from L2), not one block padded to 128 rows
                 for bm_ in (16, 32, 64):
@@ -278,6 +285,9 @@ def sweep_rows(dev, row_counts: list[int], shapes: list[str], swap: bool, ahead:
                      == 'swap' else "")
                   + "".join(f"  (shipped tile, ahead: {r['us']:.1f})" for r in found if ahead and r.get("AHEAD")
                             and r["SPLIT"] == found[0]["SPLIT"]), flush=True)
+            for r in sorted(found, key=lambda r: r["us"])[:5]:
+                print(f"  {r['us']:7.1f} us  BLOCK_N {r['BLOCK_N']} split {r['SPLIT']} warps {r['warps']}"
+                      f"{' swap' if r.get('SWAP') else ''} {r.get('label', '')}", flush=True)
         w16 = w8 = wcs = None
         torch.cuda.empty_cache()
     return out
