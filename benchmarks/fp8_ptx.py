@@ -62,18 +62,15 @@ def compile_tile(block_m: int, block_n: int, swap: bool, group_m: int, ahead: bo
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=stages))
 
 
-def compile_experts(kernel: str, w8a8t: bool, stages: int = 4, x_q: bool = False, prefetch: bool = False):
+def compile_experts(kernel: str, w8a8t: bool, stages: int = 4, x_q: bool = False):
     """moe_kernels' routed-expert kernel ("up" or "down") on FP8 experts at 16-row blocks (a decode step's pairs),
     weight-only (32-wide gate/up blocks, as `tiles` picked before session 36) or W8A8 transposed (64-wide; gate's and
-    up's rows stacked in one 128-row tile since session 37); gate/up's `x_q` (x quantized before) and `prefetch` (its
-    expert's down weights into L2) since session 39."""
+    up's rows stacked in one 128-row tile since session 37); gate/up's `x_q` (x quantized before) since session 39."""
     common = dict(BLOCK_M=16, BLOCK_K=fk.GROUP, HAS_BIAS=False, PREC="tf32", W_FP8=True, W_ROWS=128, PDL=False,
                   W8A8T=w8a8t)
     if kernel == "up":
-        fn, const = mk._up_kernel, dict(common, BLOCK_N=64 if w8a8t else 32, ACT=0, X_Q=x_q,
-                                        PREFETCH_DOWN=prefetch, LANES=128)
-        pointers = {"x_ptr": "*fp8e4nv" if x_q else "*bf16", "act_ptr": "*bf16", "xs_ptr": "*fp32",
-                    "down_ptr": "*fp8e4nv"}
+        fn, const = mk._up_kernel, dict(common, BLOCK_N=64 if w8a8t else 32, ACT=0, X_Q=x_q)
+        pointers = {"x_ptr": "*fp8e4nv" if x_q else "*bf16", "act_ptr": "*bf16", "xs_ptr": "*fp32"}
         aligned = {"stride_x", "stride_a", "H", "I"}
     else:
         fn, const = mk._down_kernel, dict(common, BLOCK_N=64, ROUND_W=True)
@@ -130,9 +127,7 @@ def main() -> None:
     compiled += [(f"experts' {k}, 16-row blocks, {'W8A8 transposed' if t else 'weight-only'}", {"W8A8T": t},
                   lambda k=k, t=t: compile_experts(k, t)) for k in ("up", "down") for t in (False, True)]
     compiled += [("experts' up, 16-row blocks, W8A8 transposed, x quantized before", {"W8A8T": True, "X_Q": True},
-                  lambda: compile_experts("up", True, x_q=True)),
-                 ("... its expert's down weights prefetched into L2", {"W8A8T": True, "X_Q": True, "PREFETCH_DOWN": True},
-                  lambda: compile_experts("up", True, x_q=True, prefetch=True))]
+                  lambda: compile_experts("up", True, x_q=True))]
     for label, tile, build in compiled:
         ptx = build().asm["ptx"]
         counts, order = instructions(ptx), loop_order(ptx)

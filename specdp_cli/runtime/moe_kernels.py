@@ -160,22 +160,15 @@ def _w8a8t_step(a, w, s_w, acc):
 @triton.jit
 def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr, P, TOPK, I, H,
                stride_x, stride_we, stride_wn, stride_be, stride_a, stride_wse, stride_wsn, stride_wsk, alpha, limit,
-               xs_ptr, stride_xs, down_ptr, down_bytes,
+               xs_ptr, stride_xs,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACT: tl.constexpr,
                HAS_BIAS: tl.constexpr, PREC: tl.constexpr, W_FP8: tl.constexpr, W_ROWS: tl.constexpr,
-               PDL: tl.constexpr, W8A8T: tl.constexpr, X_Q: tl.constexpr, PREFETCH_DOWN: tl.constexpr,
-               LANES: tl.constexpr):
+               PDL: tl.constexpr, W8A8T: tl.constexpr, X_Q: tl.constexpr):
     pdl.begin(PDL)
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
-    if PREFETCH_DOWN:
-        # this expert's down weights (down_bytes an expert, contiguous) on their way into L2 for the down kernel
-        # after this one, a share a column block, while this kernel streams gate/up's
-        chunk = tl.cdiv(tl.cdiv(down_bytes, tl.num_programs(1)), 16) * 16
-        start = tl.program_id(1) * chunk
-        pdl.prefetch_rows(down_ptr, e, e + 1, down_bytes, start, tl.minimum(chunk, down_bytes - start), 1, LANES)
     m = tl.arange(0, BLOCK_M)
     pair = tl.load(pairs_ptr + pid_m * BLOCK_M + m)
     ok = pair < P
@@ -390,11 +383,9 @@ EXPERTS_W8A8T = True
 # 1.06-1.07x -> 1.10-1.11x bf16 (benchmarks/fp8.py's -noexpertsxq rows). Not kept (commit a9e9d38 has its code):
 # gate/up's K split over 2 or 4 programs a tile, the tile's last program adding the partial sums (26.5 -> 28.1 / 31.2
 # µs for one token; end to end 1.11x either way with x quantized before). Nor two K blocks a step (Triton waits for
-# each product before issuing the next).
+# each product before issuing the next), nor gate/up starting its expert's down weights on their way into L2 for the
+# down kernel (commit fcb2028: 1.11x -> 1.07x end to end).
 EXPERTS_X_Q = True
-# The W8A8 gate/up kernel starts its expert's down weights on their way into L2 (each column block a share), so that
-# the down kernel after it reads them from L2. Session 39: measured with benchmarks/fp8.py's -prefetchdown rows.
-EXPERTS_PREFETCH_DOWN = False
 
 
 def takes_quantized(P: int, E: int, I: int, H: int, dtype: torch.dtype) -> bool:
@@ -451,18 +442,13 @@ def routed_pairs(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, 
     w8a8t = bool(t.get("W8A8T")) and fp8 and t["BLOCK_K"] == 128
     launch = pdl.expert_options(dev)
     use_q = w8a8t and x_q is not None and x_q.sumsq is None     # W8A8 transposed only: x quantized before
-    # FP8 on Hopper (Hopper's bulk prefetch), W8A8 transposed tiles: down's chosen experts on their way into L2 during
-    # gate/up
-    d_bytes = down.stride(0) * down.element_size()
-    prefetch = (w8a8t and t.get("PREFETCH_DOWN", EXPERTS_PREFETCH_DOWN) and down.is_contiguous()
-                and d_bytes % 16 == 0 and down.data_ptr() % 16 == 0 and pdl.hopper(dev))
     xin, xs = (x_q.q, x_q.scale) if use_q else (x, act_out)
     _up_kernel[(max_blocks, triton.cdiv(I, t["UP_N"]))](
         xin, gate_up, gub, pairs, block_expert, act_out, gu_s, P, K, I, H,
         xin.stride(0), gate_up.stride(0), gate_up.stride(1), gub_stride, act_out.stride(0), *gss, float(alpha),
-        float(limit), xs, xs.stride(0), down, d_bytes, BLOCK_M=BM, BLOCK_N=t["UP_N"], BLOCK_K=t["BLOCK_K"], ACT=ACT,
+        float(limit), xs, xs.stride(0), BLOCK_M=BM, BLOCK_N=t["UP_N"], BLOCK_K=t["BLOCK_K"], ACT=ACT,
         HAS_BIAS=gate_up_bias is not None, PREC=prec, W_FP8=fp8, W_ROWS=gu_rows, W8A8T=w8a8t, X_Q=use_q,
-        PREFETCH_DOWN=prefetch, LANES=32 * t["warps"], num_warps=t["warps"], num_stages=t["stages"], **launch)
+        num_warps=t["warps"], num_stages=t["stages"], **launch)
     dss = d_s.stride() if fp8 else (0, 0, 0)
     _down_kernel[(max_blocks, triton.cdiv(H, t["DOWN_N"]))](
         act_out, down, db, rw, pairs, block_expert, y, d_s, P, H, I,

@@ -45,11 +45,6 @@ def enabled(device: torch.device) -> bool:
     return _SUPPORTED[idx]
 
 
-def hopper(device: torch.device) -> bool:
-    """Compute capability 9.0 or newer (Hopper's bulk prefetch into L2, `prefetch_rows`)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 def options(device: torch.device) -> dict:
     """A kernel launch's keyword arguments: the PDL constexpr and Triton's launch option."""
     on = enabled(device)
