@@ -380,12 +380,11 @@ EXPERTS_W8A8T = True
 # reduction and a layout change in every K step). Session 39 (benchmarks/moe_kernel.py --fp8 --sweep --sweep-set
 # xq, H200, Qwen3-30B-A3B, x quantized outside the graph; three calls): one token's experts 26.5 / 27.0 / 27.2 ->
 # 23.7 / 26.3 / 24.3 µs, four tokens' 59.4 / 60.8 / 59.4 -> 51.2 / 52.8 / 53.0; the Qwen3-30B-A3B shape (8 layers) in
-# FP8 at batch 1,
-# 1.06-1.07x -> 1.10-1.11x bf16 (benchmarks/fp8.py's -noexpertsxq rows). Not kept (commit a9e9d38 has its code):
-# gate/up's K split over 2 or 4 programs a tile, the tile's last program adding the partial sums (26.5 -> 28.1 / 31.2
-# µs for one token; end to end 1.11x either way with x quantized before). Nor two K blocks a step (Triton waits for
-# each product before issuing the next), nor gate/up starting its expert's down weights on their way into L2 for the
-# down kernel (commit fcb2028: 1.11x -> 1.07x end to end).
+# FP8 at batch 1, 1.06-1.07x -> 1.10-1.11x bf16 (benchmarks/fp8.py's -noexpertsxq rows). Not kept: gate/up's K split
+# over 2 or 4 programs a tile, the tile's last program adding the partial sums (commit a9e9d38: 26.5 -> 28.1 / 31.2 µs
+# for one token; end to end 1.11x either way with x quantized before); two K blocks a step (Triton waits for each
+# product before issuing the next); gate/up starting its expert's down weights on their way into L2 for the down
+# kernel (commit fcb2028: 1.11x -> 1.07x end to end).
 EXPERTS_X_Q = True
 
 
