@@ -65,8 +65,7 @@ def apply_mode(mode: str | None) -> None:
     o and down's output joined to the residual stream and normed by the RMSNorm kernel, not by the GEMMs
     (fp8_kernels.FUSE_ADD_NORM; the default since session 37); "-noexpertsxq" / "-expertsxq": the FP8 routed
     experts' W8A8 gate/up kernel quantizes x itself, or reads it quantized by the RMSNorm before
-    (moe_kernels.EXPERTS_X_Q; the default since session 39); "-up32" / "-up64": that kernel's columns a program
-    (moe_kernels.EXPERTS_UP_N; 64 by default); "-addnormearly": the joining GEMM's residual tile and
+    (moe_kernels.EXPERTS_X_Q; the default since session 39); "-addnormearly": the joining GEMM's residual tile and
     norm weight loaded before its main loop (fp8_kernels.ADD_NORM_EARLY; the default since session 38),
     "-noaddnormearly": in its last step. Not kept (slower or the same): session 39's "-upsplit2" / "-upsplit4" (that
     gate/up kernel's K split over 2 / 4 programs a tile; commit a9e9d38) and "-prefetchdown" (that kernel starting its
@@ -74,8 +73,8 @@ def apply_mode(mode: str | None) -> None:
     GEMM (commit 6aa6ee7: "-glu64" / "-glu128" / "-glu256", its tile 64 / 128 / 256 weight rows, and "-noglu");
     session 37's split attention combined by each (row, KV head)'s last part to finish instead of the
     combine kernel (commit d799f2f, whose "-attncombine" rows have the combine kernel), "-expertsahead" (the scales
-    a K block ahead in the FP8 routed experts; its code is not in the repository) and "-up32" (their W8A8 gate/up
-    kernel 32 columns a program, then with x quantized in the kernel; the mode is back since session 39); session
+    a K block ahead in the FP8 routed experts) and "-up32" (their W8A8 gate/up kernel 32 columns a program; the code
+    of these two is not in the repository); session
     36's "-w8a16v" / "-w8a16all" (W8A16 on the swapped tile, each weight tile dequantized before its product; commit
     5fdec1b)."""
     from specdp_cli.runtime import fp8_kernels, moe_kernels, pdl, triton_kernels
@@ -87,7 +86,6 @@ def apply_mode(mode: str | None) -> None:
     DEFAULTS.setdefault("FUSE_ADD_NORM", fp8_kernels.FUSE_ADD_NORM)
     DEFAULTS.setdefault("ADD_NORM_EARLY", fp8_kernels.ADD_NORM_EARLY)
     DEFAULTS.setdefault("EXPERTS_X_Q", moe_kernels.EXPERTS_X_Q)
-    DEFAULTS.setdefault("EXPERTS_UP_N", moe_kernels.EXPERTS_UP_N)
     base, *off = (mode or "bf16").split("-")
     off = ({"unfused", "sumkernel", "nosplit", "nopdl"} if "s16" in off else {"nopdl"} if "s21" in off else set(off))
     pdl.ENABLED = "nopdl" not in off
@@ -98,7 +96,6 @@ def apply_mode(mode: str | None) -> None:
     fp8_kernels.SCALES_AHEAD = "ahead" in off or (DEFAULTS["SCALES_AHEAD"] and "noahead" not in off)
     moe_kernels.EXPERTS_W8A8T = "expertsw8a8t" in off or (DEFAULTS["EXPERTS_W8A8T"] and "noexpertsw8a8t" not in off)
     moe_kernels.EXPERTS_X_Q = "expertsxq" in off or (DEFAULTS["EXPERTS_X_Q"] and "noexpertsxq" not in off)
-    moe_kernels.EXPERTS_UP_N = 32 if "up32" in off else 64 if "up64" in off else DEFAULTS["EXPERTS_UP_N"]
     if base != "bf16":
         fp8_kernels.DECODE_MODE = base
     fp8_kernels.FUSE_DECODE_QUANT = "unfused" not in off

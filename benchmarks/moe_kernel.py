@@ -66,7 +66,6 @@ SWEEP_FP8 += [dict(BLOCK_M=16, UP_N=un, DOWN_N=dn, BLOCK_K=128, warps=4, stages=
 # gate/up prefetch its expert's down weights into L2 (PREFETCH_DOWN; not kept: commit fcb2028)
 SWEEP_XQ = [dict(BLOCK_M=16, UP_N=64, DOWN_N=64, BLOCK_K=128, warps=4, stages=s, W8A8T=True, **kw)
             for s, kw in [(4, {}), (4, dict(X_Q=True)), (3, dict(X_Q=True)), (6, dict(X_Q=True))]]
-SWEEP_XQ += [dict(BLOCK_M=16, UP_N=32, DOWN_N=64, BLOCK_K=128, warps=4, stages=s, W8A8T=True, X_Q=True) for s in (4, 6)]
 # matrix-vector kernels (one program per pair for gate/up, one per token summing its experts' down projections;
 # no grouping): the alternative for few pairs that the engine does not use (it lost to the grouped kernels)
 GEMV = [dict(UP_N=un, DOWN_N=dn, BLOCK_K=bk, warps=w)

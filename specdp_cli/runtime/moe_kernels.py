@@ -362,7 +362,7 @@ def tiles(P: int, E: int, I: int, H: int, dtype: torch.dtype, fp8: bool = False)
     elif fp8 and EXPERTS_W8A8T and t["BLOCK_M"] == 16:
         # W8A8, transposed (`_w8a8t_step`): 64 weight rows a program (the tensor cores' 64-row side), whole
         # 128-column groups a K step (the activations are quantized by group)
-        t.update(UP_N=EXPERTS_UP_N, DOWN_N=64, stages=4, W8A8T=True)
+        t.update(UP_N=64, DOWN_N=64, stages=4, W8A8T=True)
     return t
 
 
@@ -386,10 +386,6 @@ EXPERTS_W8A8T = True
 # product before issuing the next); gate/up starting its expert's down weights on their way into L2 for the down
 # kernel (commit fcb2028: 1.11x -> 1.07x end to end).
 EXPERTS_X_Q = True
-# gate/up's columns a program on the W8A8 transposed tiles (its tile stacks gate's and up's: 2 * EXPERTS_UP_N weight
-# rows). Session 37 measured 32 slower with x quantized in the kernel (28.4 against 26.7 µs, one token); session 39
-# measures it again with x quantized before (benchmarks/fp8.py's -up32 rows).
-EXPERTS_UP_N = 64
 
 
 def takes_quantized(P: int, E: int, I: int, H: int, dtype: torch.dtype) -> bool:
