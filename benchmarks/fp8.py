@@ -69,7 +69,8 @@ def apply_mode(mode: str | None) -> None:
     norm weight loaded before its main loop (fp8_kernels.ADD_NORM_EARLY; the default since session 38),
     "-noaddnormearly": in its last step. Not kept (slower or the same): session 39's "-upsplit2" / "-upsplit4" (that
     gate/up kernel's K split over 2 / 4 programs a tile; commit a9e9d38) and "-prefetchdown" (that kernel starting its
-    expert's down weights on their way into L2; commit fcb2028); session 38's silu_and_mul inside the gate_up
+    expert's down weights on their way into L2; commit fcb2028) and "-up32" again (that kernel 32 columns a program,
+    now with x quantized before; commit a907d28); session 38's silu_and_mul inside the gate_up
     GEMM (commit 6aa6ee7: "-glu64" / "-glu128" / "-glu256", its tile 64 / 128 / 256 weight rows, and "-noglu");
     session 37's split attention combined by each (row, KV head)'s last part to finish instead of the
     combine kernel (commit d799f2f, whose "-attncombine" rows have the combine kernel), "-expertsahead" (the scales
