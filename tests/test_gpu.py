@@ -909,7 +909,8 @@ def test_norm_and_activation_quantized_for_fp8_equal_quantize_activations(dtype)
     """RMSNorm (with and without the residual add) and silu_and_mul writing their output quantized for an FP8 linear
     (fp8_kernels.FP8Activation) give bit for bit quantize_activations' values and scales of their plain output (the
     GPU's float8 conversion, random inputs), the same residual, and the FP8 GEMM reading them the same product
-    (RMSNorm's "both", the plain output too, likewise); decode rows, the 8B's widths and widths that are not a power of two; inside a CUDA graph too. Paged attention
+    (RMSNorm's "both", the plain output too, likewise); decode rows, the 8B's widths and widths that are not a power
+    of two; inside a CUDA graph too. Paged attention
     with 128-wide heads (`quantized`) likewise, single pass and keys split."""
     from specdp_cli.runtime import fp8_kernels as fk, ops
     from specdp_cli.runtime.models.quant import FP8Weight, quantize_blocks

@@ -106,11 +106,12 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             quantize: bool = False) -> torch.Tensor:
+             quantize: bool | str = False) -> torch.Tensor:
     """weight * x / rms(x), as transformers' Llama RMSNorm rounds it. With `residual`, first
     residual += x (in place, the layer's residual stream) and normalise that. `quantize` (only where
     `fused_quant_wanted(x, w)` for the FP8 linear w that alone reads the result): on CUDA the result comes quantized
-    for it (fp8_kernels.FP8Activation, the numbers `linear` would make of the plain result); ignored on CPU."""
+    for it (fp8_kernels.FP8Activation, the numbers `linear` would make of the plain result); "both" (where
+    moe.MoE.takes_quantized): that FP8Activation with the plain result as its `plain`; ignored on CPU."""
     if x.is_cuda:
         return _triton().rms_norm(x, weight, eps, residual, quantize)
     if residual is not None:
