@@ -148,13 +148,19 @@ def _quantize_columns(a):
 
 
 @triton.jit
-def _w8a8t_step(a, w, s_w, acc):
-    """One 128-column block of an FP8 weight's product, transposed: w [ROWS, 128] times the activations a
-    [128, BLOCK_M] quantized here (W8A8, per row and 128 columns), scaled by the weight rows' block scales s_w [ROWS]
-    and the activation rows' scales. Hopper runs FP8 wgmma for this shape; weight-only, Triton converts the FP8
-    weights for a bf16 mma.sync (benchmarks/fp8_ptx.py)."""
-    aq, a_s = _quantize_columns(a)
+def _w8a8t_product(aq, a_s, w, s_w, acc):
+    """One 128-column block of an FP8 weight's product, transposed: w [ROWS, 128] times FP8 activations aq [128,
+    BLOCK_M], scaled by the weight rows' block scales s_w [ROWS] and the activation rows' scales a_s [BLOCK_M]. Hopper
+    runs FP8 wgmma for this shape; weight-only, Triton converts the FP8 weights for a bf16 mma.sync
+    (benchmarks/fp8_ptx.py)."""
     return acc + tl.dot(w, aq) * (s_w[:, None] * a_s[None, :])
+
+
+@triton.jit
+def _w8a8t_step(a, w, s_w, acc):
+    """`_w8a8t_product` of the activations a [128, BLOCK_M] quantized here (W8A8, per row and 128 columns)."""
+    aq, a_s = _quantize_columns(a)
+    return _w8a8t_product(aq, a_s, w, s_w, acc)
 
 
 @triton.jit
@@ -194,8 +200,7 @@ def _up_kernel(x_ptr, w_ptr, b_ptr, pairs_ptr, block_expert_ptr, act_ptr, ws_ptr
             a = tl.load(xp, mask=ok[None, :] & (k0 + k[:, None] < H), other=0.0)
             w = tl.load(wp, mask=gu_ok[:, None] & (k0 + k[None, :] < H), other=0.0)
             if X_Q:     # x quantized before (fp8_kernels.FP8Activation): its rows' scales for this group
-                a_s = tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=ok, other=0.0)
-                acc += tl.dot(w, a) * (s[:, None] * a_s[None, :])
+                acc = _w8a8t_product(a, tl.load(xs_ptr + tok * stride_xs + k0 // 128, mask=ok, other=0.0), w, s, acc)
             else:
                 acc = _w8a8t_step(a, w, s, acc)
             xp += BLOCK_K
