@@ -55,7 +55,7 @@ class InstantEngine:
     def stop_followers(self):          # tensor parallelism: none here
         pass
 
-    def make_request(self, req_id, prompt_ids, params, seed):
+    def make_request(self, req_id, prompt_ids, params, seed, block_hashes=None):
         r = SimpleNamespace(id=req_id, left=params.max_tokens, generated=[])
         r.req = r                   # running, it stands for its sequence too (the loop aborts `seq.req.id` at shutdown)
         # what the serving loop reads of a sequence, made once (the stand-in's own step stays cheap)

@@ -4,12 +4,16 @@ inclusive (the function anywhere on the stack) and exclusive (the function on to
 for benchmarks/run_h200.sh s30serve (served rank against offline engine, issue 33), small enough to come back
 from the device where the raw file does not.
 
-Usage: python benchmarks/pyspy_steps.py RAW.txt [--top 60] [--min-samples 500] --json OUT.json
+`--within FUNC` keeps only the stacks with FUNC on them (e.g. "Engine.step": where a rank's steps go, start-up left
+out), each process's shares then of those samples. RAW may be gzipped.
+
+Usage: python benchmarks/pyspy_steps.py RAW.txt[.gz] [--top 60] [--min-samples 500] [--within FUNC] --json OUT.json
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import os
 
@@ -19,9 +23,10 @@ def frame_name(frame: str) -> str:
     return f"{name} ({os.path.basename(where.rstrip(')').rsplit(':', 1)[0])})" if where else name
 
 
-def summarize(path: str, top: int, min_samples: int) -> dict:
+def summarize(path: str, top: int, min_samples: int, within: str | None = None) -> dict:
     procs: dict[str, dict] = {}
-    with open(path, errors="replace") as fh:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", errors="replace") as fh:
         for line in fh:
             stack, _, count = line.rstrip("\n").rpartition(" ")
             if not stack or not count.isdigit():
@@ -31,6 +36,8 @@ def summarize(path: str, top: int, min_samples: int) -> dict:
             last_proc = max((i for i, f in enumerate(frames) if f.startswith("process ")), default=-1)
             proc = frames[last_proc] if last_proc >= 0 else "?"
             funcs = [frame_name(f) for f in frames[last_proc + 1:] if not f.startswith("thread ")]
+            if within is not None and not any(f.split(" (")[0] == within for f in funcs):
+                continue
             p = procs.setdefault(proc, {"samples": 0, "inclusive": collections.Counter(),
                                         "exclusive": collections.Counter()})
             p["samples"] += n
@@ -52,14 +59,18 @@ def main() -> None:
     ap.add_argument("raw")
     ap.add_argument("--top", type=int, default=60)
     ap.add_argument("--min-samples", type=int, default=500)
+    ap.add_argument("--within", help="only the stacks with this function on them (its name as py-spy gives it)")
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
-    out = summarize(a.raw, a.top, a.min_samples)
+    out = summarize(a.raw, a.top, a.min_samples, a.within)
     with open(a.json, "w") as fh:
         json.dump(out, fh, indent=1)
     for proc, p in out.items():
         print(f"== {proc[:150]}: {p['samples']} samples")
         for f, n in p["inclusive"][:25]:
+            print(f"  {100 * n / p['samples']:5.1f} %  {f}")
+        print("  on top:")
+        for f, n in p["exclusive"][:12]:
             print(f"  {100 * n / p['samples']:5.1f} %  {f}")
 
 

@@ -145,3 +145,25 @@ def test_preflight_and_engine_count_kv_bytes_alike(models):
         model = load_model(str(models[role]), torch.float32, torch.device("cpu"), 64)
         assert md.kv_shapes() == model.kv_shapes()
         assert md.kv_bytes_per_token("float32") == kv_bytes_per_token(model) > 0
+
+
+def test_staged_block_table_follows_a_sequences_blocks():
+    """A step stages each row's block table from an int32 copy of its sequence's blocks, made again only when the
+    blocks change: grown in place, or replaced (a preempted sequence's new blocks, as many as before)."""
+    from specdp_cli.runtime.scheduler import Sequence
+    from specdp_cli.runtime.step_inputs import RowSpec, StepInputs
+
+    si = StepInputs(4, 4, 6, torch.device("cpu"))
+    seq = Sequence(Request("r", [1, 2, 3], SamplingParams(max_tokens=8)), 64)
+
+    def staged():
+        si.stage([RowSpec(seq, 0, [1], 1)], 2)
+        return si.block_table[0].tolist()
+
+    seq.blocks = [4, 2]
+    assert staged() == [4, 2, 0, 0, 0, 0]
+    seq.blocks += [7]
+    assert staged() == [4, 2, 7, 0, 0, 0]
+    seq.blocks = []
+    seq.blocks = [5, 1, 3]
+    assert staged() == [5, 1, 3, 0, 0, 0]

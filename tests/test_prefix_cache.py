@@ -41,6 +41,43 @@ def test_block_hashes_chain_sha256_over_each_blocks_int64_tokens():
     assert block_hashes(toks, 16, list(want), 2) == want[:2]
 
 
+def test_the_frontend_hashes_a_prompt_and_its_rank_takes_the_hashes():
+    """With prefix caching on the server's frontend works out a prompt's block hashes (for routing, and so that its
+    rank need not: a 1,500-token prompt's cost a served rank a twelfth of its step) and sends them with the request;
+    the rank's sequence starts from them and extends them as a rank that hashed the prompt itself would."""
+    from specdp_cli.runtime.block_hash import split
+    from specdp_cli.runtime.scheduler import Request, Sequence
+    from specdp_cli.server.frontend import Frontend
+    from specdp_cli.server.metrics import Metrics
+    from specdp_cli.server.protocol import GenRequest
+
+    class Link:
+        all_up = True
+
+        def __init__(self):
+            self.sent = []
+
+        def send(self, rank, msg):
+            self.sent.append((rank, msg))
+            return True
+
+    prompt = shared_prefix_prompts(1, prefix=45)[0]           # 45 + 3 tokens: two full blocks of 16 before the last
+    want = block_hashes(prompt, 16, [], 2)
+    sent = {}
+    for block_size in (16, None):                              # prefix caching on, off
+        fe = Frontend(1, Metrics("tiny", 1, 256), 8, 8, None, block_size)
+        fe.link = Link()
+        fe.submit(GenRequest(prompt, {"max_tokens": 4, "seed": None}, False, False, False, "tiny"))
+        (_, sent[block_size]), = fe.link.sent
+        assert sent[block_size][:3] == ("add", sent[block_size][1], prompt)
+    assert split(sent[16][5]) == want and sent[None][5] == b""
+    given = split(sent[16][5])
+    seq = Sequence(Request("r", prompt, SamplingParams(max_tokens=4), None, given), 256)
+    assert seq.block_hashes == want and seq.block_hashes is not given
+    seq.tokens += [7, 8]                                       # 50 tokens: a third full block
+    assert block_hashes(seq.tokens, 16, seq.block_hashes, 3) == block_hashes(seq.tokens, 16, [], 3)
+
+
 def test_pool_shares_counts_and_evicts_the_least_recently_freed():
     pool = BlockPool(4, 2, prefix_caching=True)
     toks = [5, 6, 7, 8, 9, 10]
@@ -147,14 +184,14 @@ def test_dp2_with_caching_equals_dp1_and_keeps_its_hit_rate(models, cache_jobs, 
 
 
 def test_routing_sends_a_prefix_where_it_is_cached_while_the_load_allows():
-    from specdp_cli.server.routing import PrefixIndex, pick_rank
+    from specdp_cli.server.routing import PrefixIndex, pick_rank, prompt_hashes
 
-    index = PrefixIndex(3, 4)
+    index = PrefixIndex(3)
     a, b = shared_prefix_prompts(6, seed=3), shared_prefix_prompts(6, seed=8)
     load = [0, 0, 0]
 
     def send(p, cost=50):
-        r = pick_rank(load, cost, index, p)
+        r = pick_rank(load, cost, index, prompt_hashes(p, 4))
         load[r] += cost
         return r
 
@@ -162,7 +199,7 @@ def test_routing_sends_a_prefix_where_it_is_cached_while_the_load_allows():
     assert send(a[1]) == 0                                 # rank 0 holds a's prefix and is within one request
     assert send(a[2]) == 2                                 # rank 0 is two requests ahead: the least loaded
     assert send(b[1]) == 1 and send(a[3]) in (0, 2)
-    assert pick_rank(load, 50, None, a[4]) == min(range(3), key=lambda r: (load[r], r))
+    assert pick_rank(load, 50, None, prompt_hashes(a[4], 4)) == min(range(3), key=lambda r: (load[r], r))
 
 
 def test_a_draft_model_reads_cached_blocks_only_with_their_drafter_kv(models):

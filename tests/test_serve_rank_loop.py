@@ -29,7 +29,7 @@ class OneTokenEngine:
     def stop_followers(self):          # tensor parallelism: none here
         pass
 
-    def make_request(self, req_id, prompt_ids, params, seed):
+    def make_request(self, req_id, prompt_ids, params, seed, block_hashes=None):
         return SimpleNamespace(id=req_id, left=params.max_tokens, generated=[])
 
     def add_request(self, req):
@@ -121,7 +121,7 @@ def test_async_steps_tokens_go_out_before_the_next_step():
     engine = AsyncStandIn(seen)
     conn, rank = _rank_over_link(engine)
     params = {"max_tokens": 6, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
-    send_message(conn, ("add", "r1", [1, 2, 3], params, None))
+    send_message(conn, ("add", "r1", [1, 2, 3], params, None, b""))
     assert _read_tokens(conn, seen, 1) == {"r1": [7] * 6}
     send_message(conn, ("shutdown",))
     assert conn.poll(30) and recv_message(conn) == ("bye", 0)
@@ -138,7 +138,7 @@ def test_a_message_arriving_during_a_step_is_taken_at_the_next():
 
     def during_step(n):
         if n == 3:
-            send_message(frontend[0], ("add", "r2", [4], params, None))
+            send_message(frontend[0], ("add", "r2", [4], params, None, b""))
             busy = 0
             for i in range(20_000):            # the rest of the step (~1 ms): Python holding the GIL
                 busy += i
@@ -146,7 +146,7 @@ def test_a_message_arriving_during_a_step_is_taken_at_the_next():
     engine = AsyncStandIn(seen, during_step)
     conn, rank = _rank_over_link(engine)
     frontend.append(conn)
-    send_message(conn, ("add", "r1", [1, 2, 3], params, None))
+    send_message(conn, ("add", "r1", [1, 2, 3], params, None, b""))
     assert _read_tokens(conn, seen, 2) == {"r1": [7] * 6, "r2": [7] * 6}
     send_message(conn, ("shutdown",))
     assert conn.poll(30) and recv_message(conn) == ("bye", 0)
@@ -171,7 +171,7 @@ def test_every_step_reaches_the_frontend_and_an_idle_rank_waits():
     engine = OneTokenEngine()
     conn, rank = _rank_over_link(engine)
     params = {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
-    send_message(conn, ("add", "r1", [1, 2, 3], params, None))
+    send_message(conn, ("add", "r1", [1, 2, 3], params, None, b""))
     tokens, finish = [], None
     while finish is None:
         assert conn.poll(30), "a step's tokens never reached the frontend"
@@ -197,7 +197,7 @@ def test_an_abort_answer_follows_the_tokens_sent_before_it():
     engine = OneTokenEngine()
     conn, rank = _rank_over_link(engine)
     params = {"max_tokens": 10**6, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
-    send_message(conn, ("add", "r1", [1, 2, 3], params, None))
+    send_message(conn, ("add", "r1", [1, 2, 3], params, None, b""))
     assert conn.poll(30) and recv_message(conn)[0] == "out"          # it runs
     send_message(conn, ("abort", "r1"))
     send_message(conn, ("shutdown",))
@@ -285,9 +285,9 @@ def test_each_api_server_gets_its_own_requests_tokens():
         conns.append(listener.accept())
         assert recv_message(conns[-1]) == ("hello", 0)
     params = {"max_tokens": 4, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
-    send_message(conns[0], ("add", "a", [1], params, None))
-    send_message(conns[1], ("add", "b", [2], params, None))
-    send_message(conns[1], ("add", "c", [3], params, None))
+    send_message(conns[0], ("add", "a", [1], params, None, b""))
+    send_message(conns[1], ("add", "b", [2], params, None, b""))
+    send_message(conns[1], ("add", "c", [3], params, None, b""))
     got = [{}, {}]
     with_state = [0, 0]
     for api, conn in enumerate(conns):
@@ -321,7 +321,7 @@ def test_the_rank_state_rides_on_a_step_now_and_then_and_on_the_last(monkeypatch
     engine = OneTokenEngine()
     conn, rank = _rank_over_link(engine)
     params = {"max_tokens": 50, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
-    send_message(conn, ("add", "r1", [1, 2, 3], params, None))
+    send_message(conn, ("add", "r1", [1, 2, 3], params, None, b""))
     states, steps_by_k, tokens, finish = [], {}, 0, None
     while finish is None:
         assert conn.poll(30), "the rank stopped answering"
@@ -351,7 +351,7 @@ def test_a_message_split_across_reads_is_taken_whole():
     engine = OneTokenEngine()
     conn, rank = _rank_over_link(engine)
     params = {"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
-    payload = marshal.dumps(("add", "r1", [1, 2, 3], params, None))
+    payload = marshal.dumps(("add", "r1", [1, 2, 3], params, None, b""))
     frame = struct.pack("!i", len(payload)) + payload
     os.write(conn.fileno(), frame[:7])
     assert not conn.poll(0.2)                   # half a message: nothing runs
@@ -375,7 +375,7 @@ def test_a_request_goes_in_marshal_without_references():
 
     a, b = Pipe()
     parsed = [(i * 7919) % 5000 for i in range(1500)]      # the body's list, held while its copy goes out
-    msg = ("add", "r1", list(parsed), {"max_tokens": 3, "temperature": 0.0}, None)
+    msg = ("add", "r1", list(parsed), {"max_tokens": 3, "temperature": 0.0}, None, bytes(range(64)))
     send_message(a, msg)
     raw = b.recv_bytes()
     assert raw == marshal.dumps(msg, 2) and raw != marshal.dumps(msg)

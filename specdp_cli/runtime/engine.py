@@ -353,8 +353,10 @@ class Engine:
         self.faults.arrived(self.dp.rank, req.id)
         self.scheduler.add(req)
 
-    def make_request(self, req_id, prompt_ids: list[int], params: SamplingParams, seed: int | None) -> Request:
-        """Raises RequestError when the request's grammar cannot be followed with this tokenizer."""
+    def make_request(self, req_id, prompt_ids: list[int], params: SamplingParams, seed: int | None,
+                     block_hashes: list[bytes] | None = None) -> Request:
+        """Raises RequestError when the request's grammar cannot be followed with this tokenizer. `block_hashes`:
+        the prompt's full blocks' (`block_hash.block_hashes`) when the server's frontend worked them out."""
         params.seed = seed if seed is not None else request_seed(self.cfg.seed, req_id)
         grammar = None
         if params.structured_outputs and self.tp is not None:
@@ -365,7 +367,7 @@ class Engine:
                 grammar = self.grammars.grammar(params.structured_outputs)
             except Exception as e:  # noqa: BLE001 - llguidance on this tokenizer: the request's failure, not the rank's
                 raise RequestError(f"structured output cannot be followed with this model's tokenizer: {e}") from None
-        return Request(req_id, prompt_ids, params, grammar)
+        return Request(req_id, prompt_ids, params, grammar, block_hashes or None)
 
     def abort(self, req_id) -> bool:
         """Drop a waiting or running request (between steps); False when it is unknown."""

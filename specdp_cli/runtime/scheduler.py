@@ -40,6 +40,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     grammar: Any = None              # structured output: its grammar's state (structured.Grammar)
+    block_hashes: list | None = None      # its prompt's first full blocks' chained hashes, when already worked out
     special: bool = field(init=False)     # asks for log-probabilities or changes the logits: a step checks it once
 
     def __post_init__(self):
@@ -82,6 +83,7 @@ class Sequence:
         self.limit = min(max_model_len, self.num_prompt + req.params.max_tokens)  # L never passes this
         self.M = max_model_len
         self.blocks: list[int] = []  # KV blocks (shared by the target's and the drafter's caches)
+        self.block_row = None        # step_inputs' int32 copy of `blocks` (with the list and length it was made from)
         self.prefill_len = self.num_prompt   # tokens to prefill: the prompt, or all but the last after a preemption
         self.target_len = 0          # positions held in the target's KV cache
         self.draft_len = 0           # positions held in the drafter's KV cache
@@ -100,7 +102,8 @@ class Sequence:
         self.stats = SpecStats()
         self.preemptions = 0
         self.logprobs: list | None = [] if req.params.logprobs is not None else None   # per generated token
-        self.block_hashes: list[bytes] = []    # prefix caching: the chained hashes of its full blocks so far
+        # prefix caching: the chained hashes of its full blocks so far
+        self.block_hashes: list[bytes] = list(req.block_hashes or ())
         self.cached_tokens = 0                 # prompt tokens its last admission found in the prefix cache
         self.committed_blocks = 0              # of its blocks, those registered in the prefix cache
         # the request's phases on this rank (time.monotonic): arrived, first scheduled, first token (vLLM's queue,

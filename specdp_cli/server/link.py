@@ -4,7 +4,8 @@ tuples, dicts) both ways, encoded by `marshal`: a step's message at 32 requests 
 quarters of pickle's time (`benchmarks/link_codec.py`: 4.8 and 7.5 µs against 6.4 and 10.0), and nothing but values
 can come out of it.
 
-frontend -> rank: ("add", id, prompt_ids, params, seed) | ("abort", id) | ("wake",) | ("shutdown",)
+frontend -> rank: ("add", id, prompt_ids, params, seed, prompt block hashes) | ("abort", id) | ("wake",) | ("shutdown",)
+                  (the hashes, with prefix caching on: the prompt's full blocks' chained hashes, `block_hash.joined`)
 rank -> frontend: ("hello", rank) | ("out", [(id, new_token_ids, finish_reason|None, stop_text_end|error|None,
                   stats|None, logprobs|None), ...]) | ("out", [...], {k: steps run with k since the rank's state
                   last went out}, the rank's state (server/rank.py's `_state`)) | ("bye", rank)

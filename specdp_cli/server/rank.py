@@ -31,6 +31,7 @@ import select
 import time
 from multiprocessing.connection import Client
 
+from ..runtime.block_hash import split
 from ..runtime.engine import RequestError
 from ..runtime.sampling import SamplingParams
 from .link import Frames, link_address, no_delay, send_message
@@ -127,10 +128,10 @@ def serve_rank(engine, dp, job: dict) -> None:
         for api, msg in msgs:
             kind = msg[0]
             if kind == "add":
-                _, req_id, prompt_ids, params, seed = msg
+                _, req_id, prompt_ids, params, seed, hashes = msg
                 try:
                     engine.add_request(engine.make_request(req_id, prompt_ids, SamplingParams.from_dict(params),
-                                                           seed))
+                                                           seed, split(hashes)))
                     owner[req_id] = api
                 except RequestError as e:            # that request fails (a 500 naming why); the rank goes on
                     reply(api, [(req_id, [], "error", str(e), None, None)])

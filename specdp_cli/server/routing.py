@@ -10,14 +10,16 @@ from collections import OrderedDict
 from ..runtime.block_hash import block_hashes
 
 
-class PrefixIndex:
-    def __init__(self, world: int, block_size: int, capacity: int = 1 << 16):
-        self.block_size, self.capacity = block_size, capacity
-        self.ranks: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(world)]
+def prompt_hashes(prompt: list[int], block_size: int) -> list[bytes]:
+    """The prompt's full blocks a rank could find cached (the last token is always computed): what the frontend
+    works out once for a request, for its routing and for the rank, which then need not hash the prompt itself."""
+    return block_hashes(prompt, block_size, [], (len(prompt) - 1) // block_size)
 
-    def hashes(self, prompt: list[int]) -> list[bytes]:
-        """The prompt's full blocks a rank could find cached (the last token is always computed)."""
-        return block_hashes(prompt, self.block_size, [], (len(prompt) - 1) // self.block_size)
+
+class PrefixIndex:
+    def __init__(self, world: int, capacity: int = 1 << 16):
+        self.capacity = capacity
+        self.ranks: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(world)]
 
     def matched(self, rank: int, hashes: list[bytes]) -> int:
         held, n = self.ranks[rank], 0
@@ -36,12 +38,12 @@ class PrefixIndex:
             held.popitem(last=False)
 
 
-def pick_rank(load: list[int], cost: int, index: PrefixIndex | None, prompt: list[int]) -> int:
-    """The rank for a request of `cost` (prompt + max_tokens) given each rank's outstanding `load`."""
+def pick_rank(load: list[int], cost: int, index: PrefixIndex | None, hashes: list[bytes]) -> int:
+    """The rank for a request of `cost` (prompt + max_tokens) given each rank's outstanding `load`; `hashes`: its
+    prompt's (`prompt_hashes`)."""
     least = min(range(len(load)), key=lambda r: (load[r], r))
     if index is None:
         return least
-    hashes = index.hashes(prompt)
     rank = least
     if hashes:
         best = max(range(len(load)), key=lambda r: (index.matched(r, hashes), -load[r], -r))

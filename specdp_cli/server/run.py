@@ -67,10 +67,11 @@ def make_frontend(cfg: Config, plan: Plan):
     from .routing import PrefixIndex
 
     world = cfg.parallel.data_parallel_size
-    index = PrefixIndex(world, cfg.cache.block_size) if cfg.cache.enable_prefix_caching and world > 1 else None
+    caching = cfg.cache.enable_prefix_caching
+    index = PrefixIndex(world) if caching and world > 1 else None
     max_queue = -(-cfg.server.max_queue // cfg.server.api_server_count)
     return Frontend(world, Metrics(plan.model_name, world, cfg.max_model_len), max_queue,
-                    cfg.scheduler.max_num_seqs, index)
+                    cfg.scheduler.max_num_seqs, index, cfg.cache.block_size if caching else None)
 
 
 def make_app(cfg: Config, plan: Plan, frontend):
