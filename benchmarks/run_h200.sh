@@ -1028,17 +1028,6 @@ s40)
     tail -4 "$out/serve_${m}_c${w}_api$api.log" | head -1 | sed "s/^/$run /"
   done
   ;;
-s40hold)
-  # session 40 experiment (this commit only): benchmarks/hold_share.py offline; then the shared prefix served (as s40)
-  # with the rank's HOLD_SHARE from SPECDP_HOLD_SHARE, for each of SERVE_HS
-  timeout 200 python3 benchmarks/hold_share.py "$out/hold.json" > "$out/hold.log" 2>&1; tail -9 "$out/hold.log"
-  for hs in ${SERVE_HS:-0.25 1}; do
-    SPECDP_HOLD_SHARE=$hs timeout 110 python3 benchmarks/serve_bench.py --pair $P --methods draft_model --prefix 1500 \
-      --caching on,off --client-workers 4 --api-servers 2 --max-tokens 32 --interleave --rounds 7 --rank-cpu 3 \
-      --work /tmp/sw40h_$hs --json "$out/serve_prefix_hs$hs.json" > "$out/serve_prefix_hs$hs.log" 2>&1
-    echo "HS $hs"; grep -A2 "^method" "$out/serve_prefix_hs$hs.log"
-  done
-  ;;
 s31serve)
   # session 31: GPU ranks at one intra-op thread (the new default). First the offline engine unpinned with
   # OMP_NUM_THREADS 4 (the old default) and 1; then served against offline, RUNS of METHOD:CLIENT_WORKERS:API_SERVERS

@@ -60,7 +60,7 @@ from .step_types import (WIDE_CHUNKS, WIDE_DRAFTER, DeviceResult, LaunchedStep, 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHUNK_ROW_TOKENS = 16    # tokens per row in a step with prompt chunks (a chunk takes one row per 16 tokens)
 CHUNK_ROWS = 32          # rows a step has for prompt chunks beyond max_num_seqs decode rows
-HOLD_SHARE = float(__import__('os').environ.get('SPECDP_HOLD_SHARE', 0.25))        # async scheduling: the share of the batch that may sit a step out for the next to be planned ahead
+HOLD_SHARE = 0.25        # async scheduling: the share of the batch that may sit a step out for the next to be planned ahead
 
 
 class CaptureError(RuntimeError):
