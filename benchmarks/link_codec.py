@@ -3,7 +3,8 @@ by pickle (before session 33), µs a message, median of --repeats timings of --n
 
 The message is a rank's step at --streams requests: ("out", events, steps per k, state), each event (a request id
 as the frontend makes them, --tokens new token ids, no finish), one in --finished of them finished with its stats.
-With --prompt N it is a request instead, as the frontend sends it: ("add", id, N prompt token ids, parameters, seed),
+With --prompt N it is a request instead, as the frontend sends it: ("add", id, N prompt token ids, parameters, seed,
+its block hashes: 16-token blocks, prefix caching on),
 the ids as the API server has them (parsed from the request's JSON and copied, the parsed body still held: each id
 referenced twice, which marshal's current version notes in its table of references), random in [0, --vocab);
 marshal's version 2 (the link's for requests: no references) is measured beside the current one.
@@ -16,11 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import marshal
+import os
 import pickle
 import random
 import statistics
+import sys
 import time
 import uuid
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from specdp_cli.runtime.block_hash import block_hashes, joined  # noqa: E402
 
 
 def step_message(streams: int, tokens: int, finished: int) -> tuple:
@@ -38,7 +45,8 @@ def request_message(prompt: int, vocab: int) -> tuple[tuple, dict]:
     rng = random.Random(0)
     body = json.loads(json.dumps({"prompt": [rng.randrange(vocab) for _ in range(prompt)], "max_tokens": 128}))
     ids = list(body["prompt"])
-    return ("add", f"cmpl-{uuid.uuid4().hex[:24]}", ids, {"max_tokens": 128, "temperature": 0.0}, None), body
+    hashes = joined(block_hashes(ids, 16, [], (len(ids) - 1) // 16))
+    return ("add", f"cmpl-{uuid.uuid4().hex[:24]}", ids, {"max_tokens": 128, "temperature": 0.0}, None, hashes), body
 
 
 def per_message_us(fn, arg, n: int, repeats: int) -> float:
