@@ -155,8 +155,8 @@ class Frontend:
                  prefix_index: PrefixIndex | None = None, hash_block_size: int | None = None):
         self.world = world
         self.prefix_index = prefix_index        # prefix-aware routing (prefix caching on); None: least loaded
-        # prefix caching on: the KV block size a prompt's block hashes are worked out for, here rather than on its
-        # rank (a 1,500-token prompt's take about 90 µs, a twelfth of a served rank's step), for routing too
+        # prefix caching on: the KV block size a prompt's block hashes are worked out for, here (for routing too) and
+        # not in its rank's step loop, whose time sets a served step's (a 1,500-token prompt's: about 90 µs)
         self.hash_block_size = hash_block_size
         self.metrics = metrics
         self.max_queue = max_queue
@@ -219,7 +219,8 @@ class Frontend:
         inf = Inflight(rid, req, rank, cost, Mailbox())
         self.inflight[rid] = inf
         self.rank_cost[rank] += cost
-        if not self._send_waking_all(rank, ("add", rid, req.prompt_ids, req.params, req.params["seed"], joined(hashes))):
+        msg = ("add", rid, req.prompt_ids, req.params, req.params["seed"], joined(hashes))
+        if not self._send_waking_all(rank, msg):
             self.release(inf)
             raise APIError(503, f"rank {rank} is not reachable")
         return inf
