@@ -12,14 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
+from link_codec import per_message_us  # noqa: E402
 from specdp_cli.runtime.sampling import SamplingParams  # noqa: E402
 from specdp_cli.runtime.scheduler import Request, Sequence  # noqa: E402
 from specdp_cli.runtime.step_inputs import RowSpec, StepInputs  # noqa: E402
@@ -44,17 +45,15 @@ def main() -> None:
         seqs.append(s)
     rows = [RowSpec(s, s.L, [7, 1, 2, 3, 4], 5, n_drafts=4, d_tokens=(7,)) for s in seqs[:a.decode]]
     rows += [RowSpec(s, s.L - 16, list(range(16)), 16, d_tokens=tuple(range(16))) for s in seqs[a.decode:]]
-    runs = []
-    for _ in range(a.repeats):
-        t = time.perf_counter()
-        for _ in range(a.n):
-            if a.uncached:
-                for s in seqs:
-                    s.block_row = None
-            si.stage(rows, n_rows)
-        runs.append((time.perf_counter() - t) / a.n * 1e6)
+
+    def step(_) -> None:
+        if a.uncached:
+            for s in seqs:
+                s.block_row = None
+        si.stage(rows, n_rows)
+
     row = {"decode": a.decode, "chunks": a.chunks, "blocks": a.blocks, "uncached": a.uncached,
-           "us_per_step": statistics.median(runs), "runs_us": runs}
+           "us_per_step": per_message_us(step, None, a.n, a.repeats)}
     print(f"{'uncached' if a.uncached else 'cached'} block rows: {row['us_per_step']:.1f} µs a step "
           f"({a.decode} decode + {a.chunks} chunk rows, {a.blocks} blocks each)")
     if a.json:

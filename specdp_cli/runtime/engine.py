@@ -367,7 +367,7 @@ class Engine:
                 grammar = self.grammars.grammar(params.structured_outputs)
             except Exception as e:  # noqa: BLE001 - llguidance on this tokenizer: the request's failure, not the rank's
                 raise RequestError(f"structured output cannot be followed with this model's tokenizer: {e}") from None
-        return Request(req_id, prompt_ids, params, grammar, block_hashes or None)
+        return Request(req_id, prompt_ids, params, grammar, block_hashes)
 
     def abort(self, req_id) -> bool:
         """Drop a waiting or running request (between steps); False when it is unknown."""
