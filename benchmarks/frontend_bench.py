@@ -244,7 +244,7 @@ def main() -> None:
     from specdp_cli.prompts import PromptEncoder
     from specdp_cli.server.app import build_app
     from specdp_cli.server.frontend import Frontend
-    from specdp_cli.server.link import RankLink, new_link_spec
+    from specdp_cli.server.link import RankLink, local_link_spec
     from specdp_cli.server.metrics import Metrics
     from specdp_cli.runtime.heap import freeze_startup_heap
 
@@ -254,7 +254,7 @@ def main() -> None:
         from specdp_cli.server import app as app_module
         app_module.ENCODE_OFF_LOOP_BYTES = 1 << 62
     frontend = Frontend(1, Metrics("bench", 1, 4096), 10_000, a.streams)
-    link = RankLink(1, new_link_spec("127.0.0.1"), frontend.on_message, frontend.on_lost)
+    link = RankLink(1, local_link_spec(), frontend.on_message, frontend.on_lost)
     frontend.link = link
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -18,7 +18,7 @@ from specdp_cli.launch import Ranks, RunDir
 from specdp_cli.prompts import PromptEncoder, PromptError
 from specdp_cli.request_params import ParamError, check_sampling
 from specdp_cli.runtime.sampling import SamplingParams, row_tensors, uniforms
-from specdp_cli.runtime.status import StatusBoard
+from specdp_cli.runtime.status import RECORD, StatusBoard, read_states
 from specdp_cli.server.protocol import APIError, parse_json
 
 DEFAULTS = {"max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
@@ -151,6 +151,17 @@ def test_a_lost_peer_report_says_where_the_rank_it_waited_for_was(tmp_path):
     msg = Ranks(validate({"model": "x", "parallel": {"data_parallel_size": 2}}), run_dir).failure_message()
     assert "rank 1 stopped: a collective failed at step 4" in msg, msg
     assert "rank 0 was stopped at step 4, drafter forward 2/3" in msg, msg
+
+
+def test_a_ranks_status_record_is_rewritten_in_place(tmp_path):
+    """The record a rank rewrites at each phase (through a shared mapping of its file) is what a reader of the file
+    sees, a shorter phase leaving nothing of a longer one before it."""
+    board = StatusBoard(str(tmp_path), 3)
+    board.set(12, "waiting for the next step package")
+    board.set(13, "target forward")
+    [state] = read_states(str(tmp_path), range(3, 4))
+    assert (state.pid, state.step, state.phase) == (os.getpid(), 13, "target forward")
+    assert os.path.getsize(tmp_path / "rank3.status") == RECORD
 
 
 def test_prompts_are_tokenized_as_the_tokenizer_tokenizes_them(models):

@@ -4,12 +4,13 @@ a message that arrived during a step is taken at the next one, and an idle rank 
 spinning."""
 import os
 import socket
+import stat
 import threading
 from multiprocessing.connection import Listener
 from types import SimpleNamespace
 
 from specdp_cli.runtime.engine import RankCounters
-from specdp_cli.server.link import RankLink, new_link_spec, recv_message, send_message
+from specdp_cli.server.link import RankLink, local_link_spec, new_link_spec, recv_message, send_message
 from specdp_cli.server.rank import serve_rank
 
 
@@ -265,6 +266,37 @@ def test_both_ends_of_the_link_send_at_once():
         rank.join(30)
         link.close()
     assert not rank.is_alive()
+
+
+def test_a_local_link_is_a_unix_socket_and_closing_it_removes_the_socket():
+    """Ranks on the frontend's machine link to it over a Unix socket (`local_link_spec`): requests and tokens travel
+    as over TCP, and the socket's file goes with the link."""
+    link = RankLink(1, local_link_spec(), lambda *a: None, lambda *a: None)
+    path = link.spec["path"]
+    assert stat.S_ISSOCK(os.stat(path).st_mode)
+    engine = OneTokenEngine()
+    dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
+    rank = threading.Thread(target=serve_rank, args=(engine, dp, {"links": [link.spec]}), daemon=True)
+    rank.start()
+    try:
+        assert link.wait_connected(30), "the rank did not connect"
+        conn = link.conns[0]
+        with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+            assert sock.family == socket.AF_UNIX
+        params = {"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
+        assert link.send(0, ("add", "r1", [1, 2, 3], params, None, b""))
+        tokens, finish = [], None
+        while finish is None:
+            assert conn.poll(30), "a step's tokens never reached the frontend"
+            for rid, new, fin, *_ in recv_message(conn)[1]:
+                tokens, finish = tokens + new, fin
+        assert (tokens, finish) == ([7] * 3, "length")
+    finally:
+        link.send(0, ("shutdown",))
+        rank.join(30)
+        link.close()
+    assert not rank.is_alive()
+    assert not os.path.exists(os.path.dirname(path))
 
 
 def test_each_api_server_gets_its_own_requests_tokens():

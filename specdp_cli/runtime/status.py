@@ -2,14 +2,17 @@
 and where ("rank 1 exited during step 57, drafter forward 3/4").
 
 Two files per rank in the run directory:
-  rank{r}.status  a fixed-size record rewritten in place (one pwrite) at every phase change, so even
-                  a rank killed with SIGKILL leaves its last phase behind;
+  rank{r}.status  a fixed-size record rewritten in place at every phase change, so even a rank killed
+                  with SIGKILL leaves its last phase behind. The rank writes it through a shared mapping of
+                  the file (the page cache the reader's read() sees): a store, where a pwrite was a system
+                  call, about 7 a step (1.7 against 0.4 µs each on the development machine);
   rank{r}.exit    a JSON record written once when the rank ends: ok, error, fault, out-of-step,
                   peer-lost or terminated, with a message.
 """
 from __future__ import annotations
 
 import json
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -22,16 +25,22 @@ class StatusBoard:
         self.run_dir = run_dir
         self.step = 0
         self.what = "starting"
-        self._fd = None
+        self._record = None
         if run_dir:
-            self._fd = os.open(os.path.join(run_dir, f"rank{rank}.status"), os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(os.path.join(run_dir, f"rank{rank}.status"), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                os.ftruncate(fd, RECORD)
+                self._record = mmap.mmap(fd, RECORD)
+            finally:
+                os.close(fd)                     # the mapping keeps the file
+            self._pid = os.getpid()
             self.set(0, "starting")
 
     def set(self, step: int, what: str) -> None:
         self.step, self.what = step, what
-        if self._fd is not None:
-            line = f"{os.getpid()}\t{step}\t{what}".encode()[:RECORD - 1]
-            os.pwrite(self._fd, line.ljust(RECORD - 1) + b"\n", 0)
+        if self._record is not None:
+            line = f"{self._pid}\t{step}\t{what}".encode()[:RECORD - 1]
+            self._record[:] = line.ljust(RECORD - 1) + b"\n"
 
     @property
     def where(self) -> str:

@@ -113,14 +113,14 @@ def api_server_main(index: int, cfg, plan, http_port: int, metrics_dir: str, pip
     from rich.console import Console
 
     from . import event_loop
-    from .link import RankLink, new_link_spec
+    from .link import RankLink, local_link_spec
     from .metrics import share_between_processes
     from .run import http_socket, make_app, make_frontend, serve_http
 
     share_between_processes(metrics_dir)
     frontend = make_frontend(cfg, plan)
     world = cfg.parallel.data_parallel_size
-    link = RankLink(world, new_link_spec("127.0.0.1"), frontend.on_message, frontend.on_lost)
+    link = RankLink(world, local_link_spec(), frontend.on_message, frontend.on_lost)   # api_server_count > 1: one machine
     frontend.link = link
     code = 1
     try:

@@ -28,7 +28,7 @@ from ..plan import Plan
 from ..prompts import PromptEncoder
 from ..runtime.heap import freeze_startup_heap
 from . import event_loop
-from .link import RankLink, new_link_spec
+from .link import RankLink, local_link_spec, new_link_spec
 
 DRAIN_S = 30.0          # SIGTERM: how long in-flight requests may take to finish
 FAILED_GRACE_S = 3.0    # after a rank failure /health answers 503 this long before the exit
@@ -53,7 +53,7 @@ def port_problem(host: str, port: int) -> str | None:
 def link_spec(cfg: Config) -> dict:
     par = cfg.parallel
     if par.num_machines == 1:
-        return new_link_spec("127.0.0.1")
+        return local_link_spec()
     # ranks on other machines reach the frontend on machine 0 at main_process_port + 1
     key = os.environ.get("SPECDP_LINK_KEY") or hashlib.sha256(
         f"{par.main_process_ip}:{par.main_process_port}:{cfg.model}".encode()).hexdigest()[:32]
@@ -112,9 +112,12 @@ def run_server(cfg: Config, plan: Plan, console: Console, ranks: Ranks) -> int:
     link = sock = None
     others = ApiServers()
     if frontend_here:
-        link = RankLink(world, {**spec, "host": "0.0.0.0" if cfg.parallel.num_machines > 1 else spec["host"]},
-                        frontend.on_message, frontend.on_lost)
-        spec = {**spec, "port": link.spec["port"]}
+        if cfg.parallel.num_machines == 1:
+            link = RankLink(world, spec, frontend.on_message, frontend.on_lost)
+            spec = link.spec
+        else:
+            link = RankLink(world, {**spec, "host": "0.0.0.0"}, frontend.on_message, frontend.on_lost)
+            spec = {**spec, "port": link.spec["port"]}
         frontend.link = link
     run_dir = ranks.run_dir
     try:
