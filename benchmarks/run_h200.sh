@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36|s37|s38|s39|s40 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36|s37|s38|s39|s40|s41 OUT_DIR
 #   (s31contention with KINDS=spin,frontend OTHERS=0,4: the offline engine beside a real serving load, session 32)
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
@@ -1006,6 +1006,27 @@ s31threads)
       --work /tmp/sw31_${m}_$t --json "$out/serve_${m}_t${t}_$i.json" > "$out/serve_${m}_t${t}_$i.log" 2>&1
     tail -2 "$out/serve_${m}_t${t}_$i.log" | sed "s/^/t$t $i /"
   done; done; done
+  ;;
+s41)
+  # session 41: served against offline, this tree and OLD in turn (a package from before, as s40 takes it), RUNS of
+  # METHOD:CLIENT_WORKERS:API_SERVERS, PAIRS times; then the 1,500-token shared prefix served (32 new tokens, 2 API
+  # servers, caching on and off in turn) for each of PREFIX_METHODS. Logs in /tmp, their last lines in OUT/summary.txt
+  root=$PWD
+  for i in $(seq ${PAIRS:-1}); do for run in ${RUNS-eagle:4:2}; do for side in new ${OLD:+old}; do
+    IFS=: read m w api <<< "$run"
+    dir=$root; [ $side = old ] && dir=$root/$OLD
+    ( cd $dir && PYTHONPATH=$dir${PYTHONPATH#$root} timeout ${SERVE_S:-110} python3 benchmarks/serve_bench.py \
+        --pair $root/$P --methods $m --client-workers $w --api-servers $api --rounds ${ROUNDS:-7} --interleave \
+        --rank-cpu 3 --label $side-c$w-api$api --work /tmp/sw41_${side}_${m}_$i \
+        --json "$out/serve_${m}_${side}_$i.json" > /tmp/serve_${m}_${side}_$i.log 2>&1 )
+    tail -4 /tmp/serve_${m}_${side}_$i.log | head -1 | sed "s/^/$i $run $side /" | tee -a "$out/summary.txt"
+  done; done; done
+  for m in ${PREFIX_METHODS-}; do
+    timeout ${PREFIX_S:-110} python3 benchmarks/serve_bench.py --pair $P --methods $m --prefix 1500 --caching on,off \
+      --client-workers 4 --api-servers 2 --max-tokens 32 --interleave --rounds ${ROUNDS:-7} --rank-cpu 3 \
+      --label prefix-$m --work /tmp/sw41_prefix_$m --json "$out/serve_prefix_$m.json" > /tmp/serve_prefix_$m.log 2>&1
+    { echo "== prefix $m"; grep -A2 "^method" /tmp/serve_prefix_$m.log; } | tee -a "$out/summary.txt"
+  done
   ;;
 s40)
   # session 40: the 1,500-token shared prefix served (draft_model, 32 new tokens, 2 API servers), caching on and off
