@@ -11,8 +11,12 @@ settings take turns, round by round, so that each one meets the machine's changi
 eagle's token rate, N load-generating processes: `--others`) on the other CPUs, started once and kept running; it is
 stopped (SIGSTOP) for the idle rounds and continued for its own.
 
+`--each-cpu`: one spinning process at a time, on each other CPU in turn (`spin@J`), against none busy: does one CPU
+slow the engine's CPU more than the others (in a virtual machine, two vCPUs can be one physical core's two hardware
+threads while the guest sees one thread a core)?
+
 Usage: python benchmarks/cpu_contention.py --pair PAIR_DIR [--method none] [--cpu 3] [--others 0,5]
-       [--kinds spin,copy,frontend] [--rounds 5] [--requests 256] --json OUT.json
+       [--kinds spin,copy,frontend] [--each-cpu] [--rounds 5] [--requests 256] --json OUT.json
 """
 from __future__ import annotations
 
@@ -73,6 +77,7 @@ def main() -> None:
     ap.add_argument("--cpu", type=int, default=3)
     ap.add_argument("--others", default="0,5", help="counts of busy processes, each on a CPU of its own")
     ap.add_argument("--kinds", default="spin,copy")
+    ap.add_argument("--each-cpu", action="store_true", help="one spinning process, on each other CPU in turn")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--json", required=True)
@@ -81,6 +86,8 @@ def main() -> None:
     eng = start_offline_rounds(["--pair", a.pair, "--requests", str(a.requests), "--batches", "32", "--methods",
                                 a.method, "--new", "128"], preexec_fn=lambda: os.sched_setaffinity(0, {a.cpu}))
     settings = [(k, n) for k in a.kinds.split(",") for n in (int(x) for x in a.others.split(",")) if n or k == "spin"]
+    if a.each_cpu:
+        settings = [("spin", 0)] + [("spin", f"@{c}") for c in free]
     results: dict[str, list[dict]] = {f"{k}x{n}": [] for k, n in settings}
     loads = {n: start_frontend_load(a.pair, n, free) for k, n in settings if k == "frontend"}
     try:
@@ -88,7 +95,8 @@ def main() -> None:
             for kind, n in settings:
                 for m, load in loads.items():          # only this round's load runs
                     os.killpg(load.pid, signal.SIGCONT if (kind, n) == ("frontend", m) else signal.SIGSTOP)
-                busy = start_busy(kind, free[:n]) if kind != "frontend" else []
+                cpus = [int(n[1:])] if isinstance(n, str) else free[:n]
+                busy = start_busy(kind, cpus) if kind != "frontend" else []
                 try:
                     results[f"{kind}x{n}"].append(offline_round(eng))
                 finally:
@@ -108,7 +116,7 @@ def main() -> None:
         ms = statistics.median(r["ms_per_step"] for r in rs)
         rel = tok / base if base else None
         rows.append({"setting": name, "tok_s": tok, "ms_per_step": ms, "x_idle": rel, "rounds": rs})
-        label = "none" if name.endswith("x0") else name
+        label = "none" if name.endswith("x0") else name.replace("x@", "@")
         print(f"{label:<14}{tok:>10.0f}{ms:>10.3f}{(rel or 0):>8.2f}  " + ", ".join(f"{r['tok_s']:.0f}" for r in rs))
     with open(a.json, "w") as fh:
         json.dump({"argv": sys.argv[1:], "cpu": a.cpu, "rows": rows}, fh, indent=1)

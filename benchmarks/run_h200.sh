@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36|s37|s38|s39|s40|s41 OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36|s37|s38|s39|s40|s41|s41cpu OUT_DIR
 #   (s31contention with KINDS=spin,frontend OTHERS=0,4: the offline engine beside a real serving load, session 32)
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
@@ -1005,6 +1005,24 @@ s31threads)
       --rounds ${ROUNDS:-5} --interleave --rank-cpu ${RANK_CPU:-3} --rank-threads $t --label threads$t \
       --work /tmp/sw31_${m}_$t --json "$out/serve_${m}_t${t}_$i.json" > "$out/serve_${m}_t${t}_$i.log" 2>&1
     tail -2 "$out/serve_${m}_t${t}_$i.log" | sed "s/^/t$t $i /"
+  done; done; done
+  ;;
+s41cpu)
+  # session 41: does one other CPU slow the rank's CPU 3 (cpu_contention.py --each-cpu, METHOD none)? Then served
+  # against offline with that CPU kept free of the server's and the clients' processes (serve_bench.py --keep-free) and
+  # not, in turn: RUNS of METHOD:CLIENT_WORKERS:API_SERVERS, PAIRS times. KEEP: the CPU to keep free (default: the
+  # sweep's slowest)
+  timeout ${SWEEP_S:-150} python3 benchmarks/cpu_contention.py --pair $P --method ${SWEEP_METHOD:-none} --cpu 3 --each-cpu \
+    --rounds ${SWEEP_ROUNDS:-3} --json "$out/cpu_each.json" 2>&1 | tee "$out/cpu_each.txt" | tail -20
+  keep=${KEEP:-$(python3 -c "import json,sys; r=[x for x in json.load(open(sys.argv[1]))['rows'] if '@' in x['setting']]; print(min(r, key=lambda x: x['x_idle'])['setting'].split('@')[1])" "$out/cpu_each.json")}
+  echo "keeping CPU $keep free" | tee -a "$out/summary.txt"
+  for i in $(seq ${PAIRS:-1}); do for run in ${RUNS-none:4:2}; do for side in keep share; do
+    IFS=: read m w api <<< "$run"
+    opt=""; [ $side = keep ] && opt="--keep-free $keep"
+    timeout ${SERVE_S:-110} python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers $w \
+      --api-servers $api --rounds ${ROUNDS:-7} --interleave --rank-cpu 3 $opt --label $side-c$w-api$api \
+      --work /tmp/sw41c_${side}_${m}_$i --json "$out/serve_${m}_${side}_$i.json" > /tmp/serve_${m}_${side}_$i.log 2>&1
+    tail -4 /tmp/serve_${m}_${side}_$i.log | head -1 | sed "s/^/$i $run $side /" | tee -a "$out/summary.txt"
   done; done; done
   ;;
 s41)

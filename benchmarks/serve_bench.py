@@ -431,6 +431,9 @@ def main() -> None:
     ap.add_argument("--share-core", action="store_true",
                     help="with --rank-cpu: leave the rank CPU's hyperthread siblings to everything else (before "
                          "session 30; by default nothing else runs on the rank's physical core)")
+    ap.add_argument("--keep-free", default="",
+                    help="with --rank-cpu: CPUs (comma-separated) that nothing else runs on either, e.g. a vCPU that "
+                         "shares the rank's physical core where the guest cannot see it (cpu_contention.py --each-cpu)")
     ap.add_argument("--rank-threads", type=int,
                     help="OMP_NUM_THREADS for the server and the offline process: a GPU rank's intra-op threads "
                          "(default: the product's, launch.threads_per_rank)")
@@ -440,6 +443,7 @@ def main() -> None:
     ap.add_argument("--json", required=True)
     a = ap.parse_args()
     a.rank_core = [] if a.rank_cpu is None else [a.rank_cpu] if a.share_core else core_of(a.rank_cpu)
+    a.rank_core += [int(c) for c in a.keep_free.split(",") if c] if a.rank_cpu is not None else []
     if a.rank_cpu is not None:      # this process and what it starts (the server, its frontend; not its ranks)
         os.sched_setaffinity(0, os.sched_getaffinity(0) - set(a.rank_core))
     a.pair = os.path.abspath(a.pair)
