@@ -512,18 +512,29 @@ class Engine:
         """The scheduler's plan. With a step still on the device (async scheduling) the next one is planned
         before that step's results are read when it can be: nothing has to be preempted, no running request
         needs its tokens on the host first (a grammar, penalties or other logits processing, log-probabilities,
-        the freeze fault), and the plan has rows. A sequence of that step sits this one out when what verification
-        does with its drafts could change what it does next (`settled`: its drafts, whether it has reached its
-        limit) or the drafter cannot take its next inputs on the device (`feeds_on_device`): it waits one step
-        rather than the whole batch waiting for the host — while such sequences are at most HOLD_SHARE of the
-        batch (a step's cost hardly depends on its rows: past that, the rows it would leave empty cost more than
-        the host's time). Otherwise that step is completed first (step returns its outputs)."""
+        the freeze fault), and the plan has rows. A sequence of that step whose next row depends on what
+        verification does with its drafts (`settled`: its drafts, whether it has reached its limit) is planned
+        with the drafts of its shortest length when only its limit is at stake (`drafts_ahead`: greedy requests);
+        otherwise it sits this step out, as does one whose drafter cannot take its next inputs on the device
+        (`feeds_on_device`): it waits one step rather than the whole batch waiting for the host — while such
+        sequences are at most HOLD_SHARE of the batch (a step's cost hardly depends on its rows: past that, the rows
+        it would leave empty cost more than the host's time). Otherwise that step is completed first (step returns
+        its outputs)."""
         if self._inflight is not None:
             sc = self.scheduler
             if self.faults.frozen_id is None and not any(s.req.special or s.req.grammar is not None
                                                          for s in sc.running):
-                hold = {s for s in sc.running if s.pending and not (sc.settled(s) and self.drafter.feeds_on_device(s))}
-                plan = sc.schedule(preempt=False, hold=hold) if len(hold) <= HOLD_SHARE * len(sc.running) else None
+                hold, ahead = set(), {}
+                for s in sc.running:
+                    if not s.pending or sc.settled(s) and self.drafter.feeds_on_device(s):
+                        continue
+                    n = sc.drafts_ahead(s) if self.drafter.feeds_on_device(s) else None
+                    if n is None:
+                        hold.add(s)
+                    else:
+                        ahead[s] = n
+                plan = (sc.schedule(preempt=False, hold=hold, ahead=ahead) if len(hold) <= HOLD_SHARE * len(sc.running)
+                        else None)
                 if plan is not None and (plan.decode or plan.prefill):
                     self.counters.planned_ahead += 1
                     return plan
@@ -678,7 +689,13 @@ class Engine:
                 later = max(s.drop_pending() - 1 - row.n_drafts, 0)
                 new = [] if frozen is not None and i < n_decode and s.req.id == frozen else \
                     res[:res[W]]
-                out = self._accept(s, row.n_drafts, new, self._logprobs(result.logprobs, i, row, new))
+                n_drafts = row.n_drafts
+                if plan.ahead and s in plan.ahead:
+                    # planned ahead with the drafts of its shortest length: the contract's k_eff at its length now,
+                    # and the tokens verification emitted past it (past its limit) cut
+                    n_drafts = min(s.k_eff(self.scheduler.k, self.scheduler.D), sched.k)
+                    new = new[:n_drafts + 1]
+                out = self._accept(s, n_drafts, new, self._logprobs(result.logprobs, i, row, new))
                 outputs.append(out)
                 if later and not out.finished:
                     s.tokens += [PENDING] * later
@@ -686,8 +703,8 @@ class Engine:
                     s.target_len += 1        # the later step writes this position (its first token: final)
                 else:
                     s.unsure = 0
-                if row.n_drafts:
-                    verified.append((row.n_drafts, res[W] - 1))
+                if n_drafts:
+                    verified.append((n_drafts, min(res[W], n_drafts + 1) - 1))
                 if result.proposed and not later:     # (with a later step: its proposals, on the device)
                     row.seq.next_drafts = res[W + 1:]
         sl = self.spec_len

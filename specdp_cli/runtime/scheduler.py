@@ -153,6 +153,9 @@ class StepPlan:
     decode: list[tuple[Sequence, int]]            # (sequence, k_eff)
     prefill: list[tuple[Sequence, int, int]]      # (sequence, start, end) of a prompt chunk
     preempted: int = 0
+    # async scheduling: the decode rows planned before the step on the device is read whose k_eff that step decides
+    # (`Scheduler.drafts_ahead`): the books count their drafts at the length the step leaves them at
+    ahead: dict[Sequence, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -189,10 +192,13 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, preempt: bool = True, hold: Collection[Sequence] = ()) -> StepPlan | None:
+    def schedule(self, preempt: bool = True, hold: Collection[Sequence] = (),
+                 ahead: dict[Sequence, int] | None = None) -> StepPlan | None:
         """The step's plan; None when it would have to preempt a sequence and `preempt` is off (async
         scheduling plans a step ahead only when nothing has to be preempted). The sequences in `hold` get no
-        row this step (async scheduling: their next row depends on the step still on the device)."""
+        row this step (async scheduling: their next row depends on the step still on the device); those in
+        `ahead` get a row with that many drafts (`drafts_ahead`), even where the step may have ended them."""
+        ahead = ahead or {}
         preempted = self._grow_running(preempt)
         if preempted < 0:
             return None
@@ -214,8 +220,8 @@ class Scheduler:
                 self.pool.hits += seq.cached_tokens
             self.running.append(seq)
         # (a sequence whose pending token brings it to its limit finishes with that token: no row)
-        decode = [(s, min(s.k_eff(self.k, self.D), self.k_step)) for s in self.running
-                  if not s.in_prefill and s.L < s.limit and s not in hold]
+        decode = [(s, ahead[s]) if s in ahead else (s, min(s.k_eff(self.k, self.D), self.k_step))
+                  for s in self.running if not s.in_prefill and (s.L < s.limit or s in ahead) and s not in hold]
         budget = self.max_batched_tokens - sum(1 + ke for _, ke in decode)
         rows = self.max_rows - len(decode)
         prefill = []
@@ -225,7 +231,7 @@ class Scheduler:
                 prefill.append((s, s.target_len, end))
                 budget -= end - s.target_len
                 rows -= -(-(end - s.target_len) // self.row_tokens)
-        return StepPlan(decode, prefill, preempted)
+        return StepPlan(decode, prefill, preempted, ahead)
 
     def settled(self, s: Sequence) -> bool:
         """Whether the sequence's next step is the same whatever verification does with its drafts still on the
@@ -237,6 +243,21 @@ class Scheduler:
         if (L_min < s.limit) != (s.L < s.limit):
             return False
         return min(s.k_eff(self.k, self.D, L_min), self.k_step) == min(s.k_eff(self.k, self.D), self.k_step)
+
+    def drafts_ahead(self, s: Sequence) -> int | None:
+        """An unsettled sequence's drafts when its next row is planned before the step on the device is read, or None
+        (it sits the step out). A greedy request whose length decides only where its limit cuts it (how many drafts
+        fit before it, whether it is reached): its row verifies the drafts of its shortest length, the most it may
+        have. Verification then emits the same tokens as with the contract's k_eff at its true length, and perhaps
+        more past its limit, which are cut (the books count the contract's drafts, `Engine._update`); had the step
+        ended it, the row is void. Its positions stay within M (the rotary tables), and it fits the drafter at every
+        length or at none. (Sampled requests sit out: their draws at a position depend on whether a draft stands
+        there.)"""
+        L_min = s.L - s.unsure
+        if not s.req.params.greedy or L_min >= s.limit or (s.L + self.k <= self.D) != (L_min + self.k <= self.D):
+            return None
+        n = min(s.k_eff(self.k, self.D, L_min), self.k_step)
+        return n if s.L + n <= self.M else None
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """The cached blocks of the sequence's first full blocks, short of its last token to prefill: that one
