@@ -1028,7 +1028,8 @@ s41cpu)
 s41)
   # session 41: served against offline, this tree and OLD in turn (a package from before, as s40 takes it), RUNS of
   # METHOD:CLIENT_WORKERS:API_SERVERS, PAIRS times; then the 1,500-token shared prefix served (32 new tokens, 2 API
-  # servers, caching on and off in turn) for each of PREFIX_METHODS. Logs in /tmp, their last lines in OUT/summary.txt
+  # servers, caching on and off in turn) for each of PREFIX_METHODS, this tree and (PREFIX_OLD=1) OLD in turn. Logs in
+  # /tmp, their last lines in OUT/summary.txt
   root=$PWD
   for i in $(seq ${PAIRS:-1}); do for run in ${RUNS-eagle:4:2}; do for side in new ${OLD:+old}; do
     IFS=: read m w api <<< "$run"
@@ -1039,12 +1040,14 @@ s41)
         --json "$out/serve_${m}_${side}_$i.json" > /tmp/serve_${m}_${side}_$i.log 2>&1 )
     tail -4 /tmp/serve_${m}_${side}_$i.log | head -1 | sed "s/^/$i $run $side /" | tee -a "$out/summary.txt"
   done; done; done
-  for m in ${PREFIX_METHODS-}; do
-    timeout ${PREFIX_S:-110} python3 benchmarks/serve_bench.py --pair $P --methods $m --prefix 1500 --caching on,off \
-      --client-workers 4 --api-servers 2 --max-tokens 32 --interleave --rounds ${ROUNDS:-7} --rank-cpu 3 \
-      --label prefix-$m --work /tmp/sw41_prefix_$m --json "$out/serve_prefix_$m.json" > /tmp/serve_prefix_$m.log 2>&1
-    { echo "== prefix $m"; grep -A2 "^method" /tmp/serve_prefix_$m.log; } | tee -a "$out/summary.txt"
-  done
+  for i in $(seq ${PAIRS:-1}); do for m in ${PREFIX_METHODS-}; do for side in new ${PREFIX_OLD:+old}; do
+    dir=$root; [ $side = old ] && dir=$root/$OLD
+    ( cd $dir && PYTHONPATH=$dir${PYTHONPATH#$root} timeout ${PREFIX_S:-110} python3 benchmarks/serve_bench.py \
+        --pair $root/$P --methods $m --prefix 1500 --caching on,off --client-workers 4 --api-servers 2 --max-tokens 32 \
+        --interleave --rounds ${ROUNDS:-7} --rank-cpu 3 --label prefix-$m-$side --work /tmp/sw41_prefix_${m}_${side}_$i \
+        --json "$out/serve_prefix_${m}_${side}_$i.json" > /tmp/serve_prefix_${m}_${side}_$i.log 2>&1 )
+    { echo "== prefix $m $side $i"; grep -A2 "^method" /tmp/serve_prefix_${m}_${side}_$i.log; } | tee -a "$out/summary.txt"
+  done; done; done
   ;;
 s40)
   # session 40: the 1,500-token shared prefix served (draft_model, 32 new tokens, 2 API servers), caching on and off
