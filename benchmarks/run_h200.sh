@@ -149,7 +149,8 @@ adaptive)
 gpu-tests)
   nvidia-smi -L
   python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
-  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25
+  python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider ${GPU_K:+-k "$GPU_K"} 2>&1 | tee "$out/gpu_tests.log" \
+    | tail -25
   ;;
 codepair)
   CUDA_VISIBLE_DEVICES=1 sh -c "python3 benchmarks/hf_rows.py $P --cases ${HF_CASES:-generate_bs1,static:32}; \
