@@ -103,6 +103,34 @@ def hf_reference(model_dir, prompt: list[int], max_new: int, eos: int | None = 0
     return out
 
 
+def greedy_up_to_ties(model_dir, prompt: list[int], tokens: list[int], max_new: int, eos: int | None = 0,
+                      tol: float = 1e-4) -> str | None:
+    """None when `tokens` is a greedy continuation of `prompt` by transformers' float32 target up to ties: each token's
+    logit (one forward over prompt + tokens) within `tol` (relative) of the best, and the tokens run to max_new or
+    stop where eos is such a choice; else what is wrong. Two implementations' float32 logits differ in the last bits,
+    so where two tokens' logits come within that (a randomized search meets such a prompt now and then: 5 ulps apart
+    in `generate`, equal in a full forward), each picks its own: `hf_reference`'s exact tokens hold elsewhere."""
+    from transformers import AutoModelForCausalLM
+
+    key = str(model_dir)
+    model = _ref_cache.get(key)
+    if model is None:
+        model = _ref_cache[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    if len(tokens) > max_new:
+        return f"{len(tokens)} tokens, more than {max_new}"
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:].float()
+    for i, row in enumerate(logits):
+        best = row.max().item()
+        want = tokens[i] if i < len(tokens) else eos if len(tokens) < max_new else None
+        if want is None:
+            break
+        if row[want].item() < best - tol * max(1.0, abs(best)):
+            return (f"token {i} ({want}): logit {row[want].item():.6f}, the best {best:.6f} "
+                    f"({row.argmax().item()})")
+    return None
+
+
 def prompts_of_lengths(lengths, vocab=300, seed=0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
