@@ -1,8 +1,8 @@
 """The randomized search of `search.py` (seeded, time-boxed): at dp 1, 2 and 3, over every drafter, k
 schedule, policy, dp_sync, async scheduling (method none), max_num_seqs 1-6, KV caches from the minimum up, prefix
 caching on and off with prompts that share prefixes, a Qwen3-MoE target, and prompts at the edges of M and D, every
-job ends and its greedy float32 output equals transformers' target-only output (up to tokens whose logits tie within
-float32's last bits, `engine_util.greedy_up_to_ties`). `--search-seconds` / `--search-seed` run it longer or elsewhere."""
+job ends and its greedy float32 output equals transformers' target-only output (up to tokens whose logits tie
+within float32's last bits, `engine_util.greedy_up_to_ties`). `--search-seconds` / `--search-seed` run it longer or elsewhere."""
 import random
 
 import pytest

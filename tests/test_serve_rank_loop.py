@@ -5,6 +5,7 @@ spinning."""
 import os
 import socket
 import stat
+import tempfile
 import threading
 from multiprocessing.connection import Listener
 from types import SimpleNamespace
@@ -268,12 +269,9 @@ def test_both_ends_of_the_link_send_at_once():
     assert not rank.is_alive()
 
 
-def test_a_local_link_is_a_unix_socket_and_closing_it_removes_the_socket():
-    """Ranks on the frontend's machine link to it over a Unix socket (`local_link_spec`): requests and tokens travel
-    as over TCP, and the socket's file goes with the link."""
-    link = RankLink(1, local_link_spec(), lambda *a: None, lambda *a: None)
-    path = link.spec["path"]
-    assert stat.S_ISSOCK(os.stat(path).st_mode)
+def _three_tokens_over(link) -> int:
+    """A serving rank's loop over `link` (a RankLink) in a thread: a request of 3 tokens through it, the rank then
+    shut down; the family of the frontend's end of the link."""
     engine = OneTokenEngine()
     dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
     rank = threading.Thread(target=serve_rank, args=(engine, dp, {"links": [link.spec]}), daemon=True)
@@ -282,7 +280,7 @@ def test_a_local_link_is_a_unix_socket_and_closing_it_removes_the_socket():
         assert link.wait_connected(30), "the rank did not connect"
         conn = link.conns[0]
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
-            assert sock.family == socket.AF_UNIX
+            family = sock.family
         params = {"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
         assert link.send(0, ("add", "r1", [1, 2, 3], params, None, b""))
         tokens, finish = [], None
@@ -296,7 +294,28 @@ def test_a_local_link_is_a_unix_socket_and_closing_it_removes_the_socket():
         rank.join(30)
         link.close()
     assert not rank.is_alive()
+    return family
+
+
+def test_a_local_link_is_a_unix_socket_and_closing_it_removes_the_socket():
+    """Ranks on the frontend's machine link to it over a Unix socket (`local_link_spec`): requests and tokens travel
+    as over TCP, and the socket's file goes with the link."""
+    link = RankLink(1, local_link_spec(), lambda *a: None, lambda *a: None)
+    path = link.spec["path"]
+    assert stat.S_ISSOCK(os.stat(path).st_mode)
+    assert _three_tokens_over(link) == socket.AF_UNIX
     assert not os.path.exists(os.path.dirname(path))
+
+
+def test_a_local_link_takes_tcp_where_a_socket_path_would_be_too_long(tmp_path, monkeypatch):
+    """A temporary directory too deep for a Unix socket's path (at most 107 bytes): the link listens on loopback TCP."""
+    deep = tmp_path / ("d" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    link = RankLink(1, local_link_spec(), lambda *a: None, lambda *a: None)
+    assert "unix" not in link.spec and link.spec["port"] > 0
+    assert _three_tokens_over(link) == socket.AF_INET
+    assert os.listdir(deep) == []
 
 
 def test_each_api_server_gets_its_own_requests_tokens():

@@ -526,7 +526,7 @@ class Engine:
                                                          for s in sc.running):
                 hold, ahead = set(), {}
                 for s in sc.running:
-                    if not s.pending or sc.settled(s) and self.drafter.feeds_on_device(s):
+                    if not s.pending or (sc.settled(s) and self.drafter.feeds_on_device(s)):
                         continue
                     n = sc.drafts_ahead(s) if self.drafter.feeds_on_device(s) else None
                     if n is None:

@@ -120,7 +120,8 @@ def api_server_main(index: int, cfg, plan, http_port: int, metrics_dir: str, pip
     share_between_processes(metrics_dir)
     frontend = make_frontend(cfg, plan)
     world = cfg.parallel.data_parallel_size
-    link = RankLink(world, local_link_spec(), frontend.on_message, frontend.on_lost)   # api_server_count > 1: one machine
+    # (several API servers: the ranks are on this machine)
+    link = RankLink(world, local_link_spec(), frontend.on_message, frontend.on_lost)
     frontend.link = link
     code = 1
     try:

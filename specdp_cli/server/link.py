@@ -35,9 +35,10 @@ def new_link_spec(host: str, port: int = 0) -> dict:
 
 
 def local_link_spec() -> dict:
-    """A link to ranks on this machine: a Unix socket. A message costs the sender less than over loopback TCP, whose
-    send runs the receiving side's TCP processing too: a step's tokens went out in 23–27 against 33 µs of the rank's
-    loop (`benchmarks/frontend_bench.py --step-ms 0.7 --tokens-per-step 3 --async-steps`, development machine)."""
+    """A link to ranks on this machine: a Unix socket. A message costs its sender less than over loopback TCP, whose
+    send runs the receiving side's TCP processing too (a 2 KB message to a waiting reader process: 10–13 against 15–18
+    µs on the development machine), and a rank sends one every step. (Where the temporary directory's path is too
+    long for a Unix socket, `RankLink` listens on loopback TCP instead.)"""
     return {"unix": True, "authkey": secrets.token_hex(16)}
 
 
@@ -106,13 +107,20 @@ class RankLink:
     """on_message(rank, msg) and on_lost(rank) run on the event loop given to `attach`."""
 
     def __init__(self, world: int, spec: dict, on_message, on_lost):
+        self._dir = None
         if spec.get("unix"):
-            # in a directory of its own (multiprocessing's default one outlives a process that ends with os._exit)
+            # in a directory of its own (multiprocessing's default one outlives a process that ends with os._exit);
+            # a socket's path has at most 107 bytes (103 on macOS)
             self._dir = tempfile.mkdtemp(prefix="specdp-link-")
-            self.listener = Listener(os.path.join(self._dir, "link"), "AF_UNIX", authkey=bytes.fromhex(spec["authkey"]))
-            self.spec = {**spec, "path": self.listener.address}
-        else:
-            self._dir = None
+            path = os.path.join(self._dir, "link")
+            if len(os.fsencode(path)) < 100:
+                self.listener = Listener(path, "AF_UNIX", authkey=bytes.fromhex(spec["authkey"]))
+                self.spec = {**spec, "path": self.listener.address}
+            else:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
+                spec = {k: v for k, v in spec.items() if k != "unix"} | {"host": "127.0.0.1", "port": 0}
+        if self._dir is None:
             address, authkey = link_address(spec)
             self.listener = Listener(address, authkey=authkey)
             self.spec = {**spec, "port": self.listener.address[1]}
