@@ -116,8 +116,8 @@ def greedy_up_to_ties(model_dir, prompt: list[int], tokens: list[int], max_new: 
     model = _ref_cache.get(key)
     if model is None:
         model = _ref_cache[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
-    if len(tokens) > max_new:
-        return f"{len(tokens)} tokens, more than {max_new}"
+    if len(tokens) > max_new or (len(tokens) < max_new and eos is None):
+        return f"{len(tokens)} tokens, not {max_new}"
     with torch.no_grad():
         logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:].float()
     for i, row in enumerate(logits):

@@ -70,5 +70,6 @@ def test_the_output_check_takes_either_of_tied_tokens_and_nothing_else(search_mo
     with torch.no_grad():
         worst = int(model(torch.tensor([prompt + alt[:-1]])).logits[0, -1].argmin())
     assert "token 4" in greedy_up_to_ties(sc["target"], prompt, alt[:-1] + [worst], n)
-    assert "more than" in greedy_up_to_ties(sc["target"], prompt, alt + [alt[-1]], n)
+    assert "not 5" in greedy_up_to_ties(sc["target"], prompt, alt + [alt[-1]], n)
+    assert "not 5" in greedy_up_to_ties(sc["target"], prompt, alt[:-1], n, eos=None)
     assert greedy_up_to_ties(sc["target"], prompt, alt[:-1], n) is not None      # short, and the next is not eos
