@@ -4,10 +4,11 @@ running requests, each given TOKENS tokens a step, for SECONDS. The rank runs in
 this one (another CPU) drains its messages as a frontend would, with no HTTP.
 
 `--root DIR` imports specdp_cli from DIR instead (e.g. `git archive COMMIT specdp_cli | tar -x -C DIR`): before and
-after on the same machine.
+after on the same machine. `--link tcp,unix`: the link over loopback TCP and over a Unix socket (as `specdp serve`
+links ranks on its machine since session 41), run by run in turn.
 
 Usage: python benchmarks/rank_loop.py [--streams 32] [--tokens 3] [--seconds 3] [--runs 3] [--root DIR]
-           [--json OUT.json]
+           [--link tcp,unix] [--json OUT.json]
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Listener
 
@@ -44,12 +46,21 @@ def link_codec(root: str):
     return (lambda conn, msg: conn.send(msg)), (lambda conn: conn.recv())
 
 
-def one_run(a, cpus: list[int]) -> float:
-    """µs a step of one run."""
+def one_run(a, cpus: list[int], kind: str = "tcp") -> float:
+    """µs a step of one run, the link over `kind` (tcp, unix)."""
     send_message, recv_message = link_codec(a.root)
-    spec = {"host": "127.0.0.1", "port": 0, "authkey": os.urandom(16).hex()}
-    listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(spec["authkey"]))
-    spec["port"] = listener.address[1]
+    key = os.urandom(16).hex()
+    if kind == "unix":
+        path = os.path.join(tempfile.mkdtemp(prefix="rank-loop-"), "link")
+        spec = {"unix": True, "path": path, "authkey": key}
+        listener = Listener(path, "AF_UNIX", authkey=bytes.fromhex(key))
+    else:
+        spec = {"host": "127.0.0.1", "port": 0, "authkey": key}
+        listener = Listener(("127.0.0.1", 0), authkey=bytes.fromhex(key))
+        spec["port"] = listener.address[1]
+    # a request's message: with the prompt's block hashes from session 40 on (empty: no prefix caching here)
+    with open(os.path.join(a.root, "specdp_cli", "server", "rank.py")) as fh:
+        hashes = (b"",) if "hashes = msg" in fh.read() else ()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     cpu = cpus[1] if len(cpus) > 1 else None
@@ -59,7 +70,7 @@ def one_run(a, cpus: list[int]) -> float:
     recv_message(conn)                                   # hello
     params = {"max_tokens": 10**9, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
     for i in range(a.streams):
-        send_message(conn, ("add", f"cmpl-{i:024x}", [1, 2, 3], params, None))
+        send_message(conn, ("add", f"cmpl-{i:024x}", [1, 2, 3], params, None, *hashes))
     end = time.monotonic() + a.seconds
     while time.monotonic() < end:
         if conn.poll(0.01):
@@ -83,20 +94,27 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--root", default=os.path.dirname(HERE))
+    ap.add_argument("--link", default="tcp", help="tcp, unix or both (tcp,unix: run by run in turn)")
     ap.add_argument("--json")
     a = ap.parse_args()
     a.root = os.path.abspath(a.root)
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) > 1:
         os.sched_setaffinity(0, {cpus[0]})         # this process on one CPU, the rank on another
-    runs = [one_run(a, cpus) for _ in range(a.runs)]
-    print(f"{'root':<40}{'streams':>8}{'tokens':>7}{'us a step (median)':>20}  runs")
-    print(f"{a.root[-40:]:<40}{a.streams:>8}{a.tokens:>7}{statistics.median(runs):>20.1f}  "
-          + " ".join(f"{x:.1f}" for x in runs))
+    kinds = a.link.split(",")
+    runs: dict[str, list[float]] = {k: [] for k in kinds}
+    for _ in range(a.runs):
+        for k in kinds:
+            runs[k].append(one_run(a, cpus, k))
+    print(f"{'root':<40}{'link':>6}{'streams':>8}{'tokens':>7}{'us a step (median)':>20}  runs")
+    for k in kinds:
+        print(f"{a.root[-40:]:<40}{k:>6}{a.streams:>8}{a.tokens:>7}{statistics.median(runs[k]):>20.1f}  "
+              + " ".join(f"{x:.1f}" for x in runs[k]))
     if a.json:
         with open(a.json, "w") as fh:
             json.dump({"root": a.root, "streams": a.streams, "tokens": a.tokens, "seconds": a.seconds,
-                       "us_per_step_runs": runs, "us_per_step": statistics.median(runs)}, fh, indent=1)
+                       "rows": [{"link": k, "us_per_step_runs": runs[k], "us_per_step": statistics.median(runs[k])}
+                                for k in kinds]}, fh, indent=1)
 
 
 if __name__ == "__main__":
