@@ -85,14 +85,19 @@ def eos_variant(target, prompts, dest):
     return out
 
 
-def hf_reference(model_dir, prompt: list[int], max_new: int, eos: int | None = 0) -> list[int]:
-    """transformers' greedy `generate` at batch 1, float32; the eos token (if any) stripped."""
+def reference_model(model_dir):
+    """transformers' float32 model of `model_dir`, loaded once."""
     from transformers import AutoModelForCausalLM
 
     key = str(model_dir)
-    model = _ref_cache.get(key)
-    if model is None:
-        model = _ref_cache[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    if key not in _ref_cache:
+        _ref_cache[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    return _ref_cache[key]
+
+
+def hf_reference(model_dir, prompt: list[int], max_new: int, eos: int | None = 0) -> list[int]:
+    """transformers' greedy `generate` at batch 1, float32; the eos token (if any) stripped."""
+    model = reference_model(model_dir)
     if max_new <= 0:
         return []
     with torch.no_grad():
@@ -110,12 +115,7 @@ def greedy_up_to_ties(model_dir, prompt: list[int], tokens: list[int], max_new: 
     stop where eos is such a choice; else what is wrong. Two implementations' float32 logits differ in the last bits,
     so where two tokens' logits come within that (a randomized search meets such a prompt now and then: 5 ulps apart
     in `generate`, equal in a full forward), each picks its own: `hf_reference`'s exact tokens hold elsewhere."""
-    from transformers import AutoModelForCausalLM
-
-    key = str(model_dir)
-    model = _ref_cache.get(key)
-    if model is None:
-        model = _ref_cache[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    model = reference_model(model_dir)
     if len(tokens) > max_new or (len(tokens) < max_new and eos is None):
         return f"{len(tokens)} tokens, not {max_new}"
     with torch.no_grad():

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine_util import _ref_cache, greedy_up_to_ties, hf_reference
+from engine_util import greedy_up_to_ties, hf_reference, reference_model
 from helpers import make_deepseek_dir, make_eagle3_head, make_eagle_head, make_moe_dir
 from search import check_outputs, run_launched, run_scenarios, scenario, summary
 
@@ -61,7 +61,7 @@ def test_the_output_check_takes_either_of_tied_tokens_and_nothing_else(search_mo
     sc = scenario(random.Random("4141/2/2588"), search_models, 2)
     prompt, n = sc["requests"][5]["prompt_ids"], 5
     ref = hf_reference(sc["target"], prompt, n)
-    model, alt = _ref_cache[sc["target"]], []
+    model, alt = reference_model(sc["target"]), []
     with torch.no_grad():
         for _ in range(n):
             alt.append(int(model(torch.tensor([prompt + alt])).logits[0, -1].argmax()))

@@ -2,6 +2,7 @@
 while the next step runs, at once when the step is still on the device (async scheduling) or when none follows),
 a message that arrived during a step is taken at the next one, and an idle rank waits on its links instead of
 spinning."""
+import contextlib
 import os
 import socket
 import stat
@@ -248,12 +249,7 @@ def test_both_ends_of_the_link_send_at_once():
     """TCP_NODELAY on the frontend's and the rank's side: with Nagle's algorithm a step's message sent while
     the previous one is unacknowledged waited for the peer's delayed ACK, up to 40 ms."""
     link = RankLink(1, new_link_spec("127.0.0.1"), lambda *a: None, lambda *a: None)
-    engine = OneTokenEngine()
-    dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
-    rank = threading.Thread(target=serve_rank, args=(engine, dp, {"links": [link.spec]}), daemon=True)
-    rank.start()
-    try:
-        assert link.wait_connected(30), "the rank did not connect"
+    with _rank_linked(link):
         frontend_fd = link.conns[0].fileno()
         assert _nodelay(frontend_fd) == 1
         peer = socket.socket(fileno=os.dup(frontend_fd))
@@ -262,6 +258,17 @@ def test_both_ends_of_the_link_send_at_once():
         rank_fd = _socket_fd_at(rank_address)
         assert rank_fd is not None, "the rank's end of the link was not found"
         assert _nodelay(rank_fd) == 1
+
+
+@contextlib.contextmanager
+def _rank_linked(link):
+    """A serving rank's loop over `link` (a RankLink) in a thread, connected; shut down and the link closed after."""
+    dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
+    rank = threading.Thread(target=serve_rank, args=(OneTokenEngine(), dp, {"links": [link.spec]}), daemon=True)
+    rank.start()
+    try:
+        assert link.wait_connected(30), "the rank did not connect"
+        yield
     finally:
         link.send(0, ("shutdown",))
         rank.join(30)
@@ -270,14 +277,9 @@ def test_both_ends_of_the_link_send_at_once():
 
 
 def _three_tokens_over(link) -> int:
-    """A serving rank's loop over `link` (a RankLink) in a thread: a request of 3 tokens through it, the rank then
-    shut down; the family of the frontend's end of the link."""
-    engine = OneTokenEngine()
-    dp = SimpleNamespace(lockstep=False, rank=0, publish=lambda *a: None)
-    rank = threading.Thread(target=serve_rank, args=(engine, dp, {"links": [link.spec]}), daemon=True)
-    rank.start()
-    try:
-        assert link.wait_connected(30), "the rank did not connect"
+    """A request of 3 tokens through `link` to a serving rank's loop (`_rank_linked`): the family of the frontend's
+    end of the link."""
+    with _rank_linked(link):
         conn = link.conns[0]
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:
             family = sock.family
@@ -289,11 +291,6 @@ def _three_tokens_over(link) -> int:
             for rid, new, fin, *_ in recv_message(conn)[1]:
                 tokens, finish = tokens + new, fin
         assert (tokens, finish) == ([7] * 3, "length")
-    finally:
-        link.send(0, ("shutdown",))
-        rank.join(30)
-        link.close()
-    assert not rank.is_alive()
     return family
 
 

@@ -526,9 +526,12 @@ class Engine:
                                                          for s in sc.running):
                 hold, ahead = set(), {}
                 for s in sc.running:
-                    if not s.pending or (sc.settled(s) and self.drafter.feeds_on_device(s)):
+                    if not s.pending:
                         continue
-                    n = sc.drafts_ahead(s) if self.drafter.feeds_on_device(s) else None
+                    feeds = self.drafter.feeds_on_device(s)
+                    if feeds and sc.settled(s):
+                        continue
+                    n = sc.drafts_ahead(s) if feeds else None
                     if n is None:
                         hold.add(s)
                     else:
@@ -693,7 +696,7 @@ class Engine:
                 if plan.ahead and s in plan.ahead:
                     # planned ahead with the drafts of its shortest length: the contract's k_eff at its length now,
                     # and the tokens verification emitted past it (past its limit) cut
-                    n_drafts = min(s.k_eff(self.scheduler.k, self.scheduler.D), sched.k)
+                    n_drafts = self.scheduler.drafts(s, k_step=sched.k)
                     new = new[:n_drafts + 1]
                 out = self._accept(s, n_drafts, new, self._logprobs(result.logprobs, i, row, new))
                 outputs.append(out)

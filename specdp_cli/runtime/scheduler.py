@@ -220,7 +220,7 @@ class Scheduler:
                 self.pool.hits += seq.cached_tokens
             self.running.append(seq)
         # (a sequence whose pending token brings it to its limit finishes with that token: no row)
-        decode = [(s, ahead[s]) if s in ahead else (s, min(s.k_eff(self.k, self.D), self.k_step))
+        decode = [(s, ahead[s] if s in ahead else self.drafts(s))
                   for s in self.running if not s.in_prefill and (s.L < s.limit or s in ahead) and s not in hold]
         budget = self.max_batched_tokens - sum(1 + ke for _, ke in decode)
         rows = self.max_rows - len(decode)
@@ -242,7 +242,12 @@ class Scheduler:
         L_min = s.L - s.unsure
         if (L_min < s.limit) != (s.L < s.limit):
             return False
-        return min(s.k_eff(self.k, self.D, L_min), self.k_step) == min(s.k_eff(self.k, self.D), self.k_step)
+        return self.drafts(s, L_min) == self.drafts(s)
+
+    def drafts(self, s: Sequence, L: int | None = None, k_step: int | None = None) -> int:
+        """The sequence's drafts in a step at length L (default: its own): the contract's k_eff (fitting at
+        num_speculative_tokens), at most the step's k (default: this step's)."""
+        return min(s.k_eff(self.k, self.D, L), self.k_step if k_step is None else k_step)
 
     def drafts_ahead(self, s: Sequence) -> int | None:
         """An unsettled sequence's drafts when its next row is planned before the step on the device is read, or None
@@ -256,7 +261,7 @@ class Scheduler:
         L_min = s.L - s.unsure
         if not s.req.params.greedy or L_min >= s.limit or (s.L + self.k <= self.D) != (L_min + self.k <= self.D):
             return None
-        n = min(s.k_eff(self.k, self.D, L_min), self.k_step)
+        n = self.drafts(s, L_min)
         return n if s.L + n <= self.M else None
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:

@@ -107,20 +107,17 @@ class RankLink:
     """on_message(rank, msg) and on_lost(rank) run on the event loop given to `attach`."""
 
     def __init__(self, world: int, spec: dict, on_message, on_lost):
-        self._dir = None
-        if spec.get("unix"):
-            # in a directory of its own (multiprocessing's default one outlives a process that ends with os._exit);
-            # a socket's path has at most 107 bytes (103 on macOS)
-            self._dir = tempfile.mkdtemp(prefix="specdp-link-")
-            path = os.path.join(self._dir, "link")
-            if len(os.fsencode(path)) < 100:
-                self.listener = Listener(path, "AF_UNIX", authkey=bytes.fromhex(spec["authkey"]))
-                self.spec = {**spec, "path": self.listener.address}
-            else:
-                shutil.rmtree(self._dir, ignore_errors=True)
-                self._dir = None
-                spec = {k: v for k, v in spec.items() if k != "unix"} | {"host": "127.0.0.1", "port": 0}
-        if self._dir is None:
+        # a Unix socket in a directory of its own (multiprocessing's default one outlives a process that ends with
+        # os._exit); where its path would pass 107 bytes (103 on macOS), loopback TCP
+        self._dir = tempfile.mkdtemp(prefix="specdp-link-") if spec.get("unix") else None
+        if self._dir is not None and len(os.fsencode(os.path.join(self._dir, "link"))) >= 100:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+            spec = {k: v for k, v in spec.items() if k != "unix"} | {"host": "127.0.0.1", "port": 0}
+        if self._dir is not None:
+            self.listener = Listener(os.path.join(self._dir, "link"), "AF_UNIX", authkey=bytes.fromhex(spec["authkey"]))
+            self.spec = {**spec, "path": self.listener.address}
+        else:
             address, authkey = link_address(spec)
             self.listener = Listener(address, authkey=authkey)
             self.spec = {**spec, "port": self.listener.address[1]}
