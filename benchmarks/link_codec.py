@@ -37,7 +37,7 @@ def step_message(streams: int, tokens: int, finished: int) -> tuple:
     events = [(f"cmpl-{uuid.uuid4().hex[:24]}", list(range(1000, 1000 + tokens)),
                "length" if finished and i % finished == 0 else None, None,
                stats if finished and i % finished == 0 else None, None) for i in range(streams)]
-    return ("out", events, {3: 1}, (streams, 0, 0.42, 0, 1200, 1100, 300, 20, 1.2345, 1.0123))
+    return ("out", events, {3: 1}, (streams, 0, 0.42, 0, 1200, 1100, 300, 20, 1.2345, 1.0123, 57, 0.01234))
 
 
 def request_message(prompt: int, vocab: int) -> tuple[tuple, dict]:

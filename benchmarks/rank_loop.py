@@ -5,10 +5,13 @@ this one (another CPU) drains its messages as a frontend would, with no HTTP.
 
 `--root DIR` imports specdp_cli from DIR instead (e.g. `git archive COMMIT specdp_cli | tar -x -C DIR`): before and
 after on the same machine. `--link tcp,unix`: the link over loopback TCP and over a Unix socket (as `specdp serve`
-links ranks on its machine since session 41), run by run in turn.
+links ranks on its machine since session 41), run by run in turn. `--max-tokens N`: requests end after N tokens
+and this process sends a new one for each that ended (a closed loop of STREAMS clients, as a served benchmark's), so
+the loop also takes requests in and sends their ends (by default they never end); `--prompt`: a request's prompt
+tokens.
 
-Usage: python benchmarks/rank_loop.py [--streams 32] [--tokens 3] [--seconds 3] [--runs 3] [--root DIR]
-           [--link tcp,unix] [--json OUT.json]
+Usage: python benchmarks/rank_loop.py [--streams 32] [--tokens 3] [--max-tokens 0] [--prompt 3] [--seconds 3]
+           [--runs 3] [--root DIR] [--link tcp,unix] [--profile OUT.prof] [--json OUT.json]
 """
 from __future__ import annotations
 
@@ -64,17 +67,32 @@ def one_run(a, cpus: list[int], kind: str = "tcp") -> float:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     cpu = cpus[1] if len(cpus) > 1 else None
-    p = ctx.Process(target=rank, args=(a.root, spec, a.streams, 0.0, 7, a.tokens, 0.0, cpu, q), daemon=True)
+    p = ctx.Process(target=rank, args=(a.root, spec, a.streams, 0.0, 7, a.tokens, 0.0, cpu, q, a.profile), daemon=True)
     p.start()
     conn = listener.accept()
     recv_message(conn)                                   # hello
-    params = {"max_tokens": 10**9, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "stop": []}
-    for i in range(a.streams):
-        send_message(conn, ("add", f"cmpl-{i:024x}", [1, 2, 3], params, None, *hashes))
+    params = {"max_tokens": a.max_tokens or 10**9, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None,
+              "stop": []}
+    prompt = list(range(1, a.prompt + 1))
+    sent = 0
+
+    def add(max_tokens: int | None = None) -> None:
+        nonlocal sent
+        fields = params if max_tokens is None else {**params, "max_tokens": max_tokens}
+        send_message(conn, ("add", f"cmpl-{sent:024x}", prompt, fields, None, *hashes))
+        sent += 1
+
+    for i in range(a.streams):        # with --max-tokens the first ones end at staggered steps, as a server's do
+        add(max(1, (i + 1) * a.max_tokens // a.streams) if a.max_tokens else None)
     end = time.monotonic() + a.seconds
     while time.monotonic() < end:
         if conn.poll(0.01):
-            conn.recv_bytes()
+            if not a.max_tokens:
+                conn.recv_bytes()
+                continue
+            msg = recv_message(conn)
+            for _ in range(sum(1 for ev in msg[1] if ev[2] is not None) if msg[0] == "out" else 0):
+                add()                                   # a request ended: its client sends the next
     send_message(conn, ("shutdown",))
     while True:                                   # to the rank's goodbye (its requests aborted)
         try:
@@ -91,10 +109,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=0, help="a request's tokens (0: it never ends)")
+    ap.add_argument("--prompt", type=int, default=3, help="a request's prompt tokens")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--root", default=os.path.dirname(HERE))
     ap.add_argument("--link", default="tcp", help="tcp, unix or both (tcp,unix: run by run in turn)")
+    ap.add_argument("--profile", help="the rank's loop under cProfile, its stats written here (one run, one link)")
     ap.add_argument("--json")
     a = ap.parse_args()
     a.root = os.path.abspath(a.root)
@@ -106,13 +127,14 @@ def main() -> None:
     for _ in range(a.runs):
         for k in kinds:
             runs[k].append(one_run(a, cpus, k))
-    print(f"{'root':<40}{'link':>6}{'streams':>8}{'tokens':>7}{'us a step (median)':>20}  runs")
+    print(f"{'root':<40}{'link':>6}{'streams':>8}{'tokens':>7}{'max':>6}{'us a step (median)':>20}  runs")
     for k in kinds:
-        print(f"{a.root[-40:]:<40}{k:>6}{a.streams:>8}{a.tokens:>7}{statistics.median(runs[k]):>20.1f}  "
-              + " ".join(f"{x:.1f}" for x in runs[k]))
+        print(f"{a.root[-40:]:<40}{k:>6}{a.streams:>8}{a.tokens:>7}{a.max_tokens:>6}"
+              f"{statistics.median(runs[k]):>20.1f}  " + " ".join(f"{x:.1f}" for x in runs[k]))
     if a.json:
         with open(a.json, "w") as fh:
-            json.dump({"root": a.root, "streams": a.streams, "tokens": a.tokens, "seconds": a.seconds,
+            json.dump({"root": a.root, "streams": a.streams, "tokens": a.tokens, "max_tokens": a.max_tokens,
+                       "prompt": a.prompt, "seconds": a.seconds,
                        "rows": [{"link": k, "us_per_step_runs": runs[k], "us_per_step": statistics.median(runs[k])}
                                 for k in kinds]}, fh, indent=1)
 

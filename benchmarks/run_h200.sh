@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU runs behind benchmarks/results/ and docs/benchmarks.md, in stages (2 GPUs: specdp on GPU 0,
 # the Hugging Face rows of the same run on GPU 1 at the same time):
-#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36|s37|s38|s39|s40|s41|s41cpu OUT_DIR
+#   bash benchmarks/run_h200.sh all|gpu-tests|codepair|widened|memory|dp|serve|adaptive|adaptive-8b-small|recheck|final|refactor|moe|fp8|prefix|gemv|batch1|s21|s22|s24|s25|s25b|s25c|s25d|s26|s26b|s27|s27b|s27c|s28|s29|s29b|s29c|s30serve|s30core|s31contention|s31threads|s31serve|s33link|s35loop|s36|s37|s38|s39|s40|s41|s41cpu|s42 OUT_DIR
 #   (s31contention with KINDS=spin,frontend OTHERS=0,4: the offline engine beside a real serving load, session 32)
 # Needs .bench/codepair: the codepair pair (`python3 benchmarks/train_pair.py .bench/codepair` trains one; the runs
 # here used the project's shared copy); with no package index there, pydantic etc. come as wheels in .whl/.
@@ -1025,6 +1025,28 @@ s41cpu)
       --work /tmp/sw41c_${side}_${m}_$i --json "$out/serve_${m}_${side}_$i.json" > /tmp/serve_${m}_${side}_$i.log 2>&1
     tail -4 /tmp/serve_${m}_${side}_$i.log | head -1 | sed "s/^/$i $run $side /" | tee -a "$out/summary.txt"
   done; done; done
+  ;;
+s42)
+  # session 42 (written with no device lent): what the serving rank's loop costs on this host, outside the engine's
+  # step (served 0.12-0.15 ms a step in session 41, offline none): a message's send to a reader that sleeps, one that
+  # polls and none (link_wake.py: sender on CPU 3, reader on CPU 5); the rank's loop around a step that costs nothing
+  # (rank_loop.py, the rank on CPU 3), with requests that never end and in a closed loop of 32-token requests, then
+  # that under cProfile (OUT/rank_loop_closed.prof); then RUNS served against offline (as s41, OLD unset)
+  taskset -c 3,5 timeout 60 python3 benchmarks/link_wake.py --json "$out/link_wake.json" 2>&1 | tee -a "$out/summary.txt"
+  taskset -c 2,3 timeout 60 python3 benchmarks/rank_loop.py --link unix --runs 5 --json "$out/rank_loop_steady.json" \
+    2>&1 | tail -1 | tee -a "$out/summary.txt"
+  closed="--link unix --max-tokens 32 --prompt 100"
+  taskset -c 2,3 timeout 60 python3 benchmarks/rank_loop.py $closed --runs 5 --json "$out/rank_loop_closed.json" 2>&1 \
+    | tail -1 | tee -a "$out/summary.txt"
+  taskset -c 2,3 timeout 30 python3 benchmarks/rank_loop.py $closed --runs 1 --profile "$out/rank_loop_closed.prof" \
+    > /dev/null 2>&1
+  for i in $(seq ${PAIRS:-1}); do for run in ${RUNS-}; do
+    IFS=: read m w api <<< "$run"
+    timeout ${SERVE_S:-110} python3 benchmarks/serve_bench.py --pair $P --methods $m --client-workers $w \
+      --api-servers $api --rounds ${ROUNDS:-7} --interleave --rank-cpu 3 --label c$w-api$api \
+      --work /tmp/sw42_${m}_$i --json "$out/serve_${m}_$i.json" > /tmp/serve_${m}_$i.log 2>&1
+    tail -4 /tmp/serve_${m}_$i.log | head -1 | sed "s/^/$i $run /" | tee -a "$out/summary.txt"
+  done; done
   ;;
 s41)
   # session 41: served against offline, this tree and OLD in turn (a package from before, as s40 takes it), RUNS of

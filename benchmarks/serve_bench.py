@@ -92,7 +92,8 @@ def offline(a, method: str, proc: int) -> list[dict]:
 STEP_COUNTS = {"steps": "specdp:spec_decode_steps_by_k_total", "planned_ahead": "specdp:steps_planned_ahead_total",
                "chunk_steps": "specdp:steps_with_prompt_chunks_total", "busy_s": "specdp:rank_busy_seconds_total",
                "step_s": "specdp:rank_step_seconds_total", "prefix_queries": "specdp:prefix_cache_queries_total",
-               "prefix_hits": "specdp:prefix_cache_hits_total"}
+               "prefix_hits": "specdp:prefix_cache_hits_total", "gc_collections": "specdp:rank_gc_collections_total",
+               "gc_pause_s": "specdp:rank_gc_pause_seconds_total"}
 
 
 def process_env(a) -> dict[str, str]:
@@ -526,6 +527,11 @@ def main() -> None:
                                        if sum(x["prefix_queries"] for x in rs) else None),
                    "offline_planned_ahead": off_row.get("planned_ahead") if off_row else None,
                    "offline_chunk_steps": off_row.get("chunk_steps") if off_row else None,
+                   # the rank processes' garbage collections a step: milliseconds (each side's median round)
+                   "served_gc_ms_per_step": statistics.median(x["gc_pause_s"] / a.dp / max(x["steps"], 1) * 1e3
+                                                              for x in rs),
+                   "offline_gc_ms_per_step": (statistics.median(x.get("gc_pause_s", 0.0) / max(x["steps"], 1) * 1e3
+                                                                for x in off_rows) if off_rows else None),
                    # --rank-cpu: the rank CPU's time a step by kind, its interrupts and the process's context
                    # switches a step (medians over each side's rounds; cpu_account)
                    "served_cpu_per_step": per_step(rs, "steps"),
@@ -554,6 +560,10 @@ def main() -> None:
     for r in rows:
         if r["prefix_hit_rate"] is not None and r["caching"]:
             print(f"{r['method']:<12} prefix cache hit rate over the rounds: {r['prefix_hit_rate']:.3f} (dp {r['dp']})")
+    for r in rows:
+        print(f"{r['method']:<12} the rank's garbage collections a step, served / offline: "
+              f"{r['served_gc_ms_per_step'] * 1e3:.1f} / "
+              + (f"{r['offline_gc_ms_per_step'] * 1e3:.1f} us" if r["offline_gc_ms_per_step"] is not None else "- us"))
     for r in rows:
         if r.get("frontend_cpu_share") is not None:
             print(f"{r['method']:<12} CPUs busy over the median round: API servers {r['frontend_cpu_share']:.2f}, "

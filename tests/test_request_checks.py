@@ -46,6 +46,15 @@ def test_good_values_and_defaults():
     assert check_sampling({"max_completion_tokens": 3}, DEFAULTS)["max_tokens"] == 3
 
 
+def test_a_ranks_params_take_the_checked_values_and_leave_the_rest_at_their_defaults():
+    p = SamplingParams.from_dict(check_sampling({"temperature": 0.5, "stop": ["\n"], "logprobs": 2, "seed": None,
+                                                 "logit_bias": {"7": 1.5}}, DEFAULTS))
+    assert (p.temperature, p.stop, p.logprobs, p.logit_bias, p.max_tokens) == (0.5, ["\n"], 2, {7: 1.5}, 16)
+    assert p.seed == SamplingParams().seed and p.min_p == 0.0 and p.structured_outputs is None
+    # a value of None keeps the default, and a name that is no field is not passed on
+    assert SamplingParams.from_dict({"max_tokens": 3, "top_p": None, "n": 2}) == SamplingParams(max_tokens=3)
+
+
 def test_extreme_seeds_sample_exactly():
     """Seeds anywhere in int64 reach the device unchanged (they were once packed through float64)."""
     seeds = [2 ** 63 - 1, -(2 ** 63), 2 ** 53 + 1, 7]

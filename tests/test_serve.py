@@ -401,6 +401,9 @@ def test_metrics_counters(server, client):
     assert server.metric("specdp:api_server_gc_pause_seconds_total") > 0
     # the ranks' seconds in engine steps: part of their busy seconds, the rest their serving loop's own
     assert 0 < server.metric("specdp:rank_step_seconds_total") < server.metric("specdp:rank_busy_seconds_total")
+    # and a rank's own collections since its start-up heap was frozen: its steps' allocations start some
+    assert server.metric("specdp:rank_gc_collections_total") > 0
+    assert server.metric("specdp:rank_gc_pause_seconds_total") > 0
 
 
 PER_RANK = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",

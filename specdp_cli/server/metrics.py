@@ -133,6 +133,10 @@ class Metrics:
                             "taking messages).")
         self.step_seconds = counter("rank_step_seconds", "Seconds the rank spent in engine steps (of its busy seconds; "
                                     "the rest is its serving loop's own work: taking requests, sending tokens).")
+        self.rank_gc = counter("rank_gc_collections", "Garbage collections in the rank process since its start-up "
+                               "heap was frozen.")
+        self.rank_gc_pause = counter("rank_gc_pause_seconds", "Seconds the rank process spent in garbage collections "
+                                     "since start-up (inside its steps or its serving loop's work).")
         # this API server process's garbage collections since its start-up heap was frozen (runtime/heap.py)
         self.gc_collections = Counter("specdp:api_server_gc_collections", "Garbage collections in the API server "
                                       "process(es) since start-up.", ["model_name"], registry=r).labels(model_name)
@@ -144,14 +148,15 @@ class Metrics:
         Gauge("specdp:ranks", "Data-parallel ranks of the server.", ["model_name"], registry=r,
               multiprocess_mode="max").labels(model_name).set(world)
         self._gc_seen = {"gc_collections": 0, "gc_pause_s": 0.0}
-        self._seen = [(0,) * 7] * world      # each rank's totals below (`rank_report`) counted so far
+        self._seen = [(0,) * 9] * world      # each rank's totals below (`rank_report`) counted so far
 
     # -- from the ranks' messages (read on the event loop) -----------------------------------------
 
     def rank_report(self, rank: int, steps_by_k: dict[int, int], state: tuple | None = None) -> None:
         """A rank's "out" message: steps per k since its last one, and its scheduler's state after the
         step (running, waiting, KV cache usage 0..1; preemptions, prefix cache queries and hits, steps planned
-        ahead, steps with prompt chunks, seconds busy and seconds in engine steps so far)."""
+        ahead, steps with prompt chunks, seconds busy and seconds in engine steps, garbage collections and their
+        seconds so far)."""
         for k, n in steps_by_k.items():
             self.steps_by_k.labels(self.model, str(rank), str(k)).inc(n)
         self.publish_gc()
@@ -162,7 +167,8 @@ class Metrics:
         self.waiting[rank].set(waiting)
         self.kv_usage[rank].set(kv_usage)
         for counter, now, seen in zip((self.preemptions, self.prefix_queries, self.prefix_hits, self.planned_ahead,
-                                       self.chunk_steps, self.busy, self.step_seconds), totals,
+                                       self.chunk_steps, self.busy, self.step_seconds, self.rank_gc,
+                                       self.rank_gc_pause), totals,
                                       self._seen[rank]):
             if now > seen:
                 counter[rank].inc(now - seen)

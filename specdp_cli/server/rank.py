@@ -33,6 +33,7 @@ from multiprocessing.connection import Client
 
 from ..runtime.block_hash import split
 from ..runtime.engine import RequestError
+from ..runtime.heap import collections_since_startup
 from ..runtime.sampling import SamplingParams
 from .link import Frames, link_address, no_delay, send_message
 
@@ -187,13 +188,14 @@ def serve_rank(engine, dp, job: dict) -> None:
         send(api, ("bye", dp.rank))
 
 
-def _state(engine, busy_s: float, step_s: float) -> tuple[int, int, float, int, int, int, int, int, float, float]:
+def _state(engine, busy_s: float, step_s: float) -> tuple:
     """(running, waiting, KV cache usage 0..1; preemptions, prefix cache queries and hits, steps planned ahead,
-    steps with prompt chunks, seconds not waiting for requests and seconds in engine steps so far): what /metrics
-    shows of this rank."""
-    sc, pool, c = engine.scheduler, engine.pool, engine.counters
+    steps with prompt chunks, seconds not waiting for requests and seconds in engine steps so far, the process's
+    garbage collections and their seconds since start-up): what /metrics shows of this rank."""
+    sc, pool, c, gc = engine.scheduler, engine.pool, engine.counters, collections_since_startup()
     return (len(sc.running), len(sc.waiting), 1 - pool.num_free / pool.num_blocks, c.preemptions,
-            pool.queries, pool.hits, c.planned_ahead, c.chunk_steps, round(busy_s, 4), round(step_s, 4))
+            pool.queries, pool.hits, c.planned_ahead, c.chunk_steps, round(busy_s, 4), round(step_s, 4),
+            gc["gc_collections"], round(gc["gc_pause_s"], 5))
 
 
 def _stats(seq) -> dict:
