@@ -390,6 +390,32 @@ def test_the_rank_state_rides_on_a_step_now_and_then_and_on_the_last(monkeypatch
     rank.join(30)
 
 
+def test_the_rank_state_carries_the_process_collections_and_metrics_adds_them():
+    """A rank's state ends with its process's garbage collections since start-up and their seconds
+    (runtime/heap.py), which /metrics adds up per rank as it does the other totals."""
+    import gc
+
+    from specdp_cli.runtime import heap
+    from specdp_cli.server.metrics import Metrics, parse_prometheus
+    from specdp_cli.server.rank import _state
+
+    heap.freeze_startup_heap()               # counting from here, as a rank does after its start-up
+    try:
+        gc.collect()
+        gc.collect()
+        state = _state(OneTokenEngine(), 0.5, 0.25)
+    finally:
+        heap.thaw_heap()
+    collections, pause_s = state[-2:]
+    assert collections >= 2 and pause_s > 0
+    metrics = Metrics("tiny", 1, 256)
+    metrics.rank_report(0, {}, state)
+    metrics.rank_report(0, {}, state[:-2] + (collections + 3, pause_s + 0.5))      # totals: only the increase adds
+    shown = parse_prometheus(metrics.render(1).decode())
+    assert shown['specdp:rank_gc_collections_total{engine="0",model_name="tiny"}'] == collections + 3
+    assert abs(shown['specdp:rank_gc_pause_seconds_total{engine="0",model_name="tiny"}'] - (pause_s + 0.5)) < 1e-9
+
+
 def test_a_message_split_across_reads_is_taken_whole():
     """The rank reads what has arrived on a link and parses whole messages out of it: a message whose second half
     arrives later is taken once it is whole, by an idle rank waiting on its links."""

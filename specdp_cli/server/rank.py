@@ -195,7 +195,7 @@ def _state(engine, busy_s: float, step_s: float) -> tuple:
     sc, pool, c, gc = engine.scheduler, engine.pool, engine.counters, collections_since_startup()
     return (len(sc.running), len(sc.waiting), 1 - pool.num_free / pool.num_blocks, c.preemptions,
             pool.queries, pool.hits, c.planned_ahead, c.chunk_steps, round(busy_s, 4), round(step_s, 4),
-            gc["gc_collections"], round(gc["gc_pause_s"], 5))
+            gc["gc_collections"], gc["gc_pause_s"])
 
 
 def _stats(seq) -> dict:
