@@ -530,8 +530,9 @@ def main() -> None:
                    # the rank processes' garbage collections a step: milliseconds (each side's median round)
                    "served_gc_ms_per_step": statistics.median(x["gc_pause_s"] / a.dp / max(x["steps"], 1) * 1e3
                                                               for x in rs),
-                   "offline_gc_ms_per_step": (statistics.median(x.get("gc_pause_s", 0.0) / max(x["steps"], 1) * 1e3
-                                                                for x in off_rows) if off_rows else None),
+                   "offline_gc_ms_per_step": (statistics.median(x["gc_pause_s"] / max(x["steps"], 1) * 1e3
+                                                                for x in off_rows)
+                                              if off_rows and all("gc_pause_s" in x for x in off_rows) else None),
                    # --rank-cpu: the rank CPU's time a step by kind, its interrupts and the process's context
                    # switches a step (medians over each side's rounds; cpu_account)
                    "served_cpu_per_step": per_step(rs, "steps"),

@@ -148,7 +148,11 @@ class Metrics:
         Gauge("specdp:ranks", "Data-parallel ranks of the server.", ["model_name"], registry=r,
               multiprocess_mode="max").labels(model_name).set(world)
         self._gc_seen = {"gc_collections": 0, "gc_pause_s": 0.0}
-        self._seen = [(0,) * 9] * world      # each rank's totals below (`rank_report`) counted so far
+        # the counters of a rank's totals, in its state's order after running, waiting and KV cache usage
+        # (server/rank.py's `_state`), and each rank's totals counted so far
+        self._totals = (self.preemptions, self.prefix_queries, self.prefix_hits, self.planned_ahead, self.chunk_steps,
+                        self.busy, self.step_seconds, self.rank_gc, self.rank_gc_pause)
+        self._seen = [(0,) * len(self._totals)] * world
 
     # -- from the ranks' messages (read on the event loop) -----------------------------------------
 
@@ -166,10 +170,7 @@ class Metrics:
         self.running[rank].set(running)
         self.waiting[rank].set(waiting)
         self.kv_usage[rank].set(kv_usage)
-        for counter, now, seen in zip((self.preemptions, self.prefix_queries, self.prefix_hits, self.planned_ahead,
-                                       self.chunk_steps, self.busy, self.step_seconds, self.rank_gc,
-                                       self.rank_gc_pause), totals,
-                                      self._seen[rank]):
+        for counter, now, seen in zip(self._totals, totals, self._seen[rank]):
             if now > seen:
                 counter[rank].inc(now - seen)
         self._seen[rank] = tuple(totals)
